@@ -1,0 +1,119 @@
+"""Persistent pools of gloo worker processes for multi-process tests.
+
+Starting torch (and megatron-core) in a fresh process costs seconds on a 2-core machine, so each world
+size gets one pool of spawned workers per pytest session, and every case reuses it (~0.1 s a case).
+A case is a module-level function ``fn(rank, world_size, *args)``; it runs in every worker with the
+default gloo process group initialised, and its return values come back as a list indexed by rank.
+
+A case that raises, or that does not answer within its timeout (a hang in a collective), tears its
+pool down: the next case starts a fresh one, so one broken case cannot wedge the rest of the suite.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+_POOLS: dict[int, "_Pool"] = {}
+_GRACE_S = 10.0
+
+
+def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args = task
+        try:
+            results.put((rank, True, fn(rank, world_size, *args)))
+        except BaseException:  # report everything, including assertion failures, to the test process
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class _Pool:
+    def __init__(self, world_size: int):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self._dir = tempfile.TemporaryDirectory(prefix="mcp_pool_")
+        init_file = os.path.join(self._dir.name, "init")
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.results = ctx.Queue()
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, world_size, init_file, self.tasks[r], self.results), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn: Callable, args: tuple, timeout: float) -> list:
+        for q in self.tasks:
+            q.put((fn, args))
+        out: list = [None] * self.world_size
+        errors: dict[int, str] = {}
+        pending = set(range(self.world_size))
+        deadline = time.monotonic() + timeout
+        while pending and time.monotonic() < deadline:
+            try:
+                rank, ok, payload = self.results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r in pending if not self.procs[r].is_alive()]
+                if dead:
+                    errors.update({r: f"worker died (exit code {self.procs[r].exitcode})" for r in dead})
+                    pending.difference_update(dead)
+                continue
+            pending.discard(rank)
+            if ok:
+                out[rank] = payload
+            else:
+                errors[rank] = payload
+                deadline = min(deadline, time.monotonic() + _GRACE_S)  # others may be stuck in a collective
+        if errors or pending:
+            self.close(force=True)
+            lines = [f"rank {r} raised:\n{tb}" for r, tb in sorted(errors.items())]
+            if pending:
+                lines.append(f"ranks {sorted(pending)} did not finish {fn.__name__} "
+                             f"(timeout {timeout:.0f} s, or {_GRACE_S:.0f} s after another rank failed)")
+            raise AssertionError(f"distributed case {fn.__name__} failed (world size {self.world_size}):\n"
+                                 + "\n".join(lines))
+        return out
+
+    def close(self, force: bool = False) -> None:
+        _POOLS.pop(self.world_size, None)
+        if not force:
+            for q in self.tasks:
+                q.put(None)
+            for p in self.procs:
+                p.join(timeout=5)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        self._dir.cleanup()
+
+
+def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = 300.0) -> list:
+    """Run ``fn(rank, world_size, *args)`` on every rank of a gloo world; return per-rank results."""
+    pool = _POOLS.get(world_size)
+    if pool is None:
+        pool = _POOLS[world_size] = _Pool(world_size)
+    return pool.run(fn, args, timeout)
+
+
+@atexit.register
+def _close_all() -> None:
+    for pool in list(_POOLS.values()):
+        pool.close()
