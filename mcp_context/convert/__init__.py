@@ -1,0 +1,1 @@
+"""Checkpoint conversion between Hugging Face Llama-family models and Megatron-Core ``torch_dist``."""

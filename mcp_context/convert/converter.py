@@ -1,0 +1,185 @@
+"""The two conversions: Hugging Face Llama-family safetensors -> Megatron-Core ``torch_dist`` and back.
+
+Owns the checks that a checkpoint matches its config (every tensor present, every shape as the
+config implies, nothing left over) and the streaming loop: one Megatron chunk (one layer of one
+fused tensor) is assembled from its Hugging Face tensors when the writer asks for it, so memory
+stays near the largest tensor. The Megatron checkpoint also carries the architecture record and the
+original Hugging Face side files (config, tokenizer) under ``mcp_context/``, which ``mcore_to_hf``
+restores. File formats live in ``hf_io`` / ``mcore_io``; names and fusing in ``mapping``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+import torch
+
+from mcp_context.convert.hf_io import DEFAULT_MAX_SHARD_BYTES, HFCheckpointReader, HFCheckpointWriter, MissingTensorError
+from mcp_context.convert.mapping import EXTRA_STATE_MODULES, LAYER_KEY_PREFIX, TensorMap, layer_indices, tensor_maps
+from mcp_context.convert.mcore_io import EXTRA_DIR, McoreCheckpointReader, TensorChunk, save_chunks
+from mcp_context.convert.model_config import (LlamaArchitecture, architecture_from_hf_config,
+                                              hf_config_from_architecture)
+
+ARCH_RECORD = f"{EXTRA_DIR}/architecture.json"
+HF_SIDE_DIR = f"{EXTRA_DIR}/hf"
+HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "tokenizer.model", "special_tokens_map.json", "vocab.json", "merges.txt",
+                 "added_tokens.json", "chat_template.jinja")
+# Buffers some older HF checkpoints carry; recomputed from the config, never converted.
+_IGNORED_HF_SUFFIXES = (".rotary_emb.inv_freq",)
+MCORE_MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+
+
+def _progress(total: int, desc: str, enabled: Optional[bool]) -> Any:
+    from tqdm.auto import tqdm
+
+    # enabled=None: show the bar only on a terminal
+    return tqdm(total=total, desc=desc, unit="tensor", disable=None if enabled is None else not enabled)
+
+
+def check_hf_tensors(reader: HFCheckpointReader, arch: LlamaArchitecture) -> None:
+    """Raise unless ``reader`` holds exactly the tensors ``arch`` needs, with the shapes it implies."""
+    expected: dict[str, tuple[int, ...]] = {}
+    for tmap in tensor_maps(arch):
+        for layer in layer_indices(tmap, arch):
+            expected.update(zip(tmap.hf_names_for(layer), tmap.hf_shapes))
+    present = set(reader.names())
+    missing = [n for n in expected if n not in present]
+    if missing:
+        raise MissingTensorError(
+            f"checkpoint {reader.dir} lacks {len(missing)} tensor(s) a {arch.model_type} with "
+            f"num_hidden_layers={arch.num_layers} needs, e.g. {missing[:4]}; the checkpoint is incomplete "
+            f"or config.json does not describe it")
+    for name, shape in expected.items():
+        actual = reader.info(name).shape
+        if actual != shape:
+            raise ValueError(f"tensor {name!r} has shape {list(actual)} but config.json implies {list(shape)} "
+                             f"(hidden_size={arch.hidden_size}, num_attention_heads={arch.num_attention_heads}, "
+                             f"num_key_value_heads={arch.num_query_groups}, head_dim={arch.head_dim}, "
+                             f"intermediate_size={arch.intermediate_size}, vocab_size={arch.vocab_size}); "
+                             f"fix config.json or the weights")
+    leftover = sorted(n for n in present - set(expected) if not n.endswith(_IGNORED_HF_SUFFIXES))
+    if arch.tie_word_embeddings and leftover == ["lm_head.weight"]:
+        if torch.equal(reader.read("lm_head.weight"), reader.read("model.embed_tokens.weight")):
+            leftover = []
+        else:
+            raise ValueError("config.json has tie_word_embeddings=true but lm_head.weight differs from "
+                             "model.embed_tokens.weight; set tie_word_embeddings=false to keep both")
+    if leftover:
+        raise ValueError(f"checkpoint {reader.dir} has {len(leftover)} tensor(s) a {arch.model_type} does not "
+                         f"use, e.g. {leftover[:4]}; converting would drop them (is this really a "
+                         f"{arch.model_type}? is qkv bias / tying set correctly in config.json?)")
+
+
+def _common_dtype(reader: HFCheckpointReader, names: list[str]) -> torch.dtype:
+    dtypes = {reader.info(n).dtype for n in names}
+    if len(dtypes) != 1:
+        raise ValueError(f"tensors {names} have different dtypes {sorted(map(str, dtypes))}; they are fused "
+                         f"into one Megatron tensor and must share a dtype")
+    return dtypes.pop()
+
+
+def _hf_chunks(reader: HFCheckpointReader, arch: LlamaArchitecture) -> list[TensorChunk]:
+    chunks = []
+    for tmap in tensor_maps(arch):
+        for layer in layer_indices(tmap, arch):
+            names = tmap.hf_names_for(layer)
+            dtype = _common_dtype(reader, names)
+            shape = tmap.mcore_shape
+            if tmap.per_layer:
+                global_shape, offsets, sizes = (arch.num_layers, *shape), (layer,) + (0,) * len(shape), (1, *shape)
+            else:
+                global_shape, offsets, sizes = shape, (0,) * len(shape), shape
+
+            def load(tmap: TensorMap = tmap, names: list[str] = names, sizes: tuple = sizes) -> torch.Tensor:
+                return tmap.fuse([reader.read(n) for n in names]).reshape(sizes)
+
+            chunks.append(TensorChunk(tmap.mcore_key, global_shape, offsets, sizes, dtype, load))
+    return chunks
+
+
+def _extra_state_objects(arch: LlamaArchitecture) -> dict[str, bytes]:
+    """``_extra_state`` entries megatron-core's loader asks for (``None`` payloads, as a fresh model has)."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save([None], buf)
+    return {f"{LAYER_KEY_PREFIX}{module}._extra_state/shard_{layer}_{arch.num_layers}": buf.getvalue()
+            for layer in range(arch.num_layers) for module in EXTRA_STATE_MODULES}
+
+
+def hf_to_mcore(hf_dir: str | os.PathLike, mcore_dir: str | os.PathLike,
+                progress: Optional[bool] = None) -> LlamaArchitecture:
+    """Convert a Hugging Face Llama / Mistral / Qwen2 safetensors checkpoint to a megatron-core
+    ``torch_dist`` checkpoint (loadable at any TP / PP / CP). Returns the architecture."""
+    reader = HFCheckpointReader(hf_dir)
+    arch = architecture_from_hf_config(reader.config)
+    check_hf_tensors(reader, arch)
+    chunks = _hf_chunks(reader, arch)
+    extra_files = {ARCH_RECORD: json.dumps(arch.to_dict(), indent=2).encode()}
+    for name in HF_SIDE_FILES:
+        if (reader.dir / name).is_file():
+            extra_files[f"{HF_SIDE_DIR}/{name}"] = (reader.dir / name).read_bytes()
+    with _progress(len(chunks), "hf-to-mcore", progress) as bar:
+        save_chunks(mcore_dir, chunks, _extra_state_objects(arch), extra_files, on_written=lambda _: bar.update())
+    return arch
+
+
+def _architecture_of(reader: McoreCheckpointReader, hf_config: Optional[dict]) -> LlamaArchitecture:
+    if hf_config is not None:
+        return architecture_from_hf_config(hf_config)
+    record = reader.extra_file(ARCH_RECORD)
+    if record is None:
+        raise FileNotFoundError(f"{reader.dir} has no {ARCH_RECORD} (it was not written by this converter); "
+                                f"pass the Hugging Face config.json of the model (--hf-config)")
+    return LlamaArchitecture.from_dict(json.loads(record))
+
+
+def check_mcore_tensors(reader: McoreCheckpointReader, arch: LlamaArchitecture) -> None:
+    """Raise unless ``reader`` holds exactly the model tensors ``arch`` needs, with the right global shapes."""
+    maps = tensor_maps(arch)
+    for tmap in maps:
+        expected = ((arch.num_layers,) if tmap.per_layer else ()) + tmap.mcore_shape
+        actual = reader.shape(tmap.mcore_key)  # raises MissingTensorError naming the key
+        if actual != expected:
+            raise ValueError(f"tensor {tmap.mcore_key!r} has global shape {list(actual)} but the architecture "
+                             f"implies {list(expected)}; the checkpoint does not match {ARCH_RECORD} / --hf-config")
+    known = {m.mcore_key for m in maps}
+    leftover = sorted(k for k in reader.keys() if k.startswith(MCORE_MODEL_PREFIXES) and k not in known)
+    if leftover:
+        raise ValueError(f"checkpoint {reader.dir} has model tensors the {arch.model_type} mapping does not "
+                         f"cover, e.g. {leftover[:4]}; converting would drop them")
+
+
+def mcore_to_hf(mcore_dir: str | os.PathLike, hf_dir: str | os.PathLike, *,
+                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, hf_config: Optional[dict] = None,
+                progress: Optional[bool] = None) -> LlamaArchitecture:
+    """Convert a megatron-core ``torch_dist`` checkpoint (any TP/PP it was saved at) to Hugging Face
+    safetensors, bit for bit in the checkpoint's dtype. Returns the architecture."""
+    reader = McoreCheckpointReader(mcore_dir)
+    arch = _architecture_of(reader, hf_config)
+    check_mcore_tensors(reader, arch)
+    maps = tensor_maps(arch)
+    plan = [(name, shape, reader.dtype(tmap.mcore_key))
+            for tmap in maps for layer in layer_indices(tmap, arch)
+            for name, shape in zip(tmap.hf_names_for(layer), tmap.hf_shapes)]
+    with HFCheckpointWriter(hf_dir, plan, max_shard_bytes) as writer, \
+            _progress(len(plan), "mcore-to-hf", progress) as bar:
+        for tmap in maps:
+            for layer in layer_indices(tmap, arch):
+                fused = reader.read_layer(tmap.mcore_key, layer) if tmap.per_layer else reader.read(tmap.mcore_key)
+                for name, tensor in zip(tmap.hf_names_for(layer), tmap.split(fused)):
+                    writer.write(name, tensor)
+                    bar.update()
+                del fused
+        for name in HF_SIDE_FILES:
+            data = reader.extra_file(f"{HF_SIDE_DIR}/{name}")
+            if data is not None:
+                writer.add_file(name, data)
+        if hf_config is not None or reader.extra_file(f"{HF_SIDE_DIR}/config.json") is None:
+            config = hf_config or hf_config_from_architecture(
+                arch, str(reader.dtype("embedding.word_embeddings.weight")).removeprefix("torch."))
+            writer.add_file("config.json", json.dumps(config, indent=2).encode())
+        writer.finish()
+    return arch

@@ -1,0 +1,253 @@
+"""Streaming reader and writer of Hugging Face safetensors checkpoints (single file or sharded + index).
+
+Owns the safetensors byte format: a little-endian u64 header length, a JSON header
+(``{name: {dtype, shape, data_offsets}}``), then raw tensor bytes. Tensors are read one at a time
+with plain ``seek`` + ``readinto`` (no pickle, no mmap that would keep pages of the whole file
+resident) and written straight to their planned offsets, so memory stays near one tensor.
+Everything is written under a temporary directory that is renamed into place at the end.
+It knows nothing about Llama names (``mapping``) or configs (``model_config``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional
+
+import torch
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+_HEADER_ALIGN = 8
+
+DTYPE_FROM_SAFETENSORS = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+SAFETENSORS_FROM_DTYPE = {v: k for k, v in DTYPE_FROM_SAFETENSORS.items()}
+
+
+class MissingTensorError(KeyError):
+    """A tensor the model needs is not in the checkpoint."""
+
+    def __str__(self) -> str:  # KeyError would print the message with quotes
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives: ``path``, absolute byte range ``[begin, end)``, dtype and shape."""
+
+    name: str
+    path: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
+    """Parse the header of one ``.safetensors`` file and validate every tensor's byte range."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{path} is not a safetensors file (shorter than 8 bytes)")
+        (header_len,) = struct.unpack("<Q", raw)
+        if 8 + header_len > size:
+            raise ValueError(f"{path} is not a safetensors file (header length {header_len} > file size)")
+        header = json.loads(f.read(header_len))
+    data_start = 8 + header_len
+    infos = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if entry["dtype"] not in DTYPE_FROM_SAFETENSORS:
+            raise ValueError(f"tensor {name!r} in {path} has dtype {entry['dtype']!r}, which this reader does "
+                             f"not support (supported: {sorted(DTYPE_FROM_SAFETENSORS)})")
+        dtype = DTYPE_FROM_SAFETENSORS[entry["dtype"]]
+        shape = tuple(int(s) for s in entry["shape"])
+        begin, end = (data_start + int(o) for o in entry["data_offsets"])
+        numel = 1
+        for s in shape:
+            numel *= s
+        if end - begin != numel * dtype.itemsize or end > size:
+            raise ValueError(f"tensor {name!r} in {path}: byte range [{begin}, {end}) does not hold "
+                             f"{entry['dtype']}{list(shape)} inside a {size}-byte file; the file is corrupt")
+        infos[name] = TensorInfo(name, path, dtype, shape, begin, end)
+    return infos
+
+
+class HFCheckpointReader:
+    """Read-only view of a Hugging Face checkpoint directory: ``config.json`` and its tensors."""
+
+    def __init__(self, ckpt_dir: str | os.PathLike):
+        self.dir = Path(ckpt_dir)
+        config_path = self.dir / "config.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"{config_path} not found; pass a Hugging Face model directory "
+                                    f"(with config.json and *.safetensors)")
+        self.config: dict = json.loads(config_path.read_text())
+        index_path = self.dir / SAFETENSORS_INDEX
+        if index_path.is_file():
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        elif (self.dir / SINGLE_FILE).is_file():
+            weight_map, files = None, [SINGLE_FILE]
+        else:
+            raise FileNotFoundError(f"{self.dir} has neither {SAFETENSORS_INDEX} nor {SINGLE_FILE}; this "
+                                    f"converter reads safetensors only (never pickled *.bin files)")
+        self._infos: dict[str, TensorInfo] = {}
+        for file in files:
+            for name, info in read_safetensors_header(self.dir / file).items():
+                if weight_map is not None and weight_map.get(name) != file:
+                    raise ValueError(f"tensor {name!r} is in {file} but {SAFETENSORS_INDEX} says "
+                                     f"{weight_map.get(name)!r}; the index does not match the shards")
+                self._infos[name] = info
+        if weight_map is not None:
+            missing = sorted(set(weight_map) - set(self._infos))
+            if missing:
+                raise MissingTensorError(f"{SAFETENSORS_INDEX} lists {missing[:5]} but no shard holds them")
+
+    def names(self) -> list[str]:
+        return list(self._infos)
+
+    def info(self, name: str) -> TensorInfo:
+        if name not in self._infos:
+            raise MissingTensorError(f"checkpoint {self.dir} has no tensor {name!r}")
+        return self._infos[name]
+
+    def read(self, name: str) -> torch.Tensor:
+        """Load one tensor (a fresh CPU tensor; nothing else of the file stays in memory)."""
+        info = self.info(name)
+        if info.end == info.begin:
+            return torch.empty(info.shape, dtype=info.dtype)
+        buf = bytearray(info.end - info.begin)
+        with open(info.path, "rb") as f:
+            f.seek(info.begin)
+            if f.readinto(buf) != len(buf):
+                raise ValueError(f"tensor {name!r}: {info.path} ended before byte {info.end}; the file is truncated")
+        return torch.frombuffer(buf, dtype=torch.uint8).view(info.dtype).reshape(info.shape)
+
+
+def staging_dir(final_dir: Path) -> Path:
+    """The temporary sibling a checkpoint is written into before being renamed to ``final_dir``."""
+    return final_dir.parent / f".{final_dir.name}.partial"
+
+
+def prepare_staging_dir(final_dir: Path) -> Path:
+    """Refuse to overwrite ``final_dir``; create (or clear a stale) staging directory and return it."""
+    if final_dir.exists():
+        raise FileExistsError(f"output {final_dir} already exists; choose a new directory or remove it first")
+    tmp = staging_dir(final_dir)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _encode_header(entries: dict) -> bytes:
+    header = json.dumps(entries, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % _HEADER_ALIGN)
+    return struct.pack("<Q", len(header)) + header
+
+
+class HFCheckpointWriter:
+    """Write a sharded safetensors checkpoint whose tensor list is known up front.
+
+    The constructor plans the shards (in the given order, each at most ``max_shard_bytes`` unless a
+    single tensor is larger) and writes every header; :meth:`write` then puts one tensor's bytes at
+    its offset, in any order; :meth:`finish` checks that every tensor was written, writes the index
+    and renames the directory into place. Use it as a context manager so a failure removes the
+    partial output.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike, tensors: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES):
+        if max_shard_bytes <= 0:
+            raise ValueError(f"max_shard_bytes={max_shard_bytes} must be positive, e.g. {DEFAULT_MAX_SHARD_BYTES}")
+        self.out_dir = Path(out_dir)
+        self._tmp = prepare_staging_dir(self.out_dir)
+        shards: list[list[tuple[str, tuple[int, ...], torch.dtype, int]]] = [[]]
+        shard_bytes = 0
+        for name, shape, dtype in tensors:
+            if dtype not in SAFETENSORS_FROM_DTYPE:
+                raise ValueError(f"tensor {name!r} has dtype {dtype}, which safetensors cannot store here")
+            nbytes = dtype.itemsize
+            for s in shape:
+                nbytes *= s
+            if shards[-1] and shard_bytes + nbytes > max_shard_bytes:
+                shards.append([])
+                shard_bytes = 0
+            shards[-1].append((name, tuple(shape), dtype, nbytes))
+            shard_bytes += nbytes
+        n = len(shards)
+        self._plan: dict[str, TensorInfo] = {}
+        self._weight_map: dict[str, str] = {}
+        self._total = 0
+        for i, shard in enumerate(shards):
+            file = SINGLE_FILE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            entries, offset = {"__metadata__": {"format": "pt"}}, 0
+            for name, shape, dtype, nbytes in shard:
+                if name in self._plan:
+                    raise ValueError(f"tensor {name!r} is listed twice")
+                entries[name] = {"dtype": SAFETENSORS_FROM_DTYPE[dtype], "shape": list(shape),
+                                 "data_offsets": [offset, offset + nbytes]}
+                offset += nbytes
+            header = _encode_header(entries)
+            path = self._tmp / file
+            with open(path, "wb") as f:
+                f.write(header)
+                f.truncate(len(header) + offset)
+            for name, shape, dtype, nbytes in shard:
+                begin = len(header) + entries[name]["data_offsets"][0]
+                self._plan[name] = TensorInfo(name, path, dtype, shape, begin, begin + nbytes)
+                self._weight_map[name] = file
+            self._total += offset
+        self._written: set[str] = set()
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write ``tensor`` as ``name``; its dtype and shape must be the planned ones."""
+        if name not in self._plan:
+            raise MissingTensorError(f"tensor {name!r} was not planned for {self.out_dir}")
+        info = self._plan[name]
+        if tensor.dtype != info.dtype or tuple(tensor.shape) != info.shape:
+            raise ValueError(f"tensor {name!r} is {tensor.dtype}{list(tensor.shape)} but "
+                             f"{info.dtype}{list(info.shape)} was planned")
+        with open(info.path, "r+b") as f:
+            f.seek(info.begin)
+            if info.end > info.begin:
+                f.write(memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
+        self._written.add(name)
+
+    def add_file(self, relative_path: str, data: bytes) -> None:
+        """Put a non-tensor file (``config.json``, tokenizer files) into the output."""
+        path = self._tmp / relative_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+    def finish(self) -> Path:
+        missing = sorted(set(self._plan) - self._written)
+        if missing:
+            raise MissingTensorError(f"{len(missing)} planned tensors were never written, e.g. {missing[:3]}")
+        if len(set(self._weight_map.values())) > 1:
+            index = {"metadata": {"total_size": self._total}, "weight_map": self._weight_map}
+            self.add_file(SAFETENSORS_INDEX, json.dumps(index, indent=2).encode())
+        os.replace(self._tmp, self.out_dir)
+        return self.out_dir
+
+    def abort(self) -> None:
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self) -> "HFCheckpointWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> Optional[bool]:
+        if exc_type is not None:
+            self.abort()
+        return None
