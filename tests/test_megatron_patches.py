@@ -1,0 +1,377 @@
+"""Tests for megatron_patches on megatron-core 0.16.x, CPU and gloo.
+
+A tiny GPTModel (local spec, RoPE, GQA, SwiGLU, RMSNorm, fp32) is checked against an independent
+fp64 re-implementation (logits, per-token loss, every gradient) at TP=1, and at TP=2 with sequence
+parallelism against TP=1; RoPE's CP slicing against positions computed by hand; the RNG tracker
+against a separately seeded generator and activation recomputation with dropout; the hierarchical
+CP groups across destroy / re-initialise; and per-layer `cp_comm_type` with a pipeline offset.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import megatron_patches
+from tests._dist import run_distributed
+
+SEQ, BATCH, VOCAB = 8, 2, 64
+HIDDEN, HEADS, GROUPS, FFN, LAYERS = 32, 4, 2, 48, 2
+EPS = 1e-5
+# fp32 model vs fp64 reference (measured errors ~1e-7 on logits, ~1e-8 on grads)
+FP64_TOL = dict(atol=2e-5, rtol=1e-4)
+# TP=2 + SP vs TP=1, both fp32 (the brief's bound)
+TP_TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def _tiny_config(**overrides):
+    from megatron.core.transformer import TransformerConfig
+
+    fields = dict(
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
+        ffn_hidden_size=FFN, gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
+        layernorm_epsilon=EPS, add_bias_linear=False, use_cpu_initialization=True, init_method_std=0.1,
+        hidden_dropout=0.0, attention_dropout=0.0, masked_softmax_fusion=False,
+        bias_activation_fusion=False, apply_rope_fusion=False, bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False, params_dtype=torch.float32,
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def _tiny_gpt(config):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=VOCAB,
+                    max_sequence_length=SEQ, position_embedding_type="rope",
+                    share_embeddings_and_output_weights=False)
+
+
+def _batch():
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    return tokens, torch.arange(SEQ).expand(BATCH, SEQ), labels
+
+
+def _run_gpt(model, tokens, positions, labels, gather_logits=True):
+    """Logits [b, s, vocab] (gathered over TP), per-token loss [b, s], and grads after sum(loss)."""
+    model.zero_grad(set_to_none=True)
+    logits = model(tokens, positions, None, runtime_gather_output=gather_logits)
+    loss = model(tokens, positions, None, labels=labels)
+    loss.sum().backward()
+    return logits.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _reference_logits(params: dict, tokens: torch.Tensor) -> torch.Tensor:
+    """Independent fp64 forward of the tiny GPT from its parameters: logits [b, s, vocab]."""
+    head_dim, q_per_group = HIDDEN // HEADS, HEADS // GROUPS
+    b, s = tokens.shape
+    angles = torch.arange(s, dtype=torch.float64)[:, None] / 10000 ** (
+        torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+
+    def rope(x):  # [b, h, s, d]
+        x1, x2 = x.chunk(2, -1)
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    def rms_norm(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * weight
+
+    causal = torch.ones(s, s, dtype=torch.bool).triu(1)
+    embedding = params["embedding.word_embeddings.weight"]
+    h = embedding[tokens]
+    for i in range(LAYERS):
+        p = f"decoder.layers.{i}."
+        x = rms_norm(h, params[p + "input_layernorm.weight"])
+        qkv = (x @ params[p + "self_attention.linear_qkv.weight"].T).view(b, s, GROUPS, q_per_group + 2, head_dim)
+        q = qkv[:, :, :, :q_per_group].reshape(b, s, HEADS, head_dim).transpose(1, 2)
+        k = qkv[:, :, :, q_per_group].transpose(1, 2).repeat_interleave(q_per_group, 1)
+        v = qkv[:, :, :, q_per_group + 1].transpose(1, 2).repeat_interleave(q_per_group, 1)
+        scores = (rope(q) @ rope(k).transpose(-1, -2) / math.sqrt(head_dim)).masked_fill(causal, -math.inf)
+        attn = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, HIDDEN)
+        h = h + attn @ params[p + "self_attention.linear_proj.weight"].T
+        x = rms_norm(h, params[p + "pre_mlp_layernorm.weight"])
+        gate, up = (x @ params[p + "mlp.linear_fc1.weight"].T).chunk(2, -1)
+        h = h + (F.silu(gate) * up) @ params[p + "mlp.linear_fc2.weight"].T
+    return rms_norm(h, params["decoder.final_layernorm.weight"]) @ params["output_layer.weight"].T
+
+
+def _tp_shard(name: str, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """The TP shard of a TP=1 parameter (or gradient) `name` held by `tp_rank`."""
+    if name.endswith("linear_fc1.weight"):  # SwiGLU: each rank holds [its gate rows; its up rows]
+        return torch.cat([half.chunk(tp_size, 0)[tp_rank] for half in full.chunk(2, 0)])
+    if name.endswith(("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight")):
+        return full.chunk(tp_size, 0)[tp_rank]
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return full.chunk(tp_size, 1)[tp_rank]
+    return full
+
+
+def _init_parallel(**kwargs):
+    from megatron.core import parallel_state, tensor_parallel
+
+    parallel_state.initialize_model_parallel(**kwargs)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+
+
+def _gpt_tp1_vs_fp64(rank, world_size):
+    from megatron.core import parallel_state
+
+    megatron_patches.apply_all()
+    _init_parallel()
+    try:
+        model = _tiny_gpt(_tiny_config())
+        tokens, positions, labels = _batch()
+        logits, loss, grads = _run_gpt(model, tokens, positions, labels)
+        params = {n: p.detach().double().requires_grad_() for n, p in model.named_parameters()}
+        ref_logits = _reference_logits(params, tokens)
+        ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(), reduction="none").view(BATCH, SEQ)
+        ref_loss.sum().backward()
+        torch.testing.assert_close(logits.double(), ref_logits.detach(), **FP64_TOL)
+        torch.testing.assert_close(loss.double(), ref_loss.detach(), **FP64_TOL)
+        assert grads.keys() == params.keys()
+        for name, grad in grads.items():
+            assert torch.isfinite(grad).all(), name
+            torch.testing.assert_close(grad.double(), params[name].grad, **FP64_TOL, msg=lambda m: f"{name}: {m}")
+        return loss.sum().item()
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_tiny_gpt_tp1_matches_fp64_reference():
+    losses = run_distributed(2, _gpt_tp1_vs_fp64)
+    assert all(math.isfinite(x) and x > 0 for x in losses)
+
+
+def _gpt_tp2_sp_vs_tp1(rank, world_size):
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
+
+    megatron_patches.apply_all()
+    tokens, positions, labels = _batch()
+    _init_parallel()
+    try:
+        model = _tiny_gpt(_tiny_config())
+        full_params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        tp1_logits, tp1_loss, tp1_grads = _run_gpt(model, tokens, positions, labels)
+    finally:
+        parallel_state.destroy_model_parallel()
+    _init_parallel(tensor_model_parallel_size=2)
+    try:
+        config = _tiny_config(tensor_model_parallel_size=2, sequence_parallel=True)
+        model = _tiny_gpt(config)
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(_tp_shard(name, full_params[name], tp_rank, 2))
+        logits, loss, _ = _run_gpt(model, tokens, positions, labels)
+        # What finalize_model_grads does in training: sum the sequence-parallel norm grads over TP.
+        model.ddp_config = DistributedDataParallelConfig()
+        _allreduce_non_tensor_model_parallel_grads([model], config)
+        sequence_parallel_params = sorted(n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False))
+        torch.testing.assert_close(logits, tp1_logits, **TP_TOL)
+        torch.testing.assert_close(loss, tp1_loss, **TP_TOL)
+        for name, param in model.named_parameters():
+            expected = _tp_shard(name, tp1_grads[name], tp_rank, 2)
+            torch.testing.assert_close(param.grad, expected, **TP_TOL, msg=lambda m: f"{name}: {m}")
+        return sequence_parallel_params
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_tiny_gpt_tp2_sequence_parallel_matches_tp1_logits_and_grads():
+    marked = run_distributed(2, _gpt_tp2_sp_vs_tp1)
+    norms = [f"decoder.layers.{i}.{n}.weight" for i in range(LAYERS) for n in ("input_layernorm", "pre_mlp_layernorm")]
+    assert marked[0] == marked[1] == sorted(norms + ["decoder.final_layernorm.weight"])
+
+
+def _gpt_recompute_with_dropout(rank, world_size):
+    from megatron.core import parallel_state, tensor_parallel
+
+    megatron_patches.apply_all()
+    tokens, positions, labels = _batch()
+    _init_parallel()
+    try:
+        dropout = dict(hidden_dropout=0.2, attention_dropout=0.2)
+        plain = _tiny_gpt(_tiny_config(**dropout))
+        recomputed = _tiny_gpt(_tiny_config(**dropout, recompute_granularity="full", recompute_method="uniform",
+                                            recompute_num_layers=1))
+        recomputed.load_state_dict(plain.state_dict())
+        runs = {}
+        for name, model, seed in (("plain", plain, 7), ("again", plain, 7), ("recomputed", recomputed, 7),
+                                  ("other_seed", plain, 8)):
+            tensor_parallel.model_parallel_cuda_manual_seed(seed)
+            model.zero_grad(set_to_none=True)
+            loss = model(tokens, positions, None, labels=labels)
+            loss.sum().backward()
+            runs[name] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+        for name in ("again", "recomputed"):
+            torch.testing.assert_close(runs[name][0], runs["plain"][0], atol=0, rtol=0)
+            for param, grad in runs[name][1].items():
+                torch.testing.assert_close(grad, runs["plain"][1][param], atol=0, rtol=0)
+        # dropout is really on: another seed gives another loss
+        assert (runs["other_seed"][0] - runs["plain"][0]).abs().max() > 1e-3
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_dropout_is_deterministic_and_recompute_replays_it_on_cpu():
+    run_distributed(2, _gpt_recompute_with_dropout)
+
+
+def test_rng_tracker_forks_the_cpu_generator():
+    from megatron.core import tensor_parallel
+
+    megatron_patches.apply_all()
+    tensor_parallel.model_parallel_cuda_manual_seed(123, tp_rank=0, ep_rank=0, etp_rank=0)
+    default_after_seed = torch.get_rng_state()
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    with tracker.fork():
+        first = torch.rand(5)
+    with tracker.fork():
+        second = torch.rand(5)
+    assert torch.equal(torch.get_rng_state(), default_after_seed), "fork must restore the default generator"
+    # Megatron's tensor-model-parallel state is seeded with seed + 2718 + tp_rank.
+    expected = torch.rand(10, generator=torch.Generator().manual_seed(123 + 2718))
+    assert torch.equal(torch.cat([first, second]), expected)
+    # The default (data-parallel) state is seeded with the seed itself, as on a GPU.
+    assert torch.equal(torch.rand(3), torch.rand(3, generator=torch.Generator().manual_seed(123)))
+    with pytest.raises(ValueError, match="name='no-such-state'"):
+        with tracker.fork("no-such-state"):
+            pass
+
+
+def test_each_patch_applied_twice_is_the_same_as_once():
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer import utils as transformer_utils
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    megatron_patches.apply_all()
+    targets = (
+        lambda: parallel_state.destroy_model_parallel,
+        lambda: TransformerLayer.__dict__["__init__"],
+        lambda: WrappedTorchNorm.__dict__["__new__"],
+        lambda: transformer_utils.get_default_causal_mask,
+        lambda: tp_random.CudaRNGStatesTracker.__dict__["fork"],
+    )
+    before = [target() for target in targets]
+    assert megatron_patches.apply_all() == {name: [] for name in megatron_patches.PATCHES}
+    for name, apply in megatron_patches.PATCHES.items():
+        assert apply() == [], name
+    assert [target() for target in targets] == before
+
+
+def test_causal_masks_are_built_on_cpu_and_match_the_definition():
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils as transformer_utils
+
+    megatron_patches.apply_all()
+    i, j = torch.arange(5)[:, None], torch.arange(5)[None, :]
+    assert fused_softmax.get_default_causal_mask is transformer_utils.get_default_causal_mask
+    assert torch.equal(fused_softmax.get_default_causal_mask(5), j > i)
+    # sq=3 queries aligned to the last of skv=5 keys; window (2 before, 0 after)
+    qi, kj = torch.arange(3)[:, None] + 2, torch.arange(5)[None, :]
+    assert torch.equal(fused_softmax.get_sliding_window_causal_mask(3, 5, (2, 0)), ~((kj >= qi - 2) & (kj <= qi)))
+
+
+def _rope_on_cp_rank(rank, world_size):
+    from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    megatron_patches.apply_all()
+    parallel_state.initialize_model_parallel(context_parallel_size=world_size)
+    try:
+        cp_group = parallel_state.get_context_parallel_group()
+        cp_rank, cp_size, head_dim, seq = cp_group.rank(), cp_group.size(), 8, 32
+        rope = RotaryEmbedding(kv_channels=head_dim, rotary_percent=1.0, use_cpu_initialization=True, cp_group=cp_group)
+        local = rope(seq)
+        chunk = seq // (2 * cp_size)
+        positions = torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in (cp_rank, 2 * cp_size - 1 - cp_rank)])
+        angles = positions[:, None].double() / 10000 ** (torch.arange(0, head_dim, 2).double() / head_dim)
+        expected = torch.cat([angles, angles], -1)[:, None, None, :]
+        torch.testing.assert_close(local.double(), expected, atol=1e-5, rtol=1e-6)
+        direct = rope_utils.get_pos_emb_on_this_cp_rank(rope.get_emb(seq), 0, cp_group)
+        assert torch.equal(direct, local)
+        with pytest.raises(ValueError, match="cp_group=None"):
+            rope_utils.get_pos_emb_on_this_cp_rank(local, 0, None)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _hcp_groups_across_reinit(rank, world_size):
+    from megatron.core import parallel_state
+
+    megatron_patches.apply_all()
+
+    def hcp_ranks():
+        groups = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)
+        return None if groups is None else [dist.get_process_group_ranks(g) for g in groups]
+
+    seen = []
+    for sizes in ([2, 2], [4], None):
+        parallel_state.initialize_model_parallel(context_parallel_size=4, hierarchical_context_parallel_sizes=sizes)
+        seen.append(hcp_ranks())
+        parallel_state.destroy_model_parallel()
+        seen.append(hcp_ranks())
+    return seen
+
+
+@pytest.mark.parametrize("case", ["rope_on_cp_rank", "hcp_groups_across_reinit"])
+def test_four_rank_cases(case):
+    if case == "rope_on_cp_rank":
+        run_distributed(4, _rope_on_cp_rank)
+        return
+    for rank, seen in enumerate(run_distributed(4, _hcp_groups_across_reinit)):
+        inner = [rank - rank % 2, rank - rank % 2 + 1]  # level 0: adjacent pairs
+        outer = [rank % 2, rank % 2 + 2]  # level 1: same position in each pair
+        assert seen == [[inner, outer], None, [[0, 1, 2, 3]], None, None, None], rank
+
+
+def test_per_layer_cp_comm_type_gives_each_layer_its_own_type():
+    from megatron_patches.per_layer_cp_comm_type import cp_comm_types_received
+
+    megatron_patches.apply_all()
+    types = ["p2p", "a2a", "all_gather", "a2a+p2p"]
+    assert cp_comm_types_received(types) == types
+
+
+class _RecordCpCommType(torch.nn.Module):
+    def __init__(self, config, layer_number, cp_comm_type=None, **kwargs):
+        super().__init__()
+        self.cp_comm_type = cp_comm_type
+
+
+def _cp_comm_type_per_pipeline_stage(rank, world_size):
+    from megatron.core import parallel_state
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    megatron_patches.apply_all()
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
+    try:
+        types = ["p2p", "a2a", "all_gather", "a2a+p2p"]
+        config = _tiny_config(num_layers=4, pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
+                              context_parallel_size=2, cp_comm_type=types)
+        layer = ModuleSpec(module=TransformerLayer,
+                           submodules=TransformerLayerSubmodules(self_attention=_RecordCpCommType))
+        block = TransformerBlock(config, layer, post_layer_norm=False)
+        assert config.cp_comm_type is types, "the config must hold the user's list again"
+        return [(layer.layer_number, layer.self_attention.cp_comm_type) for layer in block.layers]
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_per_layer_cp_comm_type_uses_global_layer_numbers_across_pipeline_stages():
+    stage0, stage1 = run_distributed(2, _cp_comm_type_per_pipeline_stage)
+    assert stage0 == [(1, "p2p"), (2, "a2a")]
+    assert stage1 == [(3, "all_gather"), (4, "a2a+p2p")]
