@@ -15,19 +15,22 @@ checkpoint cannot run code. It knows nothing about Hugging Face names (``mapping
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import pickle
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorProperties
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
@@ -39,7 +42,11 @@ from mcp_context.convert.hf_io import prepare_staging_dir
 CONFIG_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
 DCP_METADATA_FILE = ".metadata"
-EXTRA_DIR = "mcp_context"  # our additions: the architecture record and the original HF files
+# megatron.core.dist_checkpointing.core.CheckpointingConfig for the torch_dist backend
+MCORE_CHECKPOINT_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                           "common_backend": "torch", "common_backend_version": 1}
+EXTRA_DIR = "mcp_context"
+_SINGLE_PROCESS_NOTICE = ".*torch.distributed is disabled, unavailable or uninitialized.*"  # our additions: the architecture record and the original HF files
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,22 @@ class _StreamingSavePlanner(DefaultSavePlanner):
         return tensor.contiguous()
 
 
+@contextlib.contextmanager
+def _dcp_errors_unwrapped() -> Iterator[None]:
+    """torch DCP wraps every rank's error in a ``CheckpointException`` (a ``BaseException``, which
+    ``except Exception`` misses); re-raise the first failing rank's own error instead."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_NOTICE)
+            yield
+    except CheckpointException as exc:
+        failures = exc.failures
+        if not failures:
+            raise
+        first = failures[min(failures)]
+        raise (first[0] if isinstance(first, tuple) else first) from exc
+
+
 def _use_dist(group: Optional[dist.ProcessGroup]) -> bool:
     return group is not None or (dist.is_available() and dist.is_initialized())
 
@@ -121,13 +144,12 @@ def save_chunks(ckpt_dir: str | os.PathLike, chunks: Sequence[TensorChunk], obje
         raise tmp_holder[0]
     tmp = Path(tmp_holder[0])
     try:
-        dcp.save({}, storage_writer=FileSystemWriter(str(tmp), single_file_per_rank=False, thread_count=1),
-                 planner=_StreamingSavePlanner(chunks, objects or {}, on_written),
-                 process_group=group, no_dist=not distributed)
+        with _dcp_errors_unwrapped():
+            dcp.save({}, storage_writer=FileSystemWriter(str(tmp), single_file_per_rank=False, thread_count=1),
+                     planner=_StreamingSavePlanner(chunks, objects or {}, on_written),
+                     process_group=group, no_dist=not distributed)
         if rank == 0:
-            from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
-
-            save_config(CheckpointingConfig(sharded_backend="torch_dist"), str(tmp))
+            (tmp / CONFIG_FILE).write_text(json.dumps(MCORE_CHECKPOINT_CONFIG))
             torch.save({}, tmp / COMMON_FILE)
             for rel, data in (extra_files or {}).items():
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -287,7 +309,9 @@ class McoreCheckpointReader:
         if len(offsets) != len(shape) or any(o < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape)):
             raise ValueError(f"chunk offsets={list(offsets)} sizes={list(sizes)} is outside {key} of shape {list(shape)}")
         dest = torch.empty(sizes, dtype=self.dtype(key))
-        dcp.load({key: dest}, storage_reader=self._reader, planner=_ChunkLoadPlanner({key: offsets}), no_dist=True)
+        with _dcp_errors_unwrapped():
+            dcp.load({key: dest}, storage_reader=self._reader, planner=_ChunkLoadPlanner({key: offsets}),
+                     no_dist=True)
         return dest
 
     def read_layer(self, key: str, layer: int) -> torch.Tensor:

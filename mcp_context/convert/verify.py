@@ -1,0 +1,99 @@
+"""Logit parity between a Hugging Face checkpoint and its Megatron-Core conversion.
+
+Owns loading each side for inference in fp32 on one process (the Megatron side through
+megatron-core's own ``dist_checkpointing.load``, as training would load it) and comparing their
+logits on one prompt. It does not convert anything (``converter``).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from typing import Any, Iterator, Optional
+
+import torch
+
+from mcp_context.convert.model_config import LlamaArchitecture, build_gpt_model
+
+
+@contextlib.contextmanager
+def single_process_megatron(seed: int = 0) -> Iterator[None]:
+    """Megatron parallel state for one process (TP = PP = CP = 1), set up only where absent and torn
+    down on exit; CPU shims applied when there is no CUDA."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if not torch.cuda.is_available():
+        from megatron_patches.cpu_shims import apply_cpu_shims
+
+        apply_cpu_shims()
+    own_group = not dist.is_initialized()
+    with tempfile.TemporaryDirectory(prefix="mcp_verify_") as tmp:
+        if own_group:
+            dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'init')}", rank=0, world_size=1)
+        own_state = not parallel_state.model_parallel_is_initialized()
+        if own_state:
+            parallel_state.initialize_model_parallel()
+        model_parallel_cuda_manual_seed(seed)
+        try:
+            yield
+        finally:
+            if own_state:
+                parallel_state.destroy_model_parallel()
+            if own_group:
+                dist.destroy_process_group()
+
+
+def load_mcore_model(mcore_dir: str | os.PathLike, arch: LlamaArchitecture, layer_spec: Any = None,
+                     **config_overrides: Any) -> torch.nn.Module:
+    """Build the ``GPTModel`` for ``arch`` on the current parallel state and load ``mcore_dir`` into it
+    with megatron-core's ``dist_checkpointing.load`` (which unpickles the checkpoint's ``.metadata``:
+    use it on checkpoints you trust)."""
+    from megatron.core import dist_checkpointing
+
+    model = build_gpt_model(arch, layer_spec, **config_overrides)
+    state = dist_checkpointing.load(model.sharded_state_dict(), str(mcore_dir))
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def causal_mask(seq_len: int) -> torch.Tensor:
+    """Megatron's boolean attention mask ``[1, 1, s, s]`` (True = masked) for causal attention."""
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)[None, None]
+
+
+@torch.no_grad()
+def mcore_logits(model: torch.nn.Module, token_ids: torch.Tensor) -> torch.Tensor:
+    """``token_ids: [b, s]`` -> logits ``[b, s, vocab]`` of a CP = 1 megatron ``GPTModel``."""
+    b, s = token_ids.shape
+    position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
+    return model(token_ids, position_ids, causal_mask(s)).float()
+
+
+@torch.no_grad()
+def hf_logits(hf_dir: str | os.PathLike, token_ids: torch.Tensor) -> torch.Tensor:
+    """Logits ``[b, s, vocab]`` of the Hugging Face model in ``hf_dir`` (fp32, eager attention)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="eager")
+    return model.eval()(token_ids).logits.float()
+
+
+def prompt_token_ids(hf_dir: str | os.PathLike, prompt: Optional[str], vocab_size: int,
+                     length: int = 32, seed: int = 0) -> torch.Tensor:
+    """``[1, s]`` token ids: ``prompt`` through the checkpoint's tokenizer, or ``length`` seeded random ids."""
+    if prompt is None:
+        return torch.randint(0, vocab_size, (1, length), generator=torch.Generator().manual_seed(seed))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(hf_dir))(prompt, return_tensors="pt").input_ids
+
+
+def max_logit_difference(hf_dir: str | os.PathLike, mcore_dir: str | os.PathLike, arch: LlamaArchitecture,
+                         token_ids: torch.Tensor) -> float:
+    """Largest absolute difference between the two sides' logits on ``token_ids``."""
+    reference = hf_logits(hf_dir, token_ids)
+    with single_process_megatron():
+        ours = mcore_logits(load_mcore_model(mcore_dir, arch), token_ids)
+    return (ours - reference).abs().max().item()
