@@ -1,0 +1,103 @@
+"""Process groups for hierarchical context parallelism: one group per level, inner level adjacent.
+
+CP rank ``r`` has digits ``(r_0, r_1, ...)`` in the mixed radix of
+``hierarchical_context_parallel_sizes`` with ``r_0`` varying fastest, so level 0 groups adjacent ranks
+(one NVLink domain) and outer levels stride across them — megatron-core's
+``create_hierarchical_groups`` convention, so groups built here and Megatron's agree.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+
+def check_hcp_sizes(sizes: Sequence[int], cp_size: int) -> None:
+    """Raise a ValueError that names the fix when ``sizes`` cannot describe ``cp_size`` ranks."""
+    sizes = list(sizes)
+    if not sizes or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in sizes):
+        raise ValueError(f"hierarchical_context_parallel_sizes={sizes} must be a non-empty list of "
+                         f"positive integers (inner level first), e.g. [2, {max(cp_size // 2, 1)}]")
+    if math.prod(sizes) != cp_size:
+        raise ValueError(f"hierarchical_context_parallel_sizes={sizes} multiply to {math.prod(sizes)}, but "
+                         f"context_parallel_size={cp_size}; choose sizes whose product is {cp_size}, "
+                         f"e.g. {_example_sizes(cp_size)}")
+
+
+def _example_sizes(cp_size: int) -> list[int]:
+    inner = next((d for d in (8, 4, 2) if cp_size % d == 0 and d < cp_size), cp_size)
+    return [inner, cp_size // inner] if inner < cp_size else [cp_size]
+
+
+def level_members(sizes: Sequence[int], level: int, cp_rank: int) -> list[int]:
+    """CP-rank indices of the level-``level`` group that contains ``cp_rank``."""
+    stride = math.prod(sizes[:level])
+    base = cp_rank - ((cp_rank // stride) % sizes[level]) * stride
+    return [base + i * stride for i in range(sizes[level])]
+
+
+@dataclass(frozen=True)
+class HCPGroups:
+    """The CP group (ranks in CP-rank order) and this rank's group at each hierarchy level."""
+
+    cp_group: ProcessGroup
+    levels: tuple[ProcessGroup, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def cp_size(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def cp_rank(self) -> int:
+        return dist.get_rank(self.cp_group)
+
+    @property
+    def cp_global_ranks(self) -> list[int]:
+        return dist.get_process_group_ranks(self.cp_group)
+
+    @classmethod
+    def flat(cls, group: Optional[ProcessGroup] = None) -> "HCPGroups":
+        """A one-level hierarchy over ``group`` (default: the whole world)."""
+        group = group or dist.group.WORLD
+        return cls(group, (group,), (dist.get_world_size(group),))
+
+    @classmethod
+    def from_megatron(cls) -> "HCPGroups":
+        """The groups megatron-core's ``parallel_state`` built (hierarchical ones when it has them)."""
+        from megatron.core import parallel_state as ps
+
+        if not ps.model_parallel_is_initialized():
+            raise RuntimeError("HCPGroups.from_megatron() needs megatron-core's parallel_state; call "
+                               "parallel_state.initialize_model_parallel(...) first, or use build_hcp_groups")
+        cp_group = ps.get_context_parallel_group()
+        levels = ps.get_hierarchical_context_parallel_groups(check_initialized=False)
+        if not levels:
+            return cls.flat(cp_group)
+        levels = tuple(levels)
+        sizes = tuple(dist.get_world_size(g) for g in levels)
+        check_hcp_sizes(list(sizes), dist.get_world_size(cp_group))
+        return cls(cp_group, levels, sizes)
+
+
+def build_hcp_groups(sizes: Sequence[int], group: Optional[ProcessGroup] = None) -> HCPGroups:
+    """Build one process group per level over the ranks of ``group`` (default: the whole world).
+
+    ``sizes`` is inner-to-outer (``[2, 4]``: all-to-all pairs of adjacent ranks, a ring of 4). Every
+    rank of ``group`` must call this, in the same order as its other group creations.
+    """
+    cp_group = group or dist.group.WORLD
+    ranks = dist.get_process_group_ranks(cp_group)
+    check_hcp_sizes(sizes, len(ranks))
+    sizes = tuple(sizes)
+    if len(sizes) == 1:
+        return HCPGroups(cp_group, (cp_group,), sizes)
+    cp_rank = dist.get_rank(cp_group)
+    levels = tuple(
+        dist.new_group([ranks[i] for i in level_members(sizes, lvl, cp_rank)], use_local_synchronization=True)
+        for lvl in range(len(sizes))
+    )
+    return HCPGroups(cp_group, levels, sizes)

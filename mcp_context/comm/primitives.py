@@ -1,0 +1,146 @@
+"""Communication primitives for context-parallel attention, each counting the bytes it sends.
+
+- ``RingExchange``: send a tensor to the next ring member while receiving from the previous one, as
+  one batched isend/irecv pair; ``start`` returns at once so the transfer overlaps compute, ``wait``
+  gives the received tensor and names rank, step and peers if the transfer times out.
+- ``seq_to_heads`` / ``heads_to_seq``: the Ulysses all-to-all ``[s, b, h, d] <-> [P*s, b, h/P, d]``
+  (autograd-aware: each one's backward is the other).
+- ``gather_seq``: all-gather along the sequence (autograd-aware: backward is a reduce-scatter).
+  ``torch.distributed.nn.functional.all_gather`` is not used: on gloo its backward is wrong.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from .stats import comm_stats
+
+COMM_TIMEOUT_S = float(os.environ.get("MCP_CONTEXT_COMM_TIMEOUT_S", "600"))
+
+
+def _nbytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
+
+
+class RingExchange:
+    """Point-to-point neighbours of one ring: ``peers`` are global ranks in ring order."""
+
+    def __init__(self, peers: Sequence[int], member: int, group: ProcessGroup, op: str):
+        self.peers, self.member, self.group, self.op = list(peers), member, group, op
+        self.next = self.peers[(member + 1) % len(self.peers)]
+        self.prev = self.peers[(member - 1) % len(self.peers)]
+
+    def start(self, send: torch.Tensor, step: int) -> "PendingExchange":
+        recv = torch.empty_like(send)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, self.next, self.group),
+                                        dist.P2POp(dist.irecv, recv, self.prev, self.group)])
+        comm_stats.record(self.op, _nbytes(send))
+        return PendingExchange(works, recv, f"{self.op} ring step {step}: rank {dist.get_rank()} "
+                                            f"sending to {self.next}, receiving from {self.prev}", send)
+
+
+class PendingExchange:
+    def __init__(self, works: list, recv: torch.Tensor, where: str, send: torch.Tensor):
+        self._works, self._recv, self._where = works, recv, where
+        self._send = send  # keep the send buffer alive until the transfer is done
+
+    def wait(self) -> torch.Tensor:
+        for work in self._works:
+            try:
+                done = work.wait(timeout=datetime.timedelta(seconds=COMM_TIMEOUT_S))
+            except RuntimeError as err:
+                raise RuntimeError(f"{self._where} failed: {err}") from err
+            if done is False:
+                raise RuntimeError(f"{self._where} timed out after {COMM_TIMEOUT_S:.0f} s "
+                                   f"(set MCP_CONTEXT_COMM_TIMEOUT_S to change)")
+        self._send = None
+        return self._recv
+
+
+def _all_to_all(x: torch.Tensor, group: ProcessGroup, op: str) -> torch.Tensor:
+    """All-to-all over the leading dim of ``x [P, ...]``: rank j's ``out[i]`` is rank i's ``x[j]``."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    comm_stats.record(op, _nbytes(x) * (x.shape[0] - 1) // x.shape[0])
+    return out
+
+
+def _seq_to_heads(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    p = dist.get_world_size(group)
+    s, b, h, d = x.shape
+    chunks = x.reshape(s, b, p, h // p, d).movedim(2, 0)  # [P, s, b, h/P, d]: chunk j goes to rank j
+    return _all_to_all(chunks, group, "all_to_all").reshape(p * s, b, h // p, d)
+
+
+def _heads_to_seq(y: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    p = dist.get_world_size(group)
+    ps, b, hp, d = y.shape
+    chunks = y.reshape(p, ps // p, b, hp, d)  # chunk i holds rank i's tokens
+    return _all_to_all(chunks, group, "all_to_all").movedim(0, 2).reshape(ps // p, b, p * hp, d)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _seq_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_seq(grad, ctx.group), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, group):
+        ctx.group = group
+        return _heads_to_seq(y, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_to_heads(grad, ctx.group), None
+
+
+def seq_to_heads(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """``[s, b, h, d]`` sequence shard -> ``[P*s, b, h/P, d]``: every rank's tokens, this rank's heads.
+
+    The output sequence is the group's shards concatenated in group-rank order.
+    """
+    return _SeqToHeads.apply(x, group)
+
+
+def heads_to_seq(y: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Inverse of ``seq_to_heads``: ``[P*s, b, h/P, d] -> [s, b, h, d]``."""
+    return _HeadsToSeq.apply(y, group)
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        p = dist.get_world_size(group)
+        out = x.new_empty((p * x.shape[0],) + tuple(x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        comm_stats.record("all_gather", _nbytes(x) * (p - 1))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        p = dist.get_world_size(ctx.group)
+        out = grad.new_empty((grad.shape[0] // p,) + tuple(grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
+        comm_stats.record("reduce_scatter", _nbytes(grad) * (p - 1) // p)
+        return out, None
+
+
+def gather_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """All-gather ``x [s, ...]`` along dim 0 in group-rank order (backward: reduce-scatter)."""
+    return _GatherSeq.apply(x, group)
+
+
