@@ -31,7 +31,6 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 from megatron.core import utils as mcore_utils
-from megatron.core.fusions import fused_softmax
 from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
 from megatron.core.tensor_parallel import layers as tp_layers
 from megatron.core.tensor_parallel import mappings as tp_mappings
