@@ -21,7 +21,7 @@ import torch
 from mcp_context.convert import mcore_io
 from mcp_context.convert.converter import hf_to_mcore, mcore_to_hf
 from mcp_context.convert.hf_io import HFCheckpointReader, HFCheckpointWriter, MissingTensorError
-from mcp_context.convert.mapping import fuse_qkv, split_gate_up, split_qkv, tensor_maps
+from mcp_context.convert.mapping import fuse_qkv, split_qkv, tensor_maps
 from mcp_context.convert.model_config import (LlamaArchitecture, UnsupportedArchitectureError,
                                               architecture_from_hf_config)
 from tests._dist import run_distributed
