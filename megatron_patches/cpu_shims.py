@@ -105,7 +105,8 @@ def sliding_window_causal_mask_on_cpu(sq: int, skv: int, window_size: tuple[int,
     ``i + skv - sq - window_size[0] <= j <= i + skv - sq + window_size[1]``.
     """
     ones = torch.ones(sq, skv, dtype=torch.bool)
-    inside = torch.tril(torch.triu(ones, diagonal=skv - sq - window_size[0]), diagonal=skv - sq + window_size[1])
+    lowest_key = torch.triu(ones, diagonal=skv - sq - window_size[0])
+    inside = torch.tril(lowest_key, diagonal=skv - sq + window_size[1])
     return ~inside
 
 

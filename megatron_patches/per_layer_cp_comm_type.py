@@ -81,7 +81,9 @@ def cp_comm_types_received(cp_comm_type: list[str]) -> list[Any]:
     received: list[Any] = []
     for layer_number in range(1, len(cp_comm_type) + 1):
         try:
-            layer = TransformerLayer(config, submodules, layer_number=layer_number, pg_collection=pg_collection)
+            layer = TransformerLayer(
+                config, submodules, layer_number=layer_number, pg_collection=pg_collection
+            )
         except IndexError as error:
             received.append(error)
         else:

@@ -88,7 +88,8 @@ def _reference_logits(params: dict, tokens: torch.Tensor) -> torch.Tensor:
     for i in range(LAYERS):
         p = f"decoder.layers.{i}."
         x = rms_norm(h, params[p + "input_layernorm.weight"])
-        qkv = (x @ params[p + "self_attention.linear_qkv.weight"].T).view(b, s, GROUPS, q_per_group + 2, head_dim)
+        qkv = x @ params[p + "self_attention.linear_qkv.weight"].T
+        qkv = qkv.view(b, s, GROUPS, q_per_group + 2, head_dim)  # per group: its q heads, k, v
         q = qkv[:, :, :, :q_per_group].reshape(b, s, HEADS, head_dim).transpose(1, 2)
         k = qkv[:, :, :, q_per_group].transpose(1, 2).repeat_interleave(q_per_group, 1)
         v = qkv[:, :, :, q_per_group + 1].transpose(1, 2).repeat_interleave(q_per_group, 1)
@@ -130,14 +131,16 @@ def _gpt_tp1_vs_fp64(rank, world_size):
         logits, loss, grads = _run_gpt(model, tokens, positions, labels)
         params = {n: p.detach().double().requires_grad_() for n, p in model.named_parameters()}
         ref_logits = _reference_logits(params, tokens)
-        ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(), reduction="none").view(BATCH, SEQ)
+        ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(), reduction="none")
+        ref_loss = ref_loss.view(BATCH, SEQ)
         ref_loss.sum().backward()
         torch.testing.assert_close(logits.double(), ref_logits.detach(), **FP64_TOL)
         torch.testing.assert_close(loss.double(), ref_loss.detach(), **FP64_TOL)
         assert grads.keys() == params.keys()
         for name, grad in grads.items():
             assert torch.isfinite(grad).all(), name
-            torch.testing.assert_close(grad.double(), params[name].grad, **FP64_TOL, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(grad.double(), params[name].grad, **FP64_TOL,
+                                       msg=lambda m: f"{name}: {m}")
         return loss.sum().item()
     finally:
         parallel_state.destroy_model_parallel()
@@ -176,7 +179,8 @@ def _gpt_tp2_sp_vs_tp1(rank, world_size):
         # What finalize_model_grads does in training: sum the sequence-parallel norm grads over TP.
         model.ddp_config = DistributedDataParallelConfig()
         _allreduce_non_tensor_model_parallel_grads([model], config)
-        sequence_parallel_params = sorted(n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False))
+        sequence_parallel_params = sorted(
+            n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False))
         torch.testing.assert_close(logits, tp1_logits, **TP_TOL)
         torch.testing.assert_close(loss, tp1_loss, **TP_TOL)
         for name, param in model.named_parameters():
@@ -189,7 +193,8 @@ def _gpt_tp2_sp_vs_tp1(rank, world_size):
 
 def test_tiny_gpt_tp2_sequence_parallel_matches_tp1_logits_and_grads():
     marked = run_distributed(2, _gpt_tp2_sp_vs_tp1)
-    norms = [f"decoder.layers.{i}.{n}.weight" for i in range(LAYERS) for n in ("input_layernorm", "pre_mlp_layernorm")]
+    norms = [f"decoder.layers.{i}.{n}.weight"
+             for i in range(LAYERS) for n in ("input_layernorm", "pre_mlp_layernorm")]
     assert marked[0] == marked[1] == sorted(norms + ["decoder.final_layernorm.weight"])
 
 
@@ -202,8 +207,8 @@ def _gpt_recompute_with_dropout(rank, world_size):
     try:
         dropout = dict(hidden_dropout=0.2, attention_dropout=0.2)
         plain = _tiny_gpt(_tiny_config(**dropout))
-        recomputed = _tiny_gpt(_tiny_config(**dropout, recompute_granularity="full", recompute_method="uniform",
-                                            recompute_num_layers=1))
+        recomputed = _tiny_gpt(_tiny_config(**dropout, recompute_granularity="full",
+                                            recompute_method="uniform", recompute_num_layers=1))
         recomputed.load_state_dict(plain.state_dict())
         runs = {}
         for name, model, seed in (("plain", plain, 7), ("again", plain, 7), ("recomputed", recomputed, 7),
@@ -271,6 +276,26 @@ def test_each_patch_applied_twice_is_the_same_as_once():
     assert [target() for target in targets] == before
 
 
+def test_probes_see_the_upstream_problems_in_the_kept_originals():
+    from megatron.core import parallel_state
+    from megatron.core.transformer import utils as transformer_utils
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megatron_patches._patching import original_of
+    from megatron_patches.hcp_groups import destroy_leaves_hcp_groups
+    from megatron_patches.torch_norm_sequence_parallel import _sequence_parallel_config
+
+    megatron_patches.apply_all()
+    assert destroy_leaves_hcp_groups(original_of(parallel_state, "destroy_model_parallel"))
+    with pytest.raises(AssertionError, match="sequence parallel"):
+        original_of(WrappedTorchNorm, "__new__")(WrappedTorchNorm, _sequence_parallel_config(), 8)
+    norm = WrappedTorchNorm(_sequence_parallel_config(), 8)
+    assert isinstance(norm, torch.nn.RMSNorm) and norm.weight.sequence_parallel
+    if not torch.cuda.is_available():
+        with pytest.raises((AssertionError, RuntimeError)):
+            original_of(transformer_utils, "get_default_causal_mask")(2)
+
+
 def test_causal_masks_are_built_on_cpu_and_match_the_definition():
     from megatron.core.fusions import fused_softmax
     from megatron.core.transformer import utils as transformer_utils
@@ -281,7 +306,8 @@ def test_causal_masks_are_built_on_cpu_and_match_the_definition():
     assert torch.equal(fused_softmax.get_default_causal_mask(5), j > i)
     # sq=3 queries aligned to the last of skv=5 keys; window (2 before, 0 after)
     qi, kj = torch.arange(3)[:, None] + 2, torch.arange(5)[None, :]
-    assert torch.equal(fused_softmax.get_sliding_window_causal_mask(3, 5, (2, 0)), ~((kj >= qi - 2) & (kj <= qi)))
+    expected = ~((kj >= qi - 2) & (kj <= qi))
+    assert torch.equal(fused_softmax.get_sliding_window_causal_mask(3, 5, (2, 0)), expected)
 
 
 def _rope_on_cp_rank(rank, world_size):
@@ -294,10 +320,12 @@ def _rope_on_cp_rank(rank, world_size):
     try:
         cp_group = parallel_state.get_context_parallel_group()
         cp_rank, cp_size, head_dim, seq = cp_group.rank(), cp_group.size(), 8, 32
-        rope = RotaryEmbedding(kv_channels=head_dim, rotary_percent=1.0, use_cpu_initialization=True, cp_group=cp_group)
+        rope = RotaryEmbedding(kv_channels=head_dim, rotary_percent=1.0, use_cpu_initialization=True,
+                               cp_group=cp_group)
         local = rope(seq)
         chunk = seq // (2 * cp_size)
-        positions = torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in (cp_rank, 2 * cp_size - 1 - cp_rank)])
+        my_chunks = (cp_rank, 2 * cp_size - 1 - cp_rank)
+        positions = torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in my_chunks])
         angles = positions[:, None].double() / 10000 ** (torch.arange(0, head_dim, 2).double() / head_dim)
         expected = torch.cat([angles, angles], -1)[:, None, None, :]
         torch.testing.assert_close(local.double(), expected, atol=1e-5, rtol=1e-6)
@@ -320,7 +348,8 @@ def _hcp_groups_across_reinit(rank, world_size):
 
     seen = []
     for sizes in ([2, 2], [4], None):
-        parallel_state.initialize_model_parallel(context_parallel_size=4, hierarchical_context_parallel_sizes=sizes)
+        parallel_state.initialize_model_parallel(context_parallel_size=4,
+                                                 hierarchical_context_parallel_sizes=sizes)
         seen.append(hcp_ranks())
         parallel_state.destroy_model_parallel()
         seen.append(hcp_ranks())
