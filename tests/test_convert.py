@@ -206,6 +206,26 @@ def test_failed_write_leaves_no_output_and_no_partial_directory(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_two_rank_save_failing_on_one_rank_raises_on_every_rank_and_leaves_nothing(tmp_path):
+    outcomes = run_distributed(2, _case_two_rank_failing_save, str(tmp_path / "ckpt"))
+    assert outcomes == ["RuntimeError: rank 1 producer failed"] * 2
+    assert list(tmp_path.iterdir()) == []
+
+
+def _case_two_rank_failing_save(rank, world_size, ckpt_dir):
+    def load() -> torch.Tensor:
+        if rank == 1:
+            raise RuntimeError("rank 1 producer failed")
+        return torch.ones(1, 2)
+
+    chunk = mcore_io.TensorChunk("a", (2, 2), (rank, 0), (1, 2), torch.float32, load)
+    try:
+        mcore_io.save_chunks(ckpt_dir, [chunk])
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "saved"
+
+
 # ---- acceptance: logits ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", list(MODELS))

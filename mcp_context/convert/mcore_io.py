@@ -120,6 +120,23 @@ def _use_dist(group: Optional[dist.ProcessGroup]) -> bool:
     return group is not None or (dist.is_available() and dist.is_initialized())
 
 
+def _on_first_rank(fn: Callable[[], Any], rank: int, distributed: bool, group: Optional[dist.ProcessGroup]) -> Any:
+    """Run ``fn`` on the group's first rank and give every rank its result, or raise its error on
+    every rank (so no rank is left waiting in a collective for one that failed)."""
+    holder: list[Any] = [None]
+    if rank == 0:
+        try:
+            holder[0] = ("ok", fn())
+        except Exception as exc:
+            holder[0] = ("error", exc)
+    if distributed:
+        dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+    status, value = holder[0]
+    if status == "error":
+        raise value
+    return value
+
+
 def save_chunks(ckpt_dir: str | os.PathLike, chunks: Sequence[TensorChunk], objects: Optional[dict[str, bytes]] = None,
                 extra_files: Optional[dict[str, bytes]] = None, group: Optional[dist.ProcessGroup] = None,
                 on_written: Optional[Callable[[TensorChunk], None]] = None) -> Path:
@@ -132,38 +149,27 @@ def save_chunks(ckpt_dir: str | os.PathLike, chunks: Sequence[TensorChunk], obje
     final = Path(ckpt_dir)
     distributed = _use_dist(group)
     rank = dist.get_rank(group) if distributed else 0
-    tmp_holder = [None]
-    if rank == 0:
-        try:
-            tmp_holder[0] = str(prepare_staging_dir(final))
-        except Exception as exc:  # tell the other ranks before raising, so no rank waits forever
-            tmp_holder[0] = exc
-    if distributed:
-        dist.broadcast_object_list(tmp_holder, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-    if isinstance(tmp_holder[0], Exception):
-        raise tmp_holder[0]
-    tmp = Path(tmp_holder[0])
+
+    def stage() -> str:
+        tmp = prepare_staging_dir(final)
+        (tmp / CONFIG_FILE).write_text(json.dumps(MCORE_CHECKPOINT_CONFIG))
+        torch.save({}, tmp / COMMON_FILE)
+        for rel, data in (extra_files or {}).items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / rel).write_bytes(data)
+        return str(tmp)
+
+    tmp = Path(_on_first_rank(stage, rank, distributed, group))
     try:
-        with _dcp_errors_unwrapped():
+        with _dcp_errors_unwrapped():  # DCP's collectives give every rank the error of any rank
             dcp.save({}, storage_writer=FileSystemWriter(str(tmp), single_file_per_rank=False, thread_count=1),
                      planner=_StreamingSavePlanner(chunks, objects or {}, on_written),
                      process_group=group, no_dist=not distributed)
-        if rank == 0:
-            (tmp / CONFIG_FILE).write_text(json.dumps(MCORE_CHECKPOINT_CONFIG))
-            torch.save({}, tmp / COMMON_FILE)
-            for rel, data in (extra_files or {}).items():
-                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                (tmp / rel).write_bytes(data)
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if distributed:
-        dist.barrier(group=group)
-    if rank == 0:
-        os.replace(tmp, final)
-    if distributed:
-        dist.barrier(group=group)
+    _on_first_rank(lambda: os.replace(tmp, final), rank, distributed, group)
     return final
 
 
