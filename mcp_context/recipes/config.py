@@ -1,0 +1,719 @@
+"""Recipe schema: one dataclass per section, YAML loading, dotted overrides, validation, saving.
+
+A recipe is a YAML file with the sections ``model``, ``data``, ``train``, ``optimizer``,
+``checkpoint`` and ``logging`` (NeMo / Megatron-Bridge style). Field names follow megatron-core:
+``ModelConfig`` uses ``TransformerConfig`` / ``ModelParallelConfig`` names (plus the few ``GPTModel``
+arguments a GPT needs), ``OptimizerConfig`` uses ``megatron.core.optimizer.OptimizerConfig`` names.
+The dataclass defaults *are* the tiny CPU recipe (``recipes/tiny_cpu.yaml`` repeats them).
+
+This module owns: the schema and its defaults, type checking of every value read from a file or a
+command line, unknown-key errors with a close-match suggestion, the layout checks of a recipe
+(run as a pure function, before any process group exists), and the atomic save of the resolved
+config next to checkpoints. It does not build models, process groups or data (see
+``mcp_context.data`` and the pretrain entry).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import tempfile
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, List, Literal, Mapping, Optional, Sequence, Union
+
+import yaml
+
+RESOLVED_RECIPE_FILENAME = "recipe.yaml"
+CP_COMM_TYPES = ("p2p", "a2a", "all_gather", "allgather", "a2a+p2p")
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be used: the message names the dotted key, its value and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    """The model and its parallel layout, in ``TransformerConfig`` field names."""
+
+    num_layers: int = 2
+    """Number of transformer layers."""
+    hidden_size: int = 64
+    """Width of the residual stream."""
+    ffn_hidden_size: Optional[int] = 128
+    """Width of the MLP; None means 4 * hidden_size (TransformerConfig's default)."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_query_groups: Optional[int] = 2
+    """Key/value heads (grouped-query attention); None means one per query head."""
+    kv_channels: Optional[int] = None
+    """Head dimension; None means hidden_size // num_attention_heads."""
+    seq_length: int = 256
+    """Training sequence length in tokens (GPTModel's ``max_sequence_length``); packed samples are
+    cut to exactly this many tokens (plus one for the shifted labels)."""
+    max_position_embeddings: Optional[int] = None
+    """Position table size for learned embeddings; None means seq_length."""
+    vocab_size: Optional[int] = None
+    """Vocabulary size; None means the tokenizer's, padded to make_vocab_size_divisible_by * TP."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the vocabulary to a multiple of this times tensor_model_parallel_size."""
+    position_embedding_type: Literal["rope", "learned_absolute", "none"] = "rope"
+    """Position encoding (GPTModel argument)."""
+    rotary_base: int = 10000
+    """RoPE base (500000 for Llama-3)."""
+    rotary_percent: float = 1.0
+    """Fraction of the head dimension that RoPE rotates."""
+    rope_scaling: bool = False
+    """Llama-3.1 style RoPE frequency scaling for long context."""
+    rope_scaling_factor: float = 8.0
+    """Scale factor of rope_scaling."""
+    share_embeddings_and_output_weights: bool = False
+    """Tie input embedding and output layer (Llama-3: untied)."""
+    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    """Norm layer type."""
+    layernorm_epsilon: float = 1e-5
+    """Norm epsilon."""
+    gated_linear_unit: bool = True
+    """Gated MLP (with activation_func=silu this is SwiGLU)."""
+    activation_func: Literal["silu", "gelu", "relu", "squared_relu"] = "silu"
+    """MLP activation, by name (mapped to the torch function in to_transformer_config_kwargs)."""
+    add_bias_linear: bool = False
+    """Biases in the linear layers."""
+    add_qkv_bias: bool = False
+    """Bias in the QKV projection only."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+    hidden_dropout: float = 0.0
+    """Dropout on the residual branches."""
+    init_method_std: float = 0.02
+    """Standard deviation of the weight initialisation."""
+    tensor_model_parallel_size: int = 1
+    """TP degree."""
+    pipeline_model_parallel_size: int = 1
+    """PP degree."""
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Interleaved pipeline stages per rank; None for the plain 1F1B schedule."""
+    context_parallel_size: int = 4
+    """CP degree: the sequence is sharded over this many ranks (zigzag layout)."""
+    hierarchical_context_parallel_sizes: Optional[List[int]] = field(default_factory=lambda: [2, 2])
+    """CP levels, inner to outer; their product is context_parallel_size. Level 0 (adjacent CP
+    ranks, one NVLink domain) runs all-to-all, the outer levels run P2P rings. Only with
+    cp_comm_type a2a+p2p."""
+    cp_comm_type: str = "a2a+p2p"
+    """CP algorithm: p2p (ring), a2a (Ulysses), all_gather (alias allgather), a2a+p2p (hierarchical)."""
+    sequence_parallel: bool = False
+    """Shard LayerNorm/dropout activations over the TP group (needs TP > 1)."""
+    bf16: bool = False
+    """bf16 mixed precision."""
+    params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype of the parameters (and of pipeline messages)."""
+    recompute_granularity: Optional[Literal["full", "selective"]] = None
+    """Activation recomputation: None, full or selective."""
+    recompute_method: Optional[Literal["uniform", "block"]] = None
+    """How full recomputation groups layers."""
+    recompute_num_layers: Optional[int] = None
+    """Layers per recomputation group (full recomputation)."""
+    layer_spec: Literal["local", "te"] = "local"
+    """Layer spec of mcp_context.megatron.specs: local (pure PyTorch, any device) or te
+    (Transformer Engine linear/norm layers, GPU only)."""
+
+
+# ModelConfig fields that are GPTModel (or recipe) arguments, not TransformerConfig fields.
+_GPT_MODEL_FIELDS = frozenset(
+    {
+        "seq_length",
+        "max_position_embeddings",
+        "vocab_size",
+        "make_vocab_size_divisible_by",
+        "position_embedding_type",
+        "rotary_base",
+        "rotary_percent",
+        "rope_scaling",
+        "rope_scaling_factor",
+        "share_embeddings_and_output_weights",
+        "layer_spec",
+    }
+)
+
+
+@dataclass
+class DataConfig:
+    """Where the tokens come from and how they are tokenised and packed."""
+
+    corpus: str = "bundled"
+    """Text to tokenise: ``bundled`` (the shipped Shakespeare scenes), or a path to a .txt file
+    (one document) or a .jsonl file (one document per line, text under json_key); .gz allowed."""
+    json_key: str = "text"
+    """Field holding the text in each JSONL record."""
+    data_path: Optional[List[str]] = None
+    """Prefixes of already tokenised megatron-core .bin/.idx files; when set, corpus is not read."""
+    tokenizer_type: Literal["SentencePieceTokenizer", "HuggingFaceTokenizer"] = "SentencePieceTokenizer"
+    """Tokenizer family, in Megatron-LM's ``--tokenizer-type`` spelling."""
+    tokenizer_model: Optional[str] = None
+    """SentencePiece .model file or Hugging Face tokenizer directory/name. None: the bundled model
+    for the bundled corpus, otherwise one trained from the corpus into cache_dir."""
+    tokenizer_vocab_size: int = 4096
+    """Vocabulary size when a SentencePiece model is trained from the corpus."""
+    split: str = "949,50,1"
+    """Train/valid/test weights over documents (Megatron's ``--split``)."""
+    cache_dir: str = "runs/data"
+    """Where tokenised corpora, trained tokenizers and dataset index caches are written."""
+    seed: int = 1234
+    """Seed of the sample shuffling."""
+    num_workers: int = 0
+    """DataLoader worker processes."""
+    create_attention_mask: bool = False
+    """Materialise an [s, s] causal mask per sample; keep False for long context (the CP attention
+    applies the causal mask itself)."""
+    reset_position_ids: bool = False
+    """Restart position ids after each end-of-document token."""
+    reset_attention_mask: bool = False
+    """Block attention across documents (needs create_attention_mask)."""
+    eod_mask_loss: bool = False
+    """Exclude end-of-document tokens from the loss."""
+
+
+@dataclass
+class TrainConfig:
+    """Steps, batch sizes and the learning-rate schedule."""
+
+    steps: int = 50
+    """Optimizer steps (Megatron's ``--train-iters``)."""
+    global_batch_size: int = 8
+    """Samples per optimizer step, over all data-parallel ranks."""
+    micro_batch_size: int = 2
+    """Samples per forward/backward on one rank."""
+    world_size: Optional[int] = 4
+    """Ranks this layout is planned for; checked against WORLD_SIZE at launch. None: take the
+    launcher's WORLD_SIZE."""
+    lr_warmup_iters: int = 5
+    """Linear warm-up steps."""
+    lr_decay_iters: Optional[int] = None
+    """Steps over which the learning rate decays to min_lr; None means steps."""
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = "cosine"
+    """Decay shape after warm-up."""
+    eval_interval: int = 25
+    """Steps between validation runs."""
+    eval_iters: int = 2
+    """Validation batches per run."""
+    seed: int = 1234
+    """Seed of the model initialisation and dropout."""
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer, in ``megatron.core.optimizer.OptimizerConfig`` field names."""
+
+    optimizer: Literal["adam", "sgd"] = "adam"
+    """adam (AdamW with decoupled weight decay) or sgd."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the decay."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.95
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Gradient norm clip."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over data-parallel ranks."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Where checkpoints go; the resolved recipe is saved next to every one."""
+
+    save: Optional[str] = "runs/tiny_cpu/checkpoints"
+    """Directory to save checkpoints in; None disables saving."""
+    load: Optional[str] = None
+    """Directory to resume from; None starts from scratch."""
+    save_interval: int = 25
+    """Steps between checkpoints."""
+
+
+@dataclass
+class LoggingConfig:
+    """What is logged and where."""
+
+    log_interval: int = 1
+    """Steps between log lines."""
+    tensorboard_dir: Optional[str] = None
+    """TensorBoard event directory; None disables TensorBoard."""
+    wandb_project: Optional[str] = None
+    """Weights & Biases project; None disables it."""
+
+
+@dataclass
+class RecipeConfig:
+    """A whole recipe. The defaults are the tiny CPU recipe (4 CP ranks as 2 x 2, world size 4)."""
+
+    name: str = "tiny_cpu"
+    """Short name of the recipe."""
+    description: str = "Tiny GPT on the bundled corpus: 4 CPU ranks, hierarchical CP [2, 2] (a2a+p2p)."
+    """One line on what the recipe is for and the cluster it assumes."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict:
+        """Plain nested dict of the recipe (what ``save_recipe`` writes)."""
+        return dataclasses.asdict(self)
+
+    def to_transformer_config_kwargs(self) -> dict:
+        """Keyword arguments for ``megatron.core.transformer.TransformerConfig``.
+
+        Names map one to one; ``activation_func`` and ``params_dtype`` become the torch objects,
+        ``pipeline_dtype`` is set to ``params_dtype`` when PP > 1 (TransformerConfig requires it).
+        Runtime-only fields (``use_cpu_initialization``, fusions) are left to the caller.
+        """
+        import torch
+        import torch.nn.functional as F
+
+        kwargs = {
+            f.name: getattr(self.model, f.name)
+            for f in dataclasses.fields(ModelConfig)
+            if f.name not in _GPT_MODEL_FIELDS
+        }
+        activations = {
+            "silu": F.silu,
+            "gelu": F.gelu,
+            "relu": F.relu,
+            "squared_relu": lambda x: torch.pow(F.relu(x), 2),
+        }
+        kwargs["activation_func"] = activations[self.model.activation_func]
+        if kwargs["cp_comm_type"] == "allgather":  # Transformer Engine spells it all_gather
+            kwargs["cp_comm_type"] = "all_gather"
+        kwargs["params_dtype"] = getattr(torch, self.model.params_dtype)
+        if self.model.hierarchical_context_parallel_sizes is not None:
+            kwargs["hierarchical_context_parallel_sizes"] = list(self.model.hierarchical_context_parallel_sizes)
+        if self.model.pipeline_model_parallel_size > 1:
+            kwargs["pipeline_dtype"] = kwargs["params_dtype"]
+        return kwargs
+
+    def padded_vocab_size(self, tokenizer_vocab_size: int) -> int:
+        """``model.vocab_size`` if set, else the tokenizer's size rounded up to a multiple of
+        ``make_vocab_size_divisible_by * tensor_model_parallel_size`` (Megatron-LM's rule)."""
+        if self.model.vocab_size is not None:
+            return self.model.vocab_size
+        multiple = self.model.make_vocab_size_divisible_by * self.model.tensor_model_parallel_size
+        return int(math.ceil(tokenizer_vocab_size / multiple) * multiple)
+
+    def to_gpt_model_kwargs(self, tokenizer_vocab_size: int) -> dict:
+        """Keyword arguments for ``megatron.core.models.gpt.GPTModel`` besides config and spec."""
+        m = self.model
+        return {
+            "vocab_size": self.padded_vocab_size(tokenizer_vocab_size),
+            "max_sequence_length": m.max_position_embeddings or m.seq_length,
+            "position_embedding_type": m.position_embedding_type,
+            "rotary_base": m.rotary_base,
+            "rotary_percent": m.rotary_percent,
+            "rope_scaling": m.rope_scaling,
+            "rope_scaling_factor": m.rope_scaling_factor,
+            "share_embeddings_and_output_weights": m.share_embeddings_and_output_weights,
+        }
+
+    def to_optimizer_config_kwargs(self) -> dict:
+        """Keyword arguments for ``megatron.core.optimizer.OptimizerConfig``."""
+        kwargs = dataclasses.asdict(self.optimizer)
+        kwargs["bf16"] = self.model.bf16
+        kwargs["params_dtype"] = self.to_transformer_config_kwargs()["params_dtype"]
+        return kwargs
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading values into the dataclasses, with type checks
+# ---------------------------------------------------------------------------------------------
+
+
+def _type_name(annotation: Any) -> str:
+    origin = typing.get_origin(annotation)
+    if origin is Union:
+        return " or ".join(_type_name(a) for a in typing.get_args(annotation))
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(annotation))
+    if origin in (list, List):
+        return f"list of {_type_name(typing.get_args(annotation)[0])}"
+    if annotation is type(None):
+        return "null"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _coerce(value: Any, annotation: Any, key: str) -> Any:
+    """Return ``value`` checked against ``annotation``; raise RecipeError naming ``key``."""
+    origin = typing.get_origin(annotation)
+    if origin is Union:
+        args = typing.get_args(annotation)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, key)
+            except RecipeError as err:
+                errors.append(err)
+        raise errors[0]
+    if origin is Literal:
+        choices = typing.get_args(annotation)
+        if value in choices:
+            return value
+        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise RecipeError(f"{key}={value!r} is not allowed: use one of {', '.join(map(repr, choices))}{hint}")
+    if origin in (list, List):
+        if not isinstance(value, (list, tuple)):
+            raise RecipeError(f"{key}={value!r} must be a {_type_name(annotation)}, e.g. [2, 4]")
+        (item_type,) = typing.get_args(annotation)
+        return [_coerce(v, item_type, f"{key}[{i}]") for i, v in enumerate(value)]
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+    elif annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif annotation is str:
+        if isinstance(value, str):
+            return value
+    else:
+        raise TypeError(f"no reader for the annotation {annotation!r} of {key}")
+    raise RecipeError(
+        f"{key}={value!r} has type {type(value).__name__}, but {key} must be {_type_name(annotation)}"
+    )
+
+
+def _unknown_key_error(key: str, prefix: str, known: Iterable[str]) -> RecipeError:
+    dotted = f"{prefix}{key}"
+    close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.6)
+    hint = f"; did you mean {prefix}{close[0]}?" if close else f"; known keys: {', '.join(sorted(known))}"
+    return RecipeError(f"unknown recipe key {dotted!r}{hint}")
+
+
+def _set_field(obj: Any, path: Sequence[str], value: Any, prefix: str = "") -> None:
+    """Set the dotted ``path`` below dataclass ``obj`` to ``value``, type-checked."""
+    hints = typing.get_type_hints(type(obj))
+    key = path[0]
+    if key not in hints:
+        raise _unknown_key_error(key, prefix, hints)
+    annotation = hints[key]
+    dotted = f"{prefix}{key}"
+    if dataclasses.is_dataclass(annotation):
+        section = getattr(obj, key)
+        if len(path) > 1:
+            _set_field(section, path[1:], value, dotted + ".")
+            return
+        if not isinstance(value, Mapping):
+            raise RecipeError(f"{dotted} is a section: give it a mapping of keys, not {value!r}")
+        for sub_key, sub_value in value.items():
+            _set_field(section, [str(sub_key)], sub_value, dotted + ".")
+        return
+    if len(path) > 1:
+        raise RecipeError(f"{dotted} is a value, not a section: '{dotted}.{'.'.join(path[1:])}' does not exist")
+    setattr(obj, key, _coerce(value, annotation, dotted))
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Split ``"model.context_parallel_size=8"`` into (["model", "context_parallel_size"], 8).
+
+    The value is read as YAML, so ``[2, 4]``, ``true``, ``null`` and numbers keep their types.
+    """
+    if "=" not in text:
+        raise RecipeError(f"override {text!r} must look like section.key=value, e.g. train.steps=100")
+    dotted, raw = text.split("=", 1)
+    path = [p for p in dotted.strip().split(".")]
+    if not all(path):
+        raise RecipeError(f"override {text!r} has an empty key; write section.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        raise RecipeError(f"override {text!r}: the value is not valid YAML ({err})") from None
+    return path, value
+
+
+def load_recipe(path: Union[str, os.PathLike, None] = None, overrides: Sequence[str] = ()) -> RecipeConfig:
+    """Read a recipe: defaults (the tiny CPU recipe), then the YAML file, then dotted overrides.
+
+    Every key is type-checked; unknown keys at any depth raise ``RecipeError`` with a suggestion.
+    The result is not yet validated as a layout: call ``validate_recipe`` (the CLI and the pretrain
+    entry do).
+    """
+    cfg = RecipeConfig()
+    if path is not None:
+        text = Path(path).read_text(encoding="utf-8")
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as err:
+            raise RecipeError(f"recipe {path} is not valid YAML: {err}") from None
+        if not isinstance(data, Mapping):
+            raise RecipeError(f"recipe {path} must be a mapping of sections, got {type(data).__name__}")
+        for key, value in data.items():
+            _set_field(cfg, [str(key)], value)
+    for text in overrides:
+        keys, value = parse_override(text)
+        _set_field(cfg, keys, value)
+    return cfg
+
+
+def write_atomic(path: Union[str, os.PathLike], data: bytes) -> Path:
+    """Write ``data`` to ``path`` through a temporary file in the same directory and a rename, so a
+    reader never sees a partial file. The file gets the usual permissions (0666 less the umask)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def save_recipe(cfg: RecipeConfig, directory: Union[str, os.PathLike]) -> Path:
+    """Write the resolved recipe as ``directory/recipe.yaml`` (temporary name, then rename)."""
+    text = "# Resolved recipe (file + overrides), saved by mcp_context.recipes\n" + yaml.safe_dump(
+        cfg.to_dict(), sort_keys=False, default_flow_style=None
+    )
+    return write_atomic(Path(directory) / RESOLVED_RECIPE_FILENAME, text.encode("utf-8"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout validation (pure: no process group, no file system)
+# ---------------------------------------------------------------------------------------------
+
+
+def _resolve_world_size(cfg: RecipeConfig, world_size: Optional[int]) -> Optional[int]:
+    if world_size is not None:
+        return world_size
+    if cfg.train.world_size is not None:
+        return cfg.train.world_size
+    env = os.environ.get("WORLD_SIZE")
+    return int(env) if env else None
+
+
+def validate_recipe(cfg: RecipeConfig, world_size: Optional[int] = None) -> None:
+    """Check that the recipe describes a runnable layout; raise ``RecipeError`` naming the key.
+
+    ``world_size`` (else ``train.world_size``, else the WORLD_SIZE variable) enables the
+    data-parallel checks. Pure function: safe to call before any process group starts.
+    """
+    m, t = cfg.model, cfg.train
+    for key in (
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "seq_length",
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "context_parallel_size",
+    ):
+        if getattr(m, key) < 1:
+            raise RecipeError(f"model.{key}={getattr(m, key)} must be a positive integer")
+    for key in ("steps", "global_batch_size", "micro_batch_size"):
+        if getattr(t, key) < 1:
+            raise RecipeError(f"train.{key}={getattr(t, key)} must be a positive integer")
+
+    _validate_context_parallel(m)
+    _validate_heads(m)
+    _validate_sequence_length(m)
+    if m.num_layers % m.pipeline_model_parallel_size:
+        raise RecipeError(
+            f"model.num_layers={m.num_layers} is not divisible by "
+            f"model.pipeline_model_parallel_size={m.pipeline_model_parallel_size}; choose a PP size "
+            f"that divides the layer count"
+        )
+    if m.virtual_pipeline_model_parallel_size is not None:
+        stages = m.pipeline_model_parallel_size * m.virtual_pipeline_model_parallel_size
+        if m.pipeline_model_parallel_size < 2 or m.num_layers % stages:
+            raise RecipeError(
+                f"model.virtual_pipeline_model_parallel_size={m.virtual_pipeline_model_parallel_size} "
+                f"needs model.pipeline_model_parallel_size > 1 and num_layers={m.num_layers} divisible by "
+                f"pipeline * virtual stages = {stages}; set it to null or change the layout"
+            )
+    if m.position_embedding_type == "learned_absolute" and (m.max_position_embeddings or m.seq_length) < m.seq_length:
+        raise RecipeError(
+            f"model.max_position_embeddings={m.max_position_embeddings} is smaller than "
+            f"model.seq_length={m.seq_length}; raise it to at least {m.seq_length}"
+        )
+    _validate_batch(cfg, _resolve_world_size(cfg, world_size))
+    _validate_schedule(cfg)
+    _validate_data(cfg.data)
+
+
+def _validate_context_parallel(m: ModelConfig) -> None:
+    cp, sizes, comm = m.context_parallel_size, m.hierarchical_context_parallel_sizes, m.cp_comm_type
+    if comm not in CP_COMM_TYPES:
+        close = difflib.get_close_matches(comm, CP_COMM_TYPES, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise RecipeError(f"model.cp_comm_type={comm!r} is not one of {', '.join(CP_COMM_TYPES)}{hint}")
+    if sizes is not None:
+        if not sizes or any(s < 1 for s in sizes):
+            raise RecipeError(
+                f"model.hierarchical_context_parallel_sizes={sizes} must be a non-empty list of positive "
+                f"integers, inner level first, e.g. [2, {max(cp // 2, 1)}]"
+            )
+        product = math.prod(sizes)
+        if product != cp:
+            raise RecipeError(
+                f"model.hierarchical_context_parallel_sizes={sizes} multiply to {product}, but "
+                f"model.context_parallel_size={cp}; choose sizes whose product is {cp}"
+                + (f", e.g. [2, {cp // 2}]" if cp % 2 == 0 and cp > 2 else "")
+            )
+        if comm != "a2a+p2p":
+            raise RecipeError(
+                f"model.hierarchical_context_parallel_sizes={sizes} is only used by cp_comm_type 'a2a+p2p', "
+                f"but model.cp_comm_type={comm!r}; set cp_comm_type to 'a2a+p2p' or the sizes to null"
+            )
+    if comm == "a2a+p2p" and cp > 1:
+        if sizes is None or len(sizes) < 2:
+            example = f"[2, {cp // 2}]" if cp % 2 == 0 and cp > 2 else "[inner, outer]"
+            raise RecipeError(
+                f"model.cp_comm_type='a2a+p2p' needs model.hierarchical_context_parallel_sizes with at "
+                f"least two levels (got {sizes}); set it, e.g. {example}, or use cp_comm_type 'a2a' or 'p2p'"
+            )
+
+
+def _a2a_degree(m: ModelConfig) -> int:
+    """Ranks over which Ulysses all-to-all scatters heads (1 when no all-to-all runs)."""
+    if m.context_parallel_size == 1:
+        return 1
+    if m.cp_comm_type == "a2a":
+        return m.context_parallel_size
+    if m.cp_comm_type == "a2a+p2p":
+        return m.hierarchical_context_parallel_sizes[0]
+    return 1
+
+
+def _validate_heads(m: ModelConfig) -> None:
+    tp, heads = m.tensor_model_parallel_size, m.num_attention_heads
+    groups = m.num_query_groups or heads
+    if heads % groups:
+        raise RecipeError(
+            f"model.num_attention_heads={heads} is not divisible by model.num_query_groups={groups}; "
+            f"choose a number of query groups that divides the head count"
+        )
+    if heads % tp:
+        raise RecipeError(
+            f"model.num_attention_heads={heads} is not divisible by "
+            f"model.tensor_model_parallel_size={tp}; choose a TP size that divides the head count"
+        )
+    if groups % tp:
+        raise RecipeError(
+            f"model.num_query_groups={groups} is not divisible by model.tensor_model_parallel_size={tp}; "
+            f"choose a TP size that divides the number of key/value heads"
+        )
+    degree = _a2a_degree(m)
+    heads_local, groups_local = heads // tp, groups // tp
+    where = (
+        "model.context_parallel_size"
+        if m.cp_comm_type == "a2a"
+        else "model.hierarchical_context_parallel_sizes[0]"
+    )
+    if heads_local % degree:
+        raise RecipeError(
+            f"all-to-all over {where}={degree} ranks needs the heads per TP rank "
+            f"(model.num_attention_heads / tensor_model_parallel_size = {heads_local}) to be divisible "
+            f"by {degree}; use a smaller all-to-all degree or more heads"
+        )
+    if groups_local % degree and degree % groups_local:
+        raise RecipeError(
+            f"all-to-all over {where}={degree} ranks needs the key/value heads per TP rank "
+            f"(model.num_query_groups / tensor_model_parallel_size = {groups_local}) to divide or be "
+            f"divisible by {degree} (fewer are replicated); change num_query_groups or the degree"
+        )
+
+
+def _validate_sequence_length(m: ModelConfig) -> None:
+    tp, cp, s = m.tensor_model_parallel_size, m.context_parallel_size, m.seq_length
+    if m.sequence_parallel and tp == 1:
+        raise RecipeError(
+            "model.sequence_parallel=true needs model.tensor_model_parallel_size > 1 (it shards over the "
+            "TP group); set sequence_parallel to false or raise TP"
+        )
+    multiple, why = 1, []
+    if cp > 1:
+        multiple, why = 2 * cp, ["2 * context_parallel_size (zigzag: 2 chunks per CP rank)"]
+    if m.sequence_parallel:
+        multiple *= tp
+        why.append("tensor_model_parallel_size (sequence parallelism)")
+    if s % multiple:
+        padded = -(-s // multiple) * multiple
+        raise RecipeError(
+            f"model.seq_length={s} is not divisible by {multiple} = {' * '.join(why)}; "
+            f"pad it to model.seq_length={padded}"
+        )
+
+
+def _validate_batch(cfg: RecipeConfig, world_size: Optional[int]) -> None:
+    m, t = cfg.model, cfg.train
+    if t.global_batch_size % t.micro_batch_size:
+        raise RecipeError(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by "
+            f"train.micro_batch_size={t.micro_batch_size}"
+        )
+    if world_size is None:
+        return
+    model_ranks = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
+    if world_size % model_ranks:
+        raise RecipeError(
+            f"world size {world_size} (train.world_size or WORLD_SIZE) is not divisible by "
+            f"tensor * pipeline * context parallel sizes = {model_ranks}; launch a multiple of {model_ranks} ranks"
+        )
+    dp = world_size // model_ranks
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise RecipeError(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by "
+            f"train.micro_batch_size * data-parallel size = {t.micro_batch_size} * {dp}; "
+            f"use a multiple of {t.micro_batch_size * dp}"
+        )
+
+
+def _validate_schedule(cfg: RecipeConfig) -> None:
+    t, o = cfg.train, cfg.optimizer
+    decay = t.lr_decay_iters if t.lr_decay_iters is not None else t.steps
+    if not 0 <= t.lr_warmup_iters <= decay:
+        raise RecipeError(
+            f"train.lr_warmup_iters={t.lr_warmup_iters} must be between 0 and the decay length "
+            f"(train.lr_decay_iters or train.steps = {decay})"
+        )
+    if not 0 <= o.min_lr <= o.lr:
+        raise RecipeError(f"optimizer.min_lr={o.min_lr} must be between 0 and optimizer.lr={o.lr}")
+
+
+def _validate_data(d: DataConfig) -> None:
+    parts = d.split.split(",")
+    try:
+        weights = [float(p) for p in parts]
+    except ValueError:
+        weights = []
+    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise RecipeError(
+            f"data.split={d.split!r} must be up to three non-negative train,valid,test weights, e.g. '949,50,1'"
+        )
+    if d.tokenizer_type == "HuggingFaceTokenizer" and d.tokenizer_model is None:
+        raise RecipeError(
+            "data.tokenizer_type='HuggingFaceTokenizer' needs data.tokenizer_model (a tokenizer directory)"
+        )
+    if d.reset_attention_mask and not d.create_attention_mask:
+        raise RecipeError("data.reset_attention_mask=true needs data.create_attention_mask=true")

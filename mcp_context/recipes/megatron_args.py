@@ -1,0 +1,173 @@
+"""Recipe -> Megatron-LM ``pretrain_gpt.py`` command line, for users of Megatron-LM itself.
+
+Owns the mapping from recipe fields to Megatron-LM argument names (``megatron/training/arguments.py``
+spelling) and the printing of a ``torchrun ... pretrain_gpt.py`` command. The layer spec is ours:
+``--spec mcp_context.megatron.specs hcp_local_spec`` (or ``hcp_te_spec``), and the CP flags use
+Transformer Engine's spelling (``all_gather``, not ``allgather``).
+"""
+from __future__ import annotations
+
+import shlex
+from typing import Optional
+
+from mcp_context.data.corpus import data_prefixes, tokenizer_model_path
+from mcp_context.recipes.config import RecipeConfig, RecipeError
+
+SPEC_MODULE = "mcp_context.megatron.specs"
+SPEC_NAMES = {"local": "hcp_local_spec", "te": "hcp_te_spec"}
+_TRANSFORMER_IMPL = {"local": "local", "te": "transformer_engine"}
+
+
+def _activation_flags(cfg: RecipeConfig) -> list[str]:
+    m = cfg.model
+    flags = {
+        (True, "silu"): ["--swiglu"],
+        (False, "gelu"): [],
+        (False, "squared_relu"): ["--squared-relu"],
+    }
+    key = (m.gated_linear_unit, m.activation_func)
+    if key not in flags:
+        raise RecipeError(
+            f"model.gated_linear_unit={m.gated_linear_unit} with model.activation_func={m.activation_func!r} "
+            f"has no Megatron-LM flag; use gated silu (--swiglu), plain gelu or plain squared_relu"
+        )
+    return flags[key]
+
+
+def to_megatron_args(cfg: RecipeConfig) -> list[str]:
+    """The ``pretrain_gpt.py`` arguments equivalent to ``cfg`` (a flat argv list)."""
+    m, d, t, o, c, log = cfg.model, cfg.data, cfg.train, cfg.optimizer, cfg.checkpoint, cfg.logging
+    args: list[str] = []
+
+    def add(flag: str, *values: object) -> None:
+        args.append(flag)
+        args.extend(str(v) for v in values)
+
+    # Model shape.
+    add("--num-layers", m.num_layers)
+    add("--hidden-size", m.hidden_size)
+    if m.ffn_hidden_size is not None:
+        add("--ffn-hidden-size", m.ffn_hidden_size)
+    add("--num-attention-heads", m.num_attention_heads)
+    if m.num_query_groups is not None and m.num_query_groups != m.num_attention_heads:
+        add("--group-query-attention")
+        add("--num-query-groups", m.num_query_groups)
+    if m.kv_channels is not None:
+        add("--kv-channels", m.kv_channels)
+    add("--seq-length", m.seq_length)
+    add("--max-position-embeddings", m.max_position_embeddings or m.seq_length)
+    add("--position-embedding-type", m.position_embedding_type)
+    if m.position_embedding_type == "rope":
+        add("--rotary-base", m.rotary_base)
+        add("--rotary-percent", m.rotary_percent)
+        if m.rope_scaling:
+            add("--use-rope-scaling")
+            add("--rope-scaling-factor", m.rope_scaling_factor)
+    add("--normalization", m.normalization)
+    add("--norm-epsilon", m.layernorm_epsilon)
+    args.extend(_activation_flags(cfg))
+    if not m.add_bias_linear:
+        add("--disable-bias-linear")
+    if m.add_qkv_bias:
+        add("--add-qkv-bias")
+    if not m.share_embeddings_and_output_weights:
+        add("--untie-embeddings-and-output-weights")
+    add("--attention-dropout", m.attention_dropout)
+    add("--hidden-dropout", m.hidden_dropout)
+    add("--init-method-std", m.init_method_std)
+    add("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by)
+
+    # Parallel layout and our layer spec.
+    add("--tensor-model-parallel-size", m.tensor_model_parallel_size)
+    add("--pipeline-model-parallel-size", m.pipeline_model_parallel_size)
+    if m.virtual_pipeline_model_parallel_size is not None:
+        add("--num-virtual-stages-per-pipeline-rank", m.virtual_pipeline_model_parallel_size)
+    add("--context-parallel-size", m.context_parallel_size)
+    add("--cp-comm-type", "all_gather" if m.cp_comm_type == "allgather" else m.cp_comm_type)
+    if m.hierarchical_context_parallel_sizes is not None:
+        add("--hierarchical-context-parallel-sizes", *m.hierarchical_context_parallel_sizes)
+    if m.sequence_parallel:
+        add("--sequence-parallel")
+    add("--transformer-impl", _TRANSFORMER_IMPL[m.layer_spec])
+    add("--spec", SPEC_MODULE, SPEC_NAMES[m.layer_spec])
+    if m.bf16:
+        add("--bf16")
+    elif m.params_dtype == "float16":
+        add("--fp16")
+    if m.recompute_granularity is not None:
+        add("--recompute-granularity", m.recompute_granularity)
+    if m.recompute_method is not None:
+        add("--recompute-method", m.recompute_method)
+    if m.recompute_num_layers is not None:
+        add("--recompute-num-layers", m.recompute_num_layers)
+
+    # Data.
+    add("--data-path", *data_prefixes(d))
+    add("--split", d.split)
+    add("--tokenizer-type", d.tokenizer_type)
+    add("--tokenizer-model", tokenizer_model_path(d))
+    add("--data-cache-path", d.cache_dir)
+    add("--num-workers", d.num_workers)
+    if not d.create_attention_mask:
+        add("--no-create-attention-mask-in-dataloader")
+    for flag in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
+        if getattr(d, flag):
+            add("--" + flag.replace("_", "-"))
+
+    # Training and schedule.
+    add("--micro-batch-size", t.micro_batch_size)
+    add("--global-batch-size", t.global_batch_size)
+    add("--train-iters", t.steps)
+    add("--lr-warmup-iters", t.lr_warmup_iters)
+    add("--lr-decay-iters", t.lr_decay_iters if t.lr_decay_iters is not None else t.steps)
+    add("--lr-decay-style", t.lr_decay_style)
+    add("--eval-interval", t.eval_interval)
+    add("--eval-iters", t.eval_iters)
+    add("--seed", t.seed)
+
+    # Optimizer.
+    add("--optimizer", o.optimizer)
+    add("--lr", o.lr)
+    add("--min-lr", o.min_lr)
+    add("--weight-decay", o.weight_decay)
+    add("--adam-beta1", o.adam_beta1)
+    add("--adam-beta2", o.adam_beta2)
+    add("--adam-eps", o.adam_eps)
+    add("--clip-grad", o.clip_grad)
+    if o.use_distributed_optimizer:
+        add("--use-distributed-optimizer")
+
+    # Checkpoints and logging.
+    if c.save is not None:
+        add("--save", c.save)
+        add("--save-interval", c.save_interval)
+    if c.load is not None:
+        add("--load", c.load)
+    add("--log-interval", log.log_interval)
+    if log.tensorboard_dir is not None:
+        add("--tensorboard-dir", log.tensorboard_dir)
+    if log.wandb_project is not None:
+        add("--wandb-project", log.wandb_project)
+    return args
+
+
+def _launcher(world_size: Optional[int]) -> str:
+    if world_size is None:
+        return "torchrun --nproc-per-node $GPUS_PER_NODE --nnodes $NNODES"
+    if world_size > 8 and world_size % 8 == 0:
+        return f"torchrun --nproc-per-node 8 --nnodes {world_size // 8}"
+    return f"torchrun --nproc-per-node {world_size}"
+
+
+def format_megatron_command(cfg: RecipeConfig, prepare_hint: Optional[str] = None) -> str:
+    """A shell command running Megatron-LM's ``pretrain_gpt.py`` with the recipe's flags, one flag
+    per line. ``prepare_hint`` (e.g. the command that tokenises the corpus) is printed as a comment."""
+    comments = [f"# Recipe {cfg.name}: {cfg.description}"]
+    if prepare_hint and not cfg.data.data_path:
+        comments.append(f"# Tokenise the corpus first: {prepare_hint}")
+    command = [f"{_launcher(cfg.train.world_size)} pretrain_gpt.py"]
+    argv = to_megatron_args(cfg)
+    starts = [i for i, a in enumerate(argv) if a.startswith("--")] + [len(argv)]
+    for a, b in zip(starts, starts[1:]):
+        command.append("    " + " ".join(shlex.quote(x) for x in argv[a:b]))
+    return "\n".join(comments) + "\n" + " \\\n".join(command)
