@@ -53,8 +53,8 @@ def check_seq_len(seq_len: int, cp_size: int, layout: str, what: str = "sequence
     m = seq_multiple(layout, cp_size)
     if seq_len % m:
         factor = "2*cp" if layout == "zigzag" else "cp"
-        raise ValueError(f"{what} {seq_len} is not divisible by {factor}={m} (layout {layout!r}, "
-                         f"cp={cp_size}); pad to {seq_len + (-seq_len % m)}")
+        raise ValueError(f"{what} {seq_len} is not divisible by {factor}={m} for layout {layout!r}; "
+                         f"pad to {seq_len + (-seq_len % m)}")
 
 
 def layout_spans(layout: str, cp_size: int, cp_rank: int, seq_len: int) -> list[Span]:

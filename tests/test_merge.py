@@ -1,0 +1,37 @@
+"""Online-softmax merge: exact against one softmax over the union of keys; -inf rows stay finite."""
+import torch
+
+from mcp_context.merge import merge_
+
+
+def _partial(scores, v):
+    lse = torch.logsumexp(scores, -1)
+    p = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0).unsqueeze(-1))
+    return p @ v, lse
+
+
+def test_merging_two_key_halves_equals_softmax_over_all_keys():
+    gen = torch.Generator().manual_seed(0)
+    scores, v = torch.randn(3, 5, 12, generator=gen, dtype=torch.float64) * 4, torch.randn(3, 12, 7, generator=gen,
+                                                                                          dtype=torch.float64)
+    out, lse = _partial(scores[..., :5], v[:, :5])
+    merge_(out, lse, *_partial(scores[..., 5:], v[:, 5:]))
+    ref_out, ref_lse = torch.softmax(scores, -1) @ v, torch.logsumexp(scores, -1)
+    assert (out - ref_out).abs().max() <= 1e-13 and (lse - ref_lse).abs().max() <= 1e-13
+
+
+def test_fully_masked_rows_stay_zero_and_minus_inf_without_nan():
+    out, lse = torch.zeros(2, 4, 3), torch.full((2, 4), float("-inf"))
+    merge_(out, lse, torch.zeros(2, 4, 3), torch.full((2, 4), float("-inf")))
+    assert (out == 0).all() and (lse == float("-inf")).all()
+    block_out, block_lse = torch.randn(2, 4, 3), torch.randn(2, 4)
+    merge_(out, lse, block_out, block_lse)  # first visible block: taken as is
+    assert torch.equal(out, block_out) and torch.equal(lse, block_lse)
+    merge_(out, lse, torch.randn(2, 4, 3), torch.full((2, 4), float("-inf")))  # an empty block changes nothing
+    assert torch.equal(out, block_out) and torch.equal(lse, block_lse)
+
+
+def test_merge_is_stable_for_huge_lse_gaps():
+    out, lse = torch.ones(1, 1, 2), torch.tensor([[1e4]])
+    merge_(out, lse, torch.full((1, 1, 2), 5.0), torch.tensor([[-1e4]]))
+    assert torch.isfinite(out).all() and torch.allclose(out, torch.ones(1, 1, 2)) and lse.item() == 1e4

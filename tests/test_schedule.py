@@ -1,0 +1,52 @@
+"""The schedule covers exactly the visible pairs, and its balance and waste figures are right."""
+import pytest
+import torch
+
+from mcp_context.layouts import spans_positions
+from mcp_context.schedule import layout_schedule, load_balance, masked_waste
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+@pytest.mark.parametrize("cp,inner", [(1, 1), (2, 1), (4, 1), (4, 2), (8, 2), (8, 4), (8, 8)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_tasks_cover_every_visible_pair_exactly_once(layout, cp, inner, causal):
+    sch = layout_schedule(layout, cp, 12 * cp, causal, inner)
+    for m in range(sch.ring_size):
+        q_pos = spans_positions(sch.member_spans[m])
+        for step in range(sch.ring_size):
+            k_pos = spans_positions(sch.member_spans[sch.kv_source(m, step)])
+            visible = (k_pos[None, :] <= q_pos[:, None]) if causal else torch.ones(len(q_pos), len(k_pos), dtype=bool)
+            covered = torch.zeros(visible.shape, dtype=torch.int)
+            for t in sch.tasks[m][step]:
+                block = torch.ones(t.q[1] - t.q[0], t.kv[1] - t.kv[0], dtype=torch.int)
+                covered[t.q[0]:t.q[1], t.kv[0]:t.kv[1]] += block.tril() if t.causal else block
+            assert torch.equal(covered, visible.int()), (m, step, sch.tasks[m][step])
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8, 16])
+def test_zigzag_is_perfectly_balanced_and_contiguous_is_not(cp):
+    chunk = 64
+    assert load_balance(layout_schedule("zigzag", cp, 2 * cp * chunk, True)) == 1.0
+    n = 2 * chunk  # contiguous: rank P-1 does a causal block plus P-1 full blocks
+    expected = (n * (n + 1) / 2 + (cp - 1) * n * n) / (n * (n + 1) / 2 + (cp - 1) / 2 * n * n)
+    got = load_balance(layout_schedule("contiguous", cp, cp * n, True))
+    assert got == pytest.approx(expected, rel=1e-12) and got == pytest.approx((2 * cp - 1) / cp, rel=0.01)
+
+
+def test_zigzag_off_diagonal_steps_are_half_blocks():
+    sch = layout_schedule("zigzag", 4, 64, True)  # local 16 rows = two chunks of 8
+    for rank in range(4):
+        for step in range(1, 4):
+            (task,) = sch.tasks[rank][step]
+            assert not task.causal and task.useful_pairs == 16 * 8
+
+
+def test_masked_waste_is_only_inside_diagonal_tiles():
+    cp, n, tile = 8, 2048, 128  # each rank: one causal 2048-row diagonal block (two zigzag chunks)
+    seq = cp * n
+    sch = layout_schedule("zigzag", cp, seq, True)
+    assert masked_waste(sch, tile=1) == 0.0
+    computed_diagonal = sum(tile * min(a + tile, n) for a in range(0, n, tile))
+    expected = cp * (computed_diagonal - n * (n + 1) // 2) / (seq * (seq + 1) // 2)
+    assert masked_waste(sch, tile=tile) == pytest.approx(expected, rel=1e-12)
+    assert 0 < expected < 0.01
