@@ -21,7 +21,7 @@ CASES = {
     "gqa": r"query heads h=8 are not a multiple of key/value heads h_kv=3",
     "dtype": r"q, k, v must share one dtype, got torch.float32, torch.float64, torch.float32; cast them first",
     "device": r"q, k, v must be on one device, got cpu, meta, cpu",
-    "rank4": r"q must be \[s_local, b, heads, head_dim\] \(sbhd\), got shape \(3, 8, 4\)",
+    "rank4": r"q must be \[s_local, b, heads, head_dim\] \(sbhd\), got shape \(2, 8, 4\)",
 }
 
 
