@@ -158,6 +158,38 @@ def _case_parameter_names(rank, world_size):
         parallel_state.destroy_model_parallel()
 
 
+def test_generated_hf_config_round_trips_and_transformers_reads_it(converted):
+    from transformers import AutoConfig
+
+    from mcp_context.convert.model_config import hf_config_from_architecture
+
+    for name, (hf_dir, _, arch_dict, _) in converted.items():
+        arch = LlamaArchitecture.from_dict(arch_dict)
+        generated = hf_config_from_architecture(arch)
+        assert architecture_from_hf_config(generated) == arch, name
+        theirs = AutoConfig.for_model(**generated).to_dict()  # transformers' own parsing of our fields
+        assert architecture_from_hf_config(theirs) == arch, name
+        assert arch == architecture_from_hf_config(json.loads((hf_dir / "config.json").read_text()))
+
+
+def test_make_random_writes_a_checkpoint_transformers_loads(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from mcp_context.convert.__main__ import main
+
+    config = {"model_type": "qwen2", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    (tmp_path / "cfg.json").write_text(json.dumps(config))
+    assert main(["make-random", "--out", str(tmp_path / "hf"), "--config", str(tmp_path / "cfg.json"),
+                 "--max-shard-size", "20KB"]) == 0
+    ours = _load_safetensors_dir(tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.bfloat16)
+    params = dict(model.named_parameters())
+    assert sorted(ours) == sorted(params)
+    for key, tensor in ours.items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(params[key].data, tensor), key
+
+
 # ---- safetensors I/O ------------------------------------------------------------------------------
 
 def test_hf_writer_output_reads_back_with_safetensors_and_reader_reads_safetensors(tmp_path):

@@ -16,7 +16,8 @@ from typing import Any, Optional
 import torch
 
 from mcp_context.convert.hf_io import DEFAULT_MAX_SHARD_BYTES, HFCheckpointReader, HFCheckpointWriter, MissingTensorError
-from mcp_context.convert.mapping import EXTRA_STATE_MODULES, LAYER_KEY_PREFIX, TensorMap, layer_indices, tensor_maps
+from mcp_context.convert.mapping import (EXTRA_STATE_MODULES, LAYER_KEY_PREFIX, TensorMap, hf_tensors, layer_indices,
+                                         tensor_maps)
 from mcp_context.convert.mcore_io import EXTRA_DIR, McoreCheckpointReader, TensorChunk, save_chunks
 from mcp_context.convert.model_config import (LlamaArchitecture, architecture_from_hf_config,
                                               hf_config_from_architecture)
@@ -40,10 +41,7 @@ def _progress(total: int, desc: str, enabled: Optional[bool]) -> Any:
 
 def check_hf_tensors(reader: HFCheckpointReader, arch: LlamaArchitecture) -> None:
     """Raise unless ``reader`` holds exactly the tensors ``arch`` needs, with the shapes it implies."""
-    expected: dict[str, tuple[int, ...]] = {}
-    for tmap in tensor_maps(arch):
-        for layer in layer_indices(tmap, arch):
-            expected.update(zip(tmap.hf_names_for(layer), tmap.hf_shapes))
+    expected = {name: shape for name, shape, _ in hf_tensors(arch)}
     present = set(reader.names())
     missing = [n for n in expected if n not in present]
     if missing:
@@ -161,9 +159,7 @@ def mcore_to_hf(mcore_dir: str | os.PathLike, hf_dir: str | os.PathLike, *,
     arch = _architecture_of(reader, hf_config)
     check_mcore_tensors(reader, arch)
     maps = tensor_maps(arch)
-    plan = [(name, shape, reader.dtype(tmap.mcore_key))
-            for tmap in maps for layer in layer_indices(tmap, arch)
-            for name, shape in zip(tmap.hf_names_for(layer), tmap.hf_shapes)]
+    plan = [(name, shape, reader.dtype(tmap.mcore_key)) for name, shape, tmap in hf_tensors(arch)]
     with HFCheckpointWriter(hf_dir, plan, max_shard_bytes) as writer, \
             _progress(len(plan), "mcore-to-hf", progress) as bar:
         for tmap in maps:

@@ -163,7 +163,7 @@ def layer_indices(tmap: TensorMap, arch: LlamaArchitecture) -> list[int | None]:
     return list(range(arch.num_layers)) if tmap.per_layer else [None]
 
 
-def hf_tensor_names(arch: LlamaArchitecture) -> list[str]:
-    """Every Hugging Face tensor name a checkpoint of ``arch`` holds, in mapping order."""
-    return [name for tmap in tensor_maps(arch) for layer in layer_indices(tmap, arch)
-            for name in tmap.hf_names_for(layer)]
+def hf_tensors(arch: LlamaArchitecture) -> list[tuple[str, tuple[int, ...], TensorMap]]:
+    """Every Hugging Face tensor of ``arch`` as ``(name, shape, its TensorMap)``, in mapping order."""
+    return [(name, shape, tmap) for tmap in tensor_maps(arch) for layer in layer_indices(tmap, arch)
+            for name, shape in zip(tmap.hf_names_for(layer), tmap.hf_shapes)]

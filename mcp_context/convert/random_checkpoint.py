@@ -13,7 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from mcp_context.convert.hf_io import DEFAULT_MAX_SHARD_BYTES, HFCheckpointWriter
-from mcp_context.convert.mapping import layer_indices, tensor_maps
+from mcp_context.convert.mapping import hf_tensors
 from mcp_context.convert.model_config import architecture_from_hf_config
 
 
@@ -21,8 +21,7 @@ def write_random_hf_checkpoint(out_dir: str | os.PathLike, config: dict, dtype: 
                                seed: int = 0, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> int:
     """Write ``config`` (an HF ``config.json`` dict) and random weights to ``out_dir``; return the bytes written."""
     arch = architecture_from_hf_config(config)
-    tensors = [(name, shape, dtype) for tmap in tensor_maps(arch) for layer in layer_indices(tmap, arch)
-               for name, shape in zip(tmap.hf_names_for(layer), tmap.hf_shapes)]
+    tensors = [(name, shape, dtype) for name, shape, _ in hf_tensors(arch)]
     generator = torch.Generator().manual_seed(seed)
     total = 0
     with HFCheckpointWriter(out_dir, tensors, max_shard_bytes) as writer:
