@@ -119,6 +119,11 @@ def pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) 
     if cp_group is None:
         raise ValueError("cp_group=None: get_pos_emb_on_this_cp_rank needs the context-parallel group")
     cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    if pos_emb.shape[seq_dim] % (2 * cp_size):
+        raise ValueError(
+            f"pos_emb has {pos_emb.shape[seq_dim]} positions along seq_dim={seq_dim}, not a multiple of "
+            f"2*cp_size={2 * cp_size}; pad the sequence to a multiple of {2 * cp_size}"
+        )
     cp_idx = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
     chunks = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1 :])
     mine = chunks.index_select(seq_dim, cp_idx)

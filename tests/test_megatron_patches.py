@@ -333,6 +333,8 @@ def _rope_on_cp_rank(rank, world_size):
         assert torch.equal(direct, local)
         with pytest.raises(ValueError, match="cp_group=None"):
             rope_utils.get_pos_emb_on_this_cp_rank(local, 0, None)
+        with pytest.raises(ValueError, match="pad the sequence to a multiple of 8"):
+            rope_utils.get_pos_emb_on_this_cp_rank(rope.get_emb(seq + 2), 0, cp_group)
     finally:
         parallel_state.destroy_model_parallel()
 
