@@ -53,7 +53,8 @@ def _drop_empty_splits(config: GPTDatasetConfig, prefixes: Sequence[str]) -> Non
     boundaries stay Megatron-LM's (the test split is dropped from the matrix, not from the weights).
     """
     for prefix in prefixes:
-        n_docs = len(IndexedDataset(prefix).sequence_lengths)
+        dataset = IndexedDataset(prefix)
+        n_docs = len(dataset.sequence_lengths)
         for i, name in enumerate(("train", "valid", "test")):
             bounds = config.split_matrix[i]
             if bounds is None:

@@ -1,0 +1,45 @@
+"""Tokenise a recipe's corpus into megatron-core .bin/.idx files (and train its tokenizer if needed).
+
+    python -m mcp_context.data recipes/tiny_cpu.yaml [section.key=value ...] [--force]
+    python -m mcp_context.data - data.corpus=my_docs.jsonl data.json_key=content
+
+(``tools/prepare_data.py`` runs the same from a source checkout.)
+
+Prints the tokenizer, the data prefix, and document/token counts. Run once before training; the
+result is cached under data.cache_dir and reused.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from mcp_context.recipes import RecipeError, load_recipe, validate_recipe
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mcp_context.data", description=__doc__.splitlines()[0])
+    parser.add_argument("recipe", help="recipe YAML file, or - for the embedded tiny CPU default")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.corpus=docs.jsonl")
+    parser.add_argument("--force", action="store_true", help="re-tokenise even if the files exist")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_recipe(None if args.recipe == "-" else args.recipe, args.overrides)
+        validate_recipe(cfg)
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+        from mcp_context.data import prepare_data
+
+        tokenizer, prefixes = prepare_data(cfg, force=args.force)
+    except (RecipeError, FileNotFoundError, KeyError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"tokenizer: {tokenizer.path} ({tokenizer.vocab_size} pieces, end-of-document id {tokenizer.eod})")
+    for prefix in prefixes:
+        dataset = IndexedDataset(prefix)  # keep it alive: sequence_lengths is a view of its mmap
+        lengths = dataset.sequence_lengths
+        print(f"data: {prefix} ({len(lengths)} documents, {int(lengths.sum())} tokens)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Command line for recipes: show, validate, or translate one into Megatron-LM flags.
+
+    python -m mcp_context.recipes show FILE [section.key=value ...]
+    python -m mcp_context.recipes validate FILE [--world-size N] [section.key=value ...]
+    python -m mcp_context.recipes to-megatron-args FILE [section.key=value ...]
+
+FILE may be ``-`` for the embedded default (the tiny CPU recipe). A bad recipe prints the error,
+naming the key, and exits with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from typing import Optional, Sequence
+
+import yaml
+
+from mcp_context.recipes.config import RecipeError, load_recipe, validate_recipe
+from mcp_context.recipes.megatron_args import format_megatron_command
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mcp_context.recipes", description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=["show", "validate", "to-megatron-args"])
+    parser.add_argument("recipe", help="recipe YAML file, or - for the embedded tiny CPU default")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.context_parallel_size=8")
+    parser.add_argument("--world-size", type=int, default=None, help="ranks to check the layout against")
+    args = parser.parse_args(argv)
+    path = None if args.recipe == "-" else args.recipe
+    try:
+        cfg = load_recipe(path, args.overrides)
+        validate_recipe(cfg, world_size=args.world_size)
+        if args.command == "show":
+            print(yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=None), end="")
+        elif args.command == "validate":
+            m = cfg.model
+            print(
+                f"OK {cfg.name}: TP{m.tensor_model_parallel_size} PP{m.pipeline_model_parallel_size} "
+                f"CP{m.context_parallel_size} ({m.cp_comm_type}, levels {m.hierarchical_context_parallel_sizes}) "
+                f"seq_length {m.seq_length}, world size {args.world_size or cfg.train.world_size}"
+            )
+        else:
+            hint = "python tools/prepare_data.py " + " ".join(shlex.quote(a) for a in [args.recipe, *args.overrides])
+            print(format_megatron_command(cfg, prepare_hint=hint))
+    except (RecipeError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
