@@ -1,0 +1,310 @@
+"""Recipes: YAML + dotted overrides with type checks, layout validation, save/load, Megatron-LM flags.
+
+Every bad recipe the issue names must fail in ``load_recipe``/``validate_recipe`` (pure functions,
+no process group) with a message naming the key; the shipped recipes must validate, build a real
+``TransformerConfig``, and translate into ``pretrain_gpt.py`` flags that parse back to their values.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import stat
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mcp_context.recipes import RecipeConfig, RecipeError, load_recipe, save_recipe, validate_recipe
+from mcp_context.recipes.__main__ import main as recipes_cli
+from mcp_context.recipes.megatron_args import format_megatron_command
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+SHIPPED = sorted(RECIPES_DIR.glob("*.yaml"))
+
+
+def _write(tmp_path: Path, data: dict) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_shipped_recipes_exist():
+    names = {p.stem for p in SHIPPED}
+    assert {"tiny_cpu", "llama3_8b_128k", "llama3_8b_128k_hcp", "llama3_70b_1m_hcp"} <= names
+
+
+def test_tiny_recipe_file_is_the_embedded_default():
+    assert load_recipe(RECIPES_DIR / "tiny_cpu.yaml") == RecipeConfig()
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_shipped_recipes_validate_and_say_what_cluster(path):
+    cfg = load_recipe(path)
+    validate_recipe(cfg)
+    assert cfg.name == path.stem
+    assert "Cluster:" in path.read_text(), "each recipe states the cluster it assumes"
+
+
+def test_public_llama3_8b_128k_layout():
+    m = load_recipe(RECIPES_DIR / "llama3_8b_128k.yaml").model
+    assert (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size) == (4, 2, 8)
+    assert m.sequence_parallel and m.seq_length == 131072 and m.cp_comm_type == "p2p"
+    hcp = load_recipe(RECIPES_DIR / "llama3_8b_128k_hcp.yaml").model
+    assert hcp.cp_comm_type == "a2a+p2p" and hcp.hierarchical_context_parallel_sizes == [2, 4]
+    big = load_recipe(RECIPES_DIR / "llama3_70b_1m_hcp.yaml").model
+    assert big.seq_length == 2**20 and len(big.hierarchical_context_parallel_sizes) >= 2
+
+
+def test_overrides_win_over_the_file_and_are_typed(tmp_path):
+    path = _write(tmp_path, {"model": {"context_parallel_size": 2, "hierarchical_context_parallel_sizes": [2, 1]},
+                             "train": {"steps": 7}, "optimizer": {"lr": "1e-3"}})
+    cfg = load_recipe(path, ["model.context_parallel_size=8", "model.hierarchical_context_parallel_sizes=[2, 4]",
+                             "train.steps=100", "optimizer.lr=1e-4", "checkpoint.load=null"])
+    assert cfg.model.context_parallel_size == 8
+    assert cfg.model.hierarchical_context_parallel_sizes == [2, 4]
+    assert cfg.train.steps == 100 and isinstance(cfg.train.steps, int)
+    assert cfg.optimizer.lr == 1e-4 and isinstance(cfg.optimizer.lr, float)  # YAML reads 1e-4 as a string
+    assert cfg.checkpoint.load is None
+    assert load_recipe(path).optimizer.lr == 1e-3  # the file alone, "1e-3" read as a float
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.steps=abc", "train.steps='abc' has type str, but train.steps must be int"),
+        ("train.steps=2.5", "train.steps=2.5 has type float, but train.steps must be int"),
+        ("train.steps=true", "train.steps=True has type bool, but train.steps must be int"),
+        ("model.sequence_parallel=1", "model.sequence_parallel=1 has type int, but model.sequence_parallel must be bool"),
+        ("model.hierarchical_context_parallel_sizes=[2, x]", "model.hierarchical_context_parallel_sizes[1]='x'"),
+        ("model.hierarchical_context_parallel_sizes=4", "must be a list of int"),
+        ("model.normalization=RMSnorm", "did you mean 'RMSNorm'?"),
+        ("optimizer.lr=fast", "optimizer.lr='fast' has type str, but optimizer.lr must be float"),
+        ("model.contex_parallel_size=2", "unknown recipe key 'model.contex_parallel_size'; did you mean model.context_parallel_size?"),
+        ("modle.num_layers=2", "unknown recipe key 'modle'; did you mean model?"),
+        ("train.steps.count=3", "train.steps is a value, not a section"),
+        ("data=3", "data is a section: give it a mapping"),
+        ("train.steps", "must look like section.key=value"),
+    ],
+)
+def test_bad_overrides_name_the_key(override, message):
+    with pytest.raises(RecipeError) as err:
+        load_recipe(None, [override])
+    assert message in str(err.value)
+
+
+def test_unknown_key_in_file_at_any_depth(tmp_path):
+    with pytest.raises(RecipeError, match=r"unknown recipe key 'model\.num_layer'; did you mean model\.num_layers\?"):
+        load_recipe(_write(tmp_path, {"model": {"num_layer": 2}}))
+    with pytest.raises(RecipeError, match=r"unknown recipe key 'trainer'; did you mean train\?"):
+        load_recipe(_write(tmp_path, {"trainer": {"steps": 2}}))
+    with pytest.raises(RecipeError, match=r"train\.global_batch_size='8' has type str"):
+        load_recipe(_write(tmp_path, {"train": {"global_batch_size": "8"}}))
+
+
+# Each case: overrides on the tiny default (CP 4 = [2, 2], a2a+p2p, 4 heads, 2 KV heads, seq 256,
+# world size 4), and a fragment of the error, which must name the key at fault.
+BAD_LAYOUTS = [
+    (["model.hierarchical_context_parallel_sizes=[3, 3]"],
+     "model.hierarchical_context_parallel_sizes=[3, 3] multiply to 9, but model.context_parallel_size=4; "
+     "choose sizes whose product is 4"),
+    (["model.cp_comm_type=ring"], "model.cp_comm_type='ring' is not one of p2p, a2a, all_gather, allgather, a2a+p2p"),
+    (["model.cp_comm_type=a2a_p2p"], "did you mean 'a2a+p2p'?"),
+    (["model.hierarchical_context_parallel_sizes=null"],
+     "model.cp_comm_type='a2a+p2p' needs model.hierarchical_context_parallel_sizes"),
+    (["model.hierarchical_context_parallel_sizes=[4]"],
+     "model.cp_comm_type='a2a+p2p' needs model.hierarchical_context_parallel_sizes with at least two levels"),
+    (["model.cp_comm_type=p2p"], "is only used by cp_comm_type 'a2a+p2p', but model.cp_comm_type='p2p'"),
+    (["model.seq_length=250"],
+     "model.seq_length=250 is not divisible by 8 = 2 * context_parallel_size (zigzag: 2 chunks per CP rank); "
+     "pad it to model.seq_length=256"),
+    (["model.tensor_model_parallel_size=2", "model.sequence_parallel=true", "model.seq_length=264", "train.world_size=8"],
+     "model.seq_length=264 is not divisible by 16 = 2 * context_parallel_size (zigzag: 2 chunks per CP rank) * "
+     "tensor_model_parallel_size (sequence parallelism); pad it to model.seq_length=272"),
+    (["model.sequence_parallel=true"], "model.sequence_parallel=true needs model.tensor_model_parallel_size > 1"),
+    (["model.tensor_model_parallel_size=3", "train.world_size=12"],
+     "model.num_attention_heads=4 is not divisible by model.tensor_model_parallel_size=3"),
+    (["model.num_query_groups=3"], "model.num_attention_heads=4 is not divisible by model.num_query_groups=3"),
+    (["model.num_attention_heads=2", "model.num_query_groups=2", "model.tensor_model_parallel_size=2",
+      "train.world_size=8"],
+     "all-to-all over model.hierarchical_context_parallel_sizes[0]=2 ranks needs the heads per TP rank "
+     "(model.num_attention_heads / tensor_model_parallel_size = 1) to be divisible by 2"),
+    (["model.cp_comm_type=a2a", "model.hierarchical_context_parallel_sizes=null", "model.context_parallel_size=8",
+      "train.world_size=8"],
+     "all-to-all over model.context_parallel_size=8 ranks needs the heads per TP rank"),
+    (["model.num_attention_heads=12", "model.num_query_groups=3", "model.hierarchical_context_parallel_sizes=[4, 1]"],
+     "needs the key/value heads per TP rank (model.num_query_groups / tensor_model_parallel_size = 3) to divide "
+     "or be divisible by 4"),
+    (["train.global_batch_size=6", "train.world_size=8"],
+     "train.global_batch_size=6 is not divisible by train.micro_batch_size * data-parallel size = 2 * 2; "
+     "use a multiple of 4"),
+    (["train.global_batch_size=7"], "train.global_batch_size=7 is not divisible by train.micro_batch_size=2"),
+    (["train.world_size=6"], "world size 6 (train.world_size or WORLD_SIZE) is not divisible by "
+                             "tensor * pipeline * context parallel sizes = 4"),
+    (["model.pipeline_model_parallel_size=3", "train.world_size=12"],
+     "model.num_layers=2 is not divisible by model.pipeline_model_parallel_size=3"),
+    (["model.context_parallel_size=0"], "model.context_parallel_size=0 must be a positive integer"),
+    (["train.lr_warmup_iters=80"], "train.lr_warmup_iters=80 must be between 0 and the decay length"),
+    (["optimizer.min_lr=1.0"], "optimizer.min_lr=1.0 must be between 0 and optimizer.lr=0.003"),
+    (["data.split=90-10"], "data.split='90-10' must be up to three non-negative train,valid,test weights"),
+    (["data.tokenizer_type=HuggingFaceTokenizer"], "needs data.tokenizer_model"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD_LAYOUTS, ids=lambda x: x if isinstance(x, str) else None)
+def test_bad_layouts_fail_before_any_process_group(overrides, message):
+    import torch.distributed as dist
+
+    cfg = load_recipe(None, overrides)
+    with pytest.raises(RecipeError) as err:
+        validate_recipe(cfg)
+    assert message in str(err.value)
+    assert not dist.is_initialized()
+
+
+def test_world_size_comes_from_the_launcher_when_the_recipe_leaves_it_open(monkeypatch):
+    cfg = load_recipe(None, ["train.world_size=null", "train.global_batch_size=6"])
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    validate_recipe(cfg)  # DP unknown: only gbs % mbs is checked, and 6 % 2 == 0
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(RecipeError, match=r"micro_batch_size \* data-parallel size = 2 \* 2"):
+        validate_recipe(cfg)
+    validate_recipe(cfg, world_size=4)  # an explicit world size wins over the variable
+
+
+def test_saved_recipe_round_trips_and_is_written_atomically(tmp_path):
+    cfg = load_recipe(RECIPES_DIR / "llama3_70b_1m_hcp.yaml", ["train.steps=123", "optimizer.lr=2e-5"])
+    target = save_recipe(cfg, tmp_path / "iter_0000100")
+    assert target.name == "recipe.yaml"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["recipe.yaml"]  # no temporary left behind
+    assert target.stat().st_mode & stat.S_IRGRP, "the saved recipe is readable by others (not mkstemp's 0600)"
+    assert load_recipe(target) == cfg
+    save_recipe(load_recipe(None), target.parent)  # overwrite in place
+    assert load_recipe(target) == RecipeConfig()
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_transformer_config_kwargs_build_a_real_transformer_config(path):
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    cfg = load_recipe(path)
+    tc = TransformerConfig(**cfg.to_transformer_config_kwargs())
+    m = cfg.model
+    assert tc.context_parallel_size == m.context_parallel_size
+    assert tc.hierarchical_context_parallel_sizes == m.hierarchical_context_parallel_sizes
+    assert tc.cp_comm_type == m.cp_comm_type
+    assert tc.sequence_parallel == m.sequence_parallel
+    assert tc.num_query_groups == m.num_query_groups
+    assert tc.ffn_hidden_size == m.ffn_hidden_size
+    assert tc.activation_func is F.silu and tc.gated_linear_unit
+    assert tc.params_dtype == getattr(torch, m.params_dtype)
+    gpt = cfg.to_gpt_model_kwargs(tokenizer_vocab_size=128256)
+    multiple = m.make_vocab_size_divisible_by * m.tensor_model_parallel_size
+    assert gpt["vocab_size"] % multiple == 0 and 0 <= gpt["vocab_size"] - 128256 < multiple
+    assert gpt["max_sequence_length"] == m.seq_length
+
+
+def test_allgather_alias_is_passed_on_in_transformer_engine_spelling():
+    cfg = load_recipe(None, ["model.cp_comm_type=allgather", "model.hierarchical_context_parallel_sizes=null"])
+    validate_recipe(cfg)
+    assert cfg.to_transformer_config_kwargs()["cp_comm_type"] == "all_gather"
+    argv = shlex.split(_command_argv(format_megatron_command(cfg)))
+    assert argv[argv.index("--cp-comm-type") + 1] == "all_gather"
+
+
+def _megatron_lm_parser() -> argparse.ArgumentParser:
+    """The flags we emit, declared as Megatron-LM's arguments.py declares them (types, nargs, actions)."""
+    p = argparse.ArgumentParser(prog="pretrain_gpt.py")
+    ints = ["--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--num-query-groups",
+            "--kv-channels", "--seq-length", "--max-position-embeddings", "--rotary-base",
+            "--make-vocab-size-divisible-by", "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+            "--num-virtual-stages-per-pipeline-rank", "--context-parallel-size", "--recompute-num-layers",
+            "--num-workers", "--micro-batch-size", "--global-batch-size", "--train-iters", "--lr-warmup-iters",
+            "--lr-decay-iters", "--eval-interval", "--eval-iters", "--seed", "--save-interval", "--log-interval"]
+    floats = ["--rotary-percent", "--rope-scaling-factor", "--norm-epsilon", "--attention-dropout",
+              "--hidden-dropout", "--init-method-std", "--lr", "--min-lr", "--weight-decay", "--adam-beta1",
+              "--adam-beta2", "--adam-eps", "--clip-grad"]
+    strs = ["--position-embedding-type", "--normalization", "--transformer-impl", "--recompute-granularity",
+            "--recompute-method", "--split", "--tokenizer-type", "--tokenizer-model", "--data-cache-path",
+            "--lr-decay-style", "--optimizer", "--save", "--load", "--tensorboard-dir", "--wandb-project"]
+    flags = ["--group-query-attention", "--use-rope-scaling", "--swiglu", "--squared-relu", "--disable-bias-linear",
+             "--add-qkv-bias", "--untie-embeddings-and-output-weights", "--sequence-parallel", "--bf16", "--fp16",
+             "--no-create-attention-mask-in-dataloader", "--reset-position-ids", "--reset-attention-mask",
+             "--eod-mask-loss", "--use-distributed-optimizer"]
+    for f in ints:
+        p.add_argument(f, type=int)
+    for f in floats:
+        p.add_argument(f, type=float)
+    for f in strs:
+        p.add_argument(f, type=str)
+    for f in flags:
+        p.add_argument(f, action="store_true")
+    p.add_argument("--cp-comm-type", nargs="+", type=str, default=["p2p"])
+    p.add_argument("--hierarchical-context-parallel-sizes", nargs="+", type=int, default=None)
+    p.add_argument("--spec", type=str, default=None, nargs="*")
+    p.add_argument("--data-path", nargs="*", default=None)
+    return p
+
+
+def _command_argv(command: str) -> str:
+    """The arguments after ``pretrain_gpt.py`` in a printed command (comments and launcher dropped)."""
+    body = " ".join(line.rstrip("\\").strip() for line in command.splitlines() if not line.startswith("#"))
+    return body.split("pretrain_gpt.py", 1)[1]
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_megatron_args_parse_back_to_the_recipe(path):
+    cfg = load_recipe(path)
+    command = format_megatron_command(cfg, prepare_hint="python tools/prepare_data.py x")
+    a = _megatron_lm_parser().parse_args(shlex.split(_command_argv(command)))  # unknown flags would exit here
+    m, d, t, o, c = cfg.model, cfg.data, cfg.train, cfg.optimizer, cfg.checkpoint
+    assert a.spec == ["mcp_context.megatron.specs", {"local": "hcp_local_spec", "te": "hcp_te_spec"}[m.layer_spec]]
+    assert (a.num_layers, a.hidden_size, a.ffn_hidden_size, a.num_attention_heads) == (
+        m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads)
+    assert a.group_query_attention and a.num_query_groups == m.num_query_groups
+    assert a.seq_length == m.seq_length and a.max_position_embeddings == (m.max_position_embeddings or m.seq_length)
+    assert a.position_embedding_type == "rope" and a.rotary_base == m.rotary_base
+    assert a.use_rope_scaling == m.rope_scaling
+    assert a.normalization == "RMSNorm" and a.norm_epsilon == m.layernorm_epsilon
+    assert a.swiglu and a.disable_bias_linear and a.untie_embeddings_and_output_weights
+    assert a.tensor_model_parallel_size == m.tensor_model_parallel_size
+    assert a.pipeline_model_parallel_size == m.pipeline_model_parallel_size
+    assert a.num_virtual_stages_per_pipeline_rank == m.virtual_pipeline_model_parallel_size
+    assert a.context_parallel_size == m.context_parallel_size
+    assert a.cp_comm_type == [m.cp_comm_type]
+    assert a.hierarchical_context_parallel_sizes == m.hierarchical_context_parallel_sizes
+    assert a.sequence_parallel == m.sequence_parallel and a.bf16 == m.bf16
+    assert a.transformer_impl == {"local": "local", "te": "transformer_engine"}[m.layer_spec]
+    assert a.recompute_granularity == m.recompute_granularity
+    assert (a.micro_batch_size, a.global_batch_size, a.train_iters) == (t.micro_batch_size, t.global_batch_size, t.steps)
+    assert (a.lr, a.min_lr, a.lr_warmup_iters, a.lr_decay_style) == (o.lr, o.min_lr, t.lr_warmup_iters, t.lr_decay_style)
+    assert a.lr_decay_iters == (t.lr_decay_iters or t.steps)
+    assert (a.weight_decay, a.adam_beta2, a.clip_grad) == (o.weight_decay, o.adam_beta2, o.clip_grad)
+    assert a.use_distributed_optimizer == o.use_distributed_optimizer
+    assert (a.save, a.load, a.save_interval) == (c.save, c.load, c.save_interval)
+    assert a.tokenizer_type == d.tokenizer_type and a.split == d.split
+    assert a.no_create_attention_mask_in_dataloader == (not d.create_attention_mask)
+    if d.data_path:
+        assert a.data_path == d.data_path and a.tokenizer_model == d.tokenizer_model
+        assert "prepare_data" not in command
+    else:
+        assert a.data_path[0].endswith("_text_document") and a.tokenizer_model.endswith(".model")
+        assert "# Tokenise the corpus first: python tools/prepare_data.py x" in command
+    nproc = int(command.split("--nproc-per-node ")[1].split()[0])
+    nnodes = int(command.split("--nnodes ")[1].split()[0]) if "--nnodes" in command else 1
+    assert nproc * nnodes == t.world_size
+
+
+def test_cli_reports_bad_recipes_with_status_2(tmp_path, capsys):
+    assert recipes_cli(["validate", str(RECIPES_DIR / "tiny_cpu.yaml"), "model.seq_length=250"]) == 2
+    assert "error: model.seq_length=250 is not divisible by 8" in capsys.readouterr().err
+    assert recipes_cli(["validate", str(RECIPES_DIR / "llama3_8b_128k_hcp.yaml")]) == 0
+    assert capsys.readouterr().out.startswith("OK llama3_8b_128k_hcp: TP4 PP2 CP8 (a2a+p2p, levels [2, 4])")
+    assert recipes_cli(["show", "-", "train.steps=30"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["train"]["steps"] == 30
+    assert recipes_cli(["to-megatron-args", str(RECIPES_DIR / "llama3_70b_1m_hcp.yaml"), "model.context_parallel_size=32",
+                        "model.hierarchical_context_parallel_sizes=[2,16]", "train.world_size=1024"]) == 0
+    out = capsys.readouterr().out
+    assert "--context-parallel-size 32" in out and "--hierarchical-context-parallel-sizes 2 16" in out
+    assert "--spec mcp_context.megatron.specs hcp_te_spec" in out and "--nnodes 128" in out
