@@ -64,6 +64,8 @@ def context_parallel_attention(
     softmax_scale: Optional[float] = None,
     backend: str = "auto",
     return_lse: bool = False,
+    dropout_p: float = 0.0,
+    dropout_seed: Optional[int] = None,
 ):
     """Exact attention over a sequence sharded across the context-parallel ranks of ``groups``.
 
@@ -71,6 +73,8 @@ def context_parallel_attention(
     (see ``shard_sequence``); the result ``[s_local, b, h, d]`` has q's dtype and is differentiable
     in q, k, v. With ``return_lse`` also the log-sum-exp ``[s_local, b, h]`` (fp32; fp64 for fp64).
     ``groups``: ``HCPGroups`` (``build_hcp_groups``), or a process group for a flat CP group.
+    ``dropout_p``: attention dropout; masks come from ``dropout_seed`` (default: drawn from torch's
+    generator) mixed with the CP rank, ring step and block, so a seed replays the same masks.
     """
     comm = normalize_comm(comm)
     check_layout(layout)
@@ -83,6 +87,11 @@ def context_parallel_attention(
                          f"build_hcp_groups([inner, outer]) or use comm='a2a' or 'p2p'")
     check_seq_len(q.shape[0] * groups.cp_size, groups.cp_size, layout)
     _check_heads(q.shape[2], k.shape[2], a2a_degree(comm, groups), comm)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p={dropout_p} must be in [0, 1)")
+    if dropout_p > 0 and dropout_seed is None:
+        dropout_seed = int(torch.randint(0, 2**62, (1,)).item())
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    kernel = get_kernel(backend, q.device, q.dtype)
-    return context_parallel_forward(q, k, v, groups, comm, layout, causal, kernel, scale, return_lse)
+    kernel = get_kernel(backend, q.device, q.dtype, dropout=dropout_p > 0)
+    return context_parallel_forward(q, k, v, groups, comm, layout, causal, kernel, scale, return_lse,
+                                    dropout_p, dropout_seed or 0)

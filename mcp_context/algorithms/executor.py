@@ -8,11 +8,11 @@ fp64 input). Backward re-walks the same rotation and recomputes each block from 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
-from ..kernels import Kernel, accum_dtype
+from ..kernels import Dropout, Kernel, accum_dtype
 from ..merge import merge_
 from ..schedule import BlockTask
 from .rotation import LocalRotation, RingRotation
@@ -26,6 +26,13 @@ class RingPlan:
     rotation: Union[RingRotation, LocalRotation]
     kernel: Kernel
     scale: float
+    dropout_p: float = 0.0
+    dropout_seed: Optional[int] = None  # already distinct per rank; mixed with step and task here
+
+    def dropout(self, step: int, task: int) -> Optional[Dropout]:
+        if self.dropout_p == 0.0:
+            return None
+        return Dropout(self.dropout_p, hash((self.dropout_seed, step, task)) & (2**63 - 1))
 
 
 def _bhsd(x: torch.Tensor) -> torch.Tensor:
@@ -50,9 +57,10 @@ class RingAttention(torch.autograd.Function):
         out = qb.new_zeros(qb.shape, dtype=acc)
         lse = qb.new_full(qb.shape[:3], float("-inf"), dtype=acc)
         for step, kv in plan.rotation.blocks(_pack_kv(k, v)):
-            for t in plan.tasks[step]:
+            for i, t in enumerate(plan.tasks[step]):
                 qs, ks = slice(*t.q), slice(*t.kv)
-                o, l = plan.kernel.forward(qb[:, :, qs], kv[0, :, :, ks], kv[1, :, :, ks], t.causal, plan.scale)
+                o, l = plan.kernel.forward(qb[:, :, qs], kv[0, :, :, ks], kv[1, :, :, ks], t.causal, plan.scale,
+                                           plan.dropout(step, i))
                 merge_(out[:, :, qs], lse[:, :, qs], o, l)
         out = _sbhd(out, q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -71,10 +79,11 @@ class RingAttention(torch.autograd.Function):
         grads = plan.rotation.gradients(kv, acc)
         for step, kv in plan.rotation.blocks(kv):
             dkv = kv.new_zeros(kv.shape, dtype=acc)
-            for t in plan.tasks[step]:
+            for i, t in enumerate(plan.tasks[step]):
                 qs, ks = slice(*t.q), slice(*t.kv)
                 gq, gk, gv = plan.kernel.backward(dob[:, :, qs], qb[:, :, qs], kv[0, :, :, ks], kv[1, :, :, ks],
-                                                  ob[:, :, qs], lse[:, :, qs], t.causal, plan.scale)
+                                                  ob[:, :, qs], lse[:, :, qs], t.causal, plan.scale,
+                                                  plan.dropout(step, i))
                 dq[:, :, qs] += gq
                 dkv[0, :, :, ks] += gk
                 dkv[1, :, :, ks] += gv

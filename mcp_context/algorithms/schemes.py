@@ -66,8 +66,12 @@ def _take(x: torch.Tensor, pieces) -> torch.Tensor:
 
 
 def context_parallel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: HCPGroups, comm: str,
-                             layout: str, causal: bool, kernel: Kernel, scale: float, return_lse: bool):
-    """Run scheme ``comm`` on validated local shards; returns ``out`` (and ``lse [s, b, h]``)."""
+                             layout: str, causal: bool, kernel: Kernel, scale: float, return_lse: bool,
+                             dropout_p: float = 0.0, dropout_seed: int = 0):
+    """Run scheme ``comm`` on validated local shards; returns ``out`` (and ``lse [s, b, h]``).
+
+    Dropout masks are drawn per (seed, CP rank, ring step, task): deterministic for a given seed and
+    layout, different on every rank and step."""
     cp_size, cp_rank = groups.cp_size, groups.cp_rank
     seq_len = q.shape[0] * cp_size
     inner = a2a_degree(comm, groups)
@@ -91,7 +95,8 @@ def context_parallel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         peers = [groups.cp_global_ranks[cp_rank % inner + inner * m] for m in range(ring_size)]
         rotation = RingRotation(RingExchange(peers, member, groups.cp_group, "ring_kv"),
                                 RingExchange(peers, member, groups.cp_group, "ring_dkv"), ring_size)
-    out, lse = RingAttention.apply(q, k, v, RingPlan(schedule.tasks[member], rotation, kernel, scale))
+    plan = RingPlan(schedule.tasks[member], rotation, kernel, scale, dropout_p, hash((dropout_seed, cp_rank)))
+    out, lse = RingAttention.apply(q, k, v, plan)
     lse = lse.permute(2, 0, 1)  # [s, b, h]
     if inner > 1:
         if pieces is not None:

@@ -24,10 +24,11 @@ def check_hcp_sizes(sizes: Sequence[int], cp_size: int) -> None:
     if math.prod(sizes) != cp_size:
         raise ValueError(f"hierarchical_context_parallel_sizes={sizes} multiply to {math.prod(sizes)}, but "
                          f"context_parallel_size={cp_size}; choose sizes whose product is {cp_size}, "
-                         f"e.g. {_example_sizes(cp_size)}")
+                         f"e.g. {example_hcp_sizes(cp_size)}")
 
 
-def _example_sizes(cp_size: int) -> list[int]:
+def example_hcp_sizes(cp_size: int) -> list[int]:
+    """A sensible inner-first hierarchy for ``cp_size`` ranks, for error messages."""
     inner = next((d for d in (8, 4, 2) if cp_size % d == 0 and d < cp_size), cp_size)
     return [inner, cp_size // inner] if inner < cp_size else [cp_size]
 

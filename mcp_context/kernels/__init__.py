@@ -12,11 +12,27 @@ probing what the installed torch can do on this device and dtype, never by versi
 """
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Optional, Protocol
 
 import torch
 
 BACKENDS = ("auto", "math", "torch", "te")
+
+
+@dataclass(frozen=True)
+class Dropout:
+    """Attention dropout for one block: probability ``p``; the keep-mask is drawn from ``seed``, so the
+    backward (and activation recomputation) regenerates exactly the forward's mask."""
+
+    p: float
+    seed: int
+
+    def keep_scaled(self, shape: torch.Size, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """``mask / (1 - p)`` with ``mask ~ Bernoulli(1 - p)`` of ``shape``."""
+        gen = torch.Generator(device=device).manual_seed(self.seed)
+        keep = torch.rand(shape, generator=gen, device=device) >= self.p
+        return keep.to(dtype) / (1.0 - self.p)
 
 
 class Kernel(Protocol):
@@ -24,13 +40,16 @@ class Kernel(Protocol):
 
     name: str
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return ``out [b, h, sq, d]`` and ``lse [b, h, sq]`` (fp32, or fp64 for fp64 input)."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                dropout: Optional[Dropout] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``out [b, h, sq, d]`` and ``lse [b, h, sq]`` (fp32, or fp64 for fp64 input).
+
+        With dropout, ``out`` uses the dropped probabilities and ``lse`` the undropped scores, so
+        blocks merge exactly as without dropout."""
 
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
+                 dropout: Optional[Dropout] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Return ``dq, dk, dv`` for this block given the final merged ``out`` and ``lse``."""
 
 
@@ -44,16 +63,21 @@ def finite_lse_for_backward(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(lse == float("-inf"), float("inf"))
 
 
-def get_kernel(backend: str, device: torch.device, dtype: torch.dtype) -> Kernel:
-    """The kernel for ``backend`` on this device and dtype (``auto``: the fused op when it works)."""
+def get_kernel(backend: str, device: torch.device, dtype: torch.dtype, dropout: bool = False) -> Kernel:
+    """The kernel for ``backend`` on this device and dtype (``auto``: the fused op when it works).
+
+    Attention dropout needs a kernel that can replay its mask per block: the math kernel."""
     from .math import MathKernel
     from .te import TEKernel
     from .torch_sdpa import TorchKernel
 
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not known; choose one of {', '.join(BACKENDS)}")
-    if backend == "math":
+    if backend == "math" or (backend == "auto" and dropout):
         return MathKernel()
+    if dropout:
+        raise ValueError(f"backend={backend!r} cannot apply attention dropout inside the ring (the fused ops draw "
+                         f"their own masks); use backend='auto' or 'math', or dropout 0")
     if backend == "te":
         return TEKernel(device, dtype)
     fused = TorchKernel.probe(device, dtype)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from . import accum_dtype, finite_lse_for_backward
+from typing import Optional
+
+from . import Dropout, accum_dtype, finite_lse_for_backward
 
 
 def _grouped(q: torch.Tensor, h_kv: int) -> torch.Tensor:
@@ -30,16 +32,18 @@ def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, dtype:
 class MathKernel:
     name = "math"
 
-    def forward(self, q, k, v, causal, scale):
+    def forward(self, q, k, v, causal, scale, dropout: Optional[Dropout] = None):
         dtype = accum_dtype(q.dtype)
         s = _scores(q, k, causal, scale, dtype)
         lse = torch.logsumexp(s, dim=-1)  # -inf on fully masked rows
         p = torch.exp(s - finite_lse_for_backward(lse).unsqueeze(-1))
+        if dropout is not None:
+            p = p * dropout.keep_scaled(p.shape, p.device, dtype)
         out = torch.einsum("bngqk,bnkd->bngqd", p, v.to(dtype))
         b, n, g, sq, d = out.shape
         return out.reshape(b, n * g, sq, d), lse.reshape(b, n * g, sq)
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, causal, scale, dropout: Optional[Dropout] = None):
         dtype = accum_dtype(q.dtype)
         h_kv = k.shape[1]
         s = _scores(q, k, causal, scale, dtype)
@@ -47,8 +51,14 @@ class MathKernel:
         p = torch.exp(s - lse_g)
         do = _grouped(dout, h_kv).to(dtype)
         delta = (do * _grouped(out, h_kv).to(dtype)).sum(-1, keepdim=True)
-        dv = torch.einsum("bngqk,bngqd->bnkd", p, do)
-        ds = p * (torch.einsum("bngqd,bnkd->bngqk", do, v.to(dtype)) - delta)
+        dp = torch.einsum("bngqd,bnkd->bngqk", do, v.to(dtype))
+        if dropout is None:
+            dv = torch.einsum("bngqk,bngqd->bnkd", p, do)
+        else:  # out used the kept, rescaled probabilities; delta = rowsum(dout * out) still holds
+            keep = dropout.keep_scaled(p.shape, p.device, dtype)
+            dv = torch.einsum("bngqk,bngqd->bnkd", p * keep, do)
+            dp = dp * keep
+        ds = p * (dp - delta)
         dq = torch.einsum("bngqk,bnkd->bngqd", ds, k.to(dtype)) * scale
         dk = torch.einsum("bngqk,bngqd->bnkd", ds, _grouped(q, h_kv).to(dtype)) * scale
         return dq.reshape(q.shape), dk, dv

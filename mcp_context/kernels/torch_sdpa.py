@@ -101,11 +101,11 @@ class TorchKernel:
     _forward: Callable
     _backward: Callable
 
-    def forward(self, q, k, v, causal, scale):
-        out, lse = self._forward(q, k, v, causal, scale)
-        return out, lse
+    def forward(self, q, k, v, causal, scale, dropout=None):
+        assert dropout is None, "get_kernel never gives a fused kernel for dropout"
+        return self._forward(q, k, v, causal, scale)
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, causal, scale, dropout=None):
         from . import finite_lse_for_backward
 
         lse = finite_lse_for_backward(lse).to(torch.float64 if q.dtype == torch.float64 else torch.float32)
