@@ -194,3 +194,22 @@ def test_hugging_face_tokenizer_directory(tmp_path):
     text = _bundled_texts()[3]
     assert tokenizer.detokenize(tokenizer.tokenize(text)) == text
     assert _sequences(prefix)[3] == tokenizer.tokenize(text) + [0]
+
+
+def _datasets_on_rank(rank: int, world_size: int, cache_dir: str) -> list[list[int]]:
+    """Every rank builds the datasets (megatron-core: rank 0 writes the index cache, the rest wait)."""
+    cfg = load_recipe(None, [f"data.cache_dir={cache_dir}", "model.seq_length=64"])
+    tokenizer, prefixes = prepare_data(cfg) if rank == 0 else (None, None)
+    torch.distributed.barrier()  # rank 0 tokenised the corpus; the others now read it
+    if rank != 0:
+        tokenizer, prefixes = prepare_data(cfg)
+    train, _valid = build_gpt_datasets(cfg, tokenizer, prefixes)
+    return [train[i]["tokens"].tolist() for i in (0, 5, len(train) - 1)]
+
+
+def test_every_rank_gets_the_same_samples_under_torch_distributed(tmp_path):
+    from tests._dist import run_distributed
+
+    per_rank = run_distributed(2, _datasets_on_rank, str(tmp_path))
+    assert per_rank[0] == per_rank[1]
+    assert len(list((tmp_path / "index_cache").glob("*-GPTDataset-train-shuffle_index.npy"))) == 1
