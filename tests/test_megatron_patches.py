@@ -17,54 +17,13 @@ import torch.nn.functional as F
 
 import megatron_patches
 from tests._dist import run_distributed
+from tests.tiny_gpt import (BATCH, EPS, GROUPS, HEADS, HIDDEN, LAYERS, SEQ, batch, init_parallel, run_gpt,
+                            tiny_config, tiny_gpt, tp_shard)
 
-SEQ, BATCH, VOCAB = 8, 2, 64
-HIDDEN, HEADS, GROUPS, FFN, LAYERS = 32, 4, 2, 48, 2
-EPS = 1e-5
 # fp32 model vs fp64 reference; measured max errors: logits 5e-7, loss 6e-7, grads 1.6e-6 (|grad| <= 5)
 FP64_TOL = dict(atol=2e-5, rtol=1e-4)
 # TP=2 + SP vs TP=1, both fp32; measured max errors: logits 5e-7, loss 1e-6, grads 1.4e-6
 TP_TOL = dict(atol=1e-5, rtol=1e-5)
-
-
-def _tiny_config(**overrides):
-    from megatron.core.transformer import TransformerConfig
-
-    fields = dict(
-        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
-        ffn_hidden_size=FFN, gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
-        layernorm_epsilon=EPS, add_bias_linear=False, use_cpu_initialization=True, init_method_std=0.1,
-        hidden_dropout=0.0, attention_dropout=0.0, masked_softmax_fusion=False,
-        bias_activation_fusion=False, apply_rope_fusion=False, bias_dropout_fusion=False,
-        gradient_accumulation_fusion=False, params_dtype=torch.float32,
-    )
-    fields.update(overrides)
-    return TransformerConfig(**fields)
-
-
-def _tiny_gpt(config):
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    return GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=VOCAB,
-                    max_sequence_length=SEQ, position_embedding_type="rope",
-                    share_embeddings_and_output_weights=False)
-
-
-def _batch():
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
-    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
-    return tokens, torch.arange(SEQ).expand(BATCH, SEQ), labels
-
-
-def _run_gpt(model, tokens, positions, labels, gather_logits=True):
-    """Logits [b, s, vocab] (gathered over TP), per-token loss [b, s], and grads after sum(loss)."""
-    model.zero_grad(set_to_none=True)
-    logits = model(tokens, positions, None, runtime_gather_output=gather_logits)
-    loss = model(tokens, positions, None, labels=labels)
-    loss.sum().backward()
-    return logits.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def _reference_logits(params: dict, tokens: torch.Tensor) -> torch.Tensor:
@@ -102,33 +61,15 @@ def _reference_logits(params: dict, tokens: torch.Tensor) -> torch.Tensor:
     return rms_norm(h, params["decoder.final_layernorm.weight"]) @ params["output_layer.weight"].T
 
 
-def _tp_shard(name: str, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """The TP shard of a TP=1 parameter (or gradient) `name` held by `tp_rank`."""
-    if name.endswith("linear_fc1.weight"):  # SwiGLU: each rank holds [its gate rows; its up rows]
-        return torch.cat([half.chunk(tp_size, 0)[tp_rank] for half in full.chunk(2, 0)])
-    if name.endswith(("word_embeddings.weight", "output_layer.weight", "linear_qkv.weight")):
-        return full.chunk(tp_size, 0)[tp_rank]
-    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
-        return full.chunk(tp_size, 1)[tp_rank]
-    return full
-
-
-def _init_parallel(**kwargs):
-    from megatron.core import parallel_state, tensor_parallel
-
-    parallel_state.initialize_model_parallel(**kwargs)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-
-
 def _gpt_tp1_vs_fp64(rank, world_size):
     from megatron.core import parallel_state
 
     megatron_patches.apply_all()
-    _init_parallel()
+    init_parallel()
     try:
-        model = _tiny_gpt(_tiny_config())
-        tokens, positions, labels = _batch()
-        logits, loss, grads = _run_gpt(model, tokens, positions, labels)
+        model = tiny_gpt(tiny_config())
+        tokens, positions, labels = batch()
+        logits, loss, grads = run_gpt(model, tokens, positions, labels)
         params = {n: p.detach().double().requires_grad_() for n, p in model.named_parameters()}
         ref_logits = _reference_logits(params, tokens)
         ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(), reduction="none")
@@ -157,24 +98,24 @@ def _gpt_tp2_sp_vs_tp1(rank, world_size):
     from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
 
     megatron_patches.apply_all()
-    tokens, positions, labels = _batch()
-    _init_parallel()
+    tokens, positions, labels = batch()
+    init_parallel()
     try:
-        model = _tiny_gpt(_tiny_config())
+        model = tiny_gpt(tiny_config())
         full_params = {n: p.detach().clone() for n, p in model.named_parameters()}
-        tp1_logits, tp1_loss, tp1_grads = _run_gpt(model, tokens, positions, labels)
+        tp1_logits, tp1_loss, tp1_grads = run_gpt(model, tokens, positions, labels)
     finally:
         parallel_state.destroy_model_parallel()
-    _init_parallel(tensor_model_parallel_size=2)
+    init_parallel(tensor_model_parallel_size=2)
     try:
-        config = _tiny_config(tensor_model_parallel_size=2, sequence_parallel=True)
-        model = _tiny_gpt(config)
+        config = tiny_config(tensor_model_parallel_size=2, sequence_parallel=True)
+        model = tiny_gpt(config)
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         with torch.no_grad():
             for name, param in model.named_parameters():
-                param.copy_(_tp_shard(name, full_params[name], tp_rank, 2))
+                param.copy_(tp_shard(name, full_params[name], tp_rank, 2))
         cuda_current_device = torch.cuda.current_device
-        logits, loss, _ = _run_gpt(model, tokens, positions, labels)
+        logits, loss, _ = run_gpt(model, tokens, positions, labels)
         assert torch.cuda.current_device is cuda_current_device, "the CPU redirection must end with the call"
         # What finalize_model_grads does in training: sum the sequence-parallel norm grads over TP.
         model.ddp_config = DistributedDataParallelConfig()
@@ -184,7 +125,7 @@ def _gpt_tp2_sp_vs_tp1(rank, world_size):
         torch.testing.assert_close(logits, tp1_logits, **TP_TOL)
         torch.testing.assert_close(loss, tp1_loss, **TP_TOL)
         for name, param in model.named_parameters():
-            expected = _tp_shard(name, tp1_grads[name], tp_rank, 2)
+            expected = tp_shard(name, tp1_grads[name], tp_rank, 2)
             torch.testing.assert_close(param.grad, expected, **TP_TOL, msg=lambda m: f"{name}: {m}")
         return sequence_parallel_params
     finally:
@@ -202,12 +143,12 @@ def _gpt_recompute_with_dropout(rank, world_size):
     from megatron.core import parallel_state, tensor_parallel
 
     megatron_patches.apply_all()
-    tokens, positions, labels = _batch()
-    _init_parallel()
+    tokens, positions, labels = batch()
+    init_parallel()
     try:
         dropout = dict(hidden_dropout=0.2, attention_dropout=0.2)
-        plain = _tiny_gpt(_tiny_config(**dropout))
-        recomputed = _tiny_gpt(_tiny_config(**dropout, recompute_granularity="full",
+        plain = tiny_gpt(tiny_config(**dropout))
+        recomputed = tiny_gpt(tiny_config(**dropout, recompute_granularity="full",
                                             recompute_method="uniform", recompute_num_layers=1))
         recomputed.load_state_dict(plain.state_dict())
         runs = {}
@@ -394,7 +335,7 @@ def _cp_comm_type_per_pipeline_stage(rank, world_size):
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
     try:
         types = ["p2p", "a2a", "all_gather", "a2a+p2p"]
-        config = _tiny_config(num_layers=4, pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
+        config = tiny_config(num_layers=4, pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
                               context_parallel_size=2, cp_comm_type=types)
         layer = ModuleSpec(module=TransformerLayer,
                            submodules=TransformerLayerSubmodules(self_attention=_RecordCpCommType))

@@ -1,0 +1,130 @@
+"""Validation of the context-parallel fields of a Megatron ``TransformerConfig``, before anything runs.
+
+megatron-core accepts ``cp_comm_type="bogus"``, hierarchical sizes that do not multiply to the CP
+size, and ``a2a+p2p`` without hierarchical groups (upstream then trains with no CP at all). Every
+check here works on any object with ``TransformerConfig``'s field names — the config itself, or a
+recipe's model section — so recipes and layer specs share one set of checks and one set of messages.
+``prefix`` says where the fields live (``"model."`` for a recipe) so messages name the key to fix.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+from typing import Any, Optional
+
+from ..algorithms import COMM_ALIASES, COMM_TYPES
+from ..comm.groups import example_hcp_sizes
+
+ACCEPTED_COMM = COMM_TYPES + tuple(COMM_ALIASES)
+
+
+class HCPConfigError(ValueError):
+    """A context-parallel setting megatron-core would accept but cannot train correctly."""
+
+
+def _comm_list(config: Any) -> list:
+    comm = config.cp_comm_type
+    if comm is None:
+        return ["p2p"]
+    return list(comm) if isinstance(comm, (list, tuple)) else [comm]
+
+
+def normalize_cp_comm_type(config: Any) -> None:
+    """Rewrite the ``allgather`` spelling as ``all_gather`` in place (a string or a per-layer list)."""
+    comm = config.cp_comm_type
+    if isinstance(comm, (list, tuple)):
+        config.cp_comm_type = [COMM_ALIASES.get(c, c) for c in comm]
+    elif comm is not None:
+        config.cp_comm_type = COMM_ALIASES.get(comm, comm)
+
+
+def a2a_degree_of(config: Any, comm: str) -> int:
+    """Ranks over which one layer's Ulysses all-to-all scatters heads (1: none)."""
+    if config.context_parallel_size == 1:
+        return 1
+    if comm == "a2a":
+        return config.context_parallel_size
+    if comm == "a2a+p2p":
+        return config.hierarchical_context_parallel_sizes[0]
+    return 1
+
+
+def validate_cp_config(config: Any, seq_length: Optional[int] = None, prefix: str = "") -> None:
+    """Raise ``HCPConfigError`` naming the field, its value and the fix for any setting we cannot run."""
+    _check_comm(config, prefix)
+    _check_hierarchy(config, prefix)
+    _check_heads(config, prefix)
+    if seq_length is not None:
+        _check_seq_length(config, seq_length, prefix)
+
+
+def _check_comm(config: Any, p: str) -> None:
+    comms = _comm_list(config)
+    if isinstance(config.cp_comm_type, (list, tuple)) and len(comms) != config.num_layers:
+        raise HCPConfigError(f"{p}cp_comm_type is a per-layer list of {len(comms)} entries but "
+                             f"{p}num_layers={config.num_layers}; give one entry per layer or a single string")
+    for comm in comms:
+        if comm not in ACCEPTED_COMM:
+            close = difflib.get_close_matches(str(comm), ACCEPTED_COMM, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise HCPConfigError(f"{p}cp_comm_type={comm!r} is not one of {', '.join(COMM_TYPES)} "
+                                 f"(alias: allgather){hint}")
+
+
+def _check_hierarchy(config: Any, p: str) -> None:
+    cp, sizes = config.context_parallel_size, config.hierarchical_context_parallel_sizes
+    uses_hierarchy = "a2a+p2p" in _comm_list(config)
+    if sizes is not None:
+        if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
+            raise HCPConfigError(f"{p}hierarchical_context_parallel_sizes={list(sizes)} must be a non-empty list "
+                                 f"of positive integers, inner level first, e.g. {example_hcp_sizes(cp)}")
+        if math.prod(sizes) != cp:
+            raise HCPConfigError(f"{p}hierarchical_context_parallel_sizes={list(sizes)} multiply to "
+                                 f"{math.prod(sizes)}, but {p}context_parallel_size={cp}; choose sizes whose "
+                                 f"product is {cp}, e.g. {example_hcp_sizes(cp)}")
+    if uses_hierarchy and cp > 1 and (sizes is None or len(sizes) < 2):
+        raise HCPConfigError(f"{p}cp_comm_type='a2a+p2p' needs {p}hierarchical_context_parallel_sizes with at "
+                             f"least two levels (got {sizes}); megatron-core would silently train without "
+                             f"context parallelism. Set it, e.g. {example_hcp_sizes(cp)}, or use 'a2a' or 'p2p'")
+
+
+def _check_heads(config: Any, p: str) -> None:
+    tp, heads = config.tensor_model_parallel_size, config.num_attention_heads
+    groups = config.num_query_groups or heads
+    if heads % groups:
+        raise HCPConfigError(f"{p}num_attention_heads={heads} is not divisible by {p}num_query_groups={groups}; "
+                             f"choose a number of query groups that divides the head count")
+    if heads % tp:
+        raise HCPConfigError(f"{p}num_attention_heads={heads} is not divisible by "
+                             f"{p}tensor_model_parallel_size={tp}; choose a TP size that divides the head count")
+    heads_local, groups_local = heads // tp, max(groups // tp, 1)
+    for comm in set(_comm_list(config)):
+        degree = a2a_degree_of(config, COMM_ALIASES.get(comm, comm))
+        where = (f"{p}context_parallel_size" if comm == "a2a"
+                 else f"{p}hierarchical_context_parallel_sizes[0]")
+        if heads_local % degree:
+            raise HCPConfigError(f"cp_comm_type={comm!r} scatters heads over {where}={degree} ranks, but each TP "
+                                 f"rank has {heads_local} heads ({p}num_attention_heads / "
+                                 f"tensor_model_parallel_size), not divisible by {degree}; use a smaller "
+                                 f"all-to-all degree or more heads")
+        if groups_local % degree and degree % groups_local:
+            raise HCPConfigError(f"cp_comm_type={comm!r} scatters heads over {where}={degree} ranks, but each TP "
+                                 f"rank has {groups_local} key/value heads ({p}num_query_groups / "
+                                 f"tensor_model_parallel_size), which neither divides nor is divisible by "
+                                 f"{degree}; change num_query_groups or the degree")
+
+
+def _check_seq_length(config: Any, seq_length: int, p: str) -> None:
+    tp, cp = config.tensor_model_parallel_size, config.context_parallel_size
+    if config.sequence_parallel and tp == 1:
+        raise HCPConfigError(f"{p}sequence_parallel=true needs {p}tensor_model_parallel_size > 1 (it shards "
+                             f"over the TP group); set sequence_parallel to false or raise TP")
+    multiple, why = 1, []
+    if cp > 1:
+        multiple, why = 2 * cp, ["2*context_parallel_size (zigzag: 2 chunks per CP rank)"]
+    if config.sequence_parallel:
+        multiple *= tp
+        why.append("tensor_model_parallel_size (sequence parallelism)")
+    if seq_length % multiple:
+        raise HCPConfigError(f"{p}seq_length={seq_length} is not divisible by {multiple} = {' * '.join(why)}; "
+                             f"pad it to {p}seq_length={seq_length + (-seq_length % multiple)}")

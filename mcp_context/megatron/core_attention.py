@@ -1,0 +1,100 @@
+"""``HCPDotProductAttention``: megatron-core's core-attention slot filled by our engine.
+
+Same constructor and forward as megatron-core's ``DotProductAttention``, so a layer spec swaps it in
+with no other change. It reads ``context_parallel_size``, ``hierarchical_context_parallel_sizes`` and
+``cp_comm_type`` from the ``TransformerConfig``, the groups from ``pg_collection`` (newer cores) or
+``model_comm_pgs`` (older cores) or ``parallel_state``, and runs ``context_parallel_attention`` on the
+zigzag layout that megatron-core's batch and RoPE slicing use.
+
+With ``attn_mask_type=causal`` the ``attention_mask`` argument is ignored, as in
+``TEDotProductAttention``: the mask is implied by the positions each CP rank holds. Arbitrary masks,
+attention bias and packed sequences are refused with a clear error.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+from ..api import context_parallel_attention, normalize_comm
+from ..comm import HCPGroups
+from .config import HCPConfigError, normalize_cp_comm_type, validate_cp_config
+
+LAYOUT = "zigzag"  # megatron-core's get_batch_on_this_cp_rank and RoPE slicing assume it
+
+
+def _hcp_groups(pg_collection: Any) -> HCPGroups:
+    cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+    if cp is None:
+        return HCPGroups.from_megatron()
+    levels = getattr(pg_collection, "hcp", None)
+    if not levels:
+        return HCPGroups.flat(cp)
+    levels = tuple(levels)
+    return HCPGroups(cp, levels, tuple(torch.distributed.get_world_size(g) for g in levels))
+
+
+class HCPDotProductAttention(MegatronModule):
+    """Exact hierarchical context-parallel attention: ``q [s, b, np, hn], k/v [s, b, ng, hn] -> [s, b, np*hn]``."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection: Any = None, model_comm_pgs: Any = None):
+        super().__init__(config=config)
+        normalize_cp_comm_type(config)
+        validate_cp_config(config)
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        comm = cp_comm_type if cp_comm_type is not None else config.cp_comm_type
+        if isinstance(comm, (list, tuple)):  # a per-layer list reaching us unindexed
+            comm = comm[self.layer_number - 1]
+        # CP=1 needs no communication, whatever was configured.
+        self.cp_comm_type = "p2p" if config.context_parallel_size == 1 else normalize_comm(comm or "p2p")
+        head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        if config.apply_query_key_layer_scaling:
+            self.softmax_scale /= self.layer_number
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.pg_collection = pg_collection if pg_collection is not None else model_comm_pgs
+        self.groups = _hcp_groups(self.pg_collection)
+        if self.groups.cp_size != config.context_parallel_size:
+            raise HCPConfigError(f"TransformerConfig.context_parallel_size={config.context_parallel_size}, but the "
+                                 f"context-parallel process group has {self.groups.cp_size} ranks; initialise "
+                                 f"parallel_state with context_parallel_size={config.context_parallel_size} (and "
+                                 f"the same hierarchical_context_parallel_sizes) before building the model")
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
+                attention_bias: Optional[torch.Tensor] = None, packed_seq_params: Any = None) -> torch.Tensor:
+        if packed_seq_params is not None:
+            raise NotImplementedError("HCPDotProductAttention does not support packed sequences (thd) yet; "
+                                      "pack documents into fixed-length sequences without packed_seq_params")
+        if attention_bias is not None:
+            raise NotImplementedError("HCPDotProductAttention does not support attention_bias")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if mask_type == AttnMaskType.causal:
+            causal = True
+        elif mask_type == AttnMaskType.no_mask or (mask_type == AttnMaskType.padding and attention_mask is None):
+            causal = False
+        else:
+            raise NotImplementedError(f"attn_mask_type={mask_type.name} with an explicit attention_mask is not "
+                                      f"supported by HCPDotProductAttention; use causal or no_mask")
+        out = context_parallel_attention(
+            query, key, value, self.groups, causal=causal, layout=LAYOUT, comm=self.cp_comm_type,
+            softmax_scale=self.softmax_scale, dropout_p=self.dropout_p if self.training else 0.0,
+            dropout_seed=self._dropout_seed(query.device) if self.training and self.dropout_p > 0 else None)
+        s, b, h, d = out.shape
+        return out.reshape(s, b, h * d)
+
+    @staticmethod
+    def _dropout_seed(device: torch.device) -> int:
+        """A fresh seed per call from megatron's model-parallel RNG stream (the one its dropout uses), so
+        runs are reproducible from the training seed and activation recomputation replays the masks."""
+        from megatron.core import tensor_parallel
+
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            return int(torch.randint(0, 2**62, (1,), device=device).item())
+

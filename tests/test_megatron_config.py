@@ -1,0 +1,131 @@
+"""Context-parallel settings megatron-core would accept but we cannot run are refused at build time,
+each with a message that names the field, the value and the fix; the spec works like ``--spec``."""
+import importlib
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import megatron_patches
+from mcp_context.megatron import HCPConfigError, HCPDotProductAttention, normalize_cp_comm_type, validate_cp_config
+from tests._dist import run_distributed
+from tests.tiny_gpt import init_parallel, tiny_config
+
+
+def _config(**kw):
+    fields = dict(context_parallel_size=4, num_attention_heads=8, num_query_groups=8)
+    fields.update(kw)
+    return tiny_config(**fields)
+
+
+@pytest.mark.parametrize("fields,seq,pattern", [
+    (dict(cp_comm_type="bogus"), None, r"cp_comm_type='bogus' is not one of p2p, a2a, all_gather, a2a\+p2p"),
+    (dict(cp_comm_type="a2a_p2p"), None, r"did you mean 'a2a\+p2p'\?"),
+    (dict(cp_comm_type="a2a+p2p"), None,
+     r"cp_comm_type='a2a\+p2p' needs hierarchical_context_parallel_sizes with at least two levels \(got None\); "
+     r"megatron-core would silently train without context parallelism. Set it, e.g. \[2, 2\]"),
+    (dict(cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[3, 3]), None,
+     r"hierarchical_context_parallel_sizes=\[3, 3\] multiply to 9, but context_parallel_size=4; choose sizes "
+     r"whose product is 4, e.g. \[2, 2\]"),
+    (dict(cp_comm_type="a2a", num_attention_heads=6, num_query_groups=6), None,
+     r"cp_comm_type='a2a' scatters heads over context_parallel_size=4 ranks, but each TP rank has 6 heads"),
+    (dict(cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[4, 1], num_attention_heads=12,
+          num_query_groups=3), None,
+     r"scatters heads over hierarchical_context_parallel_sizes\[0\]=4 ranks, but each TP rank has 3 key/value "
+     r"heads .*which neither divides nor is divisible by 4"),
+    (dict(), 1001, r"seq_length=1001 is not divisible by 8 = 2\*context_parallel_size \(zigzag: 2 chunks per CP "
+                   r"rank\); pad it to seq_length=1008"),
+    (dict(tensor_model_parallel_size=2, sequence_parallel=True), 1000,
+     r"seq_length=1000 is not divisible by 16 = 2\*context_parallel_size .* \* tensor_model_parallel_size "
+     r"\(sequence parallelism\); pad it to seq_length=1008"),
+])
+def test_validator_names_field_value_and_fix(fields, seq, pattern):
+    with pytest.raises(HCPConfigError, match=pattern):
+        validate_cp_config(_config(**fields), seq)
+
+
+@pytest.mark.parametrize("fields,seq", [
+    (dict(cp_comm_type="a2a", tensor_model_parallel_size=2, context_parallel_size=2), 1000),
+    (dict(cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[4, 1], num_query_groups=2), 1000),
+    (dict(cp_comm_type="p2p", hierarchical_context_parallel_sizes=[2, 2]), 8),  # sizes serve a2a+p2p layers
+    (dict(cp_comm_type=["a2a+p2p", "p2p"], hierarchical_context_parallel_sizes=[2, 2]), 16),
+])
+def test_validator_accepts_runnable_settings(fields, seq):
+    validate_cp_config(_config(**fields), seq)
+
+
+def test_per_layer_list_must_have_one_entry_per_layer():
+    section = SimpleNamespace(**{f: getattr(_config(), f) for f in (
+        "context_parallel_size", "hierarchical_context_parallel_sizes", "tensor_model_parallel_size",
+        "sequence_parallel", "num_attention_heads", "num_query_groups")}, num_layers=2,
+        cp_comm_type=["p2p", "a2a", "p2p"])
+    with pytest.raises(HCPConfigError, match=r"model.cp_comm_type is a per-layer list of 3 entries but "
+                                             r"model.num_layers=2; give one entry per layer"):
+        validate_cp_config(section, prefix="model.")
+
+
+def test_recipe_prefix_names_the_recipe_key():
+    with pytest.raises(HCPConfigError, match=r"model.cp_comm_type='ring'"):
+        validate_cp_config(_config(cp_comm_type="ring"), prefix="model.")
+
+
+def test_allgather_is_normalised_in_place_for_strings_and_lists():
+    config = _config(cp_comm_type="allgather")
+    normalize_cp_comm_type(config)
+    assert config.cp_comm_type == "all_gather"
+    config = _config(cp_comm_type=["allgather", "p2p"])
+    normalize_cp_comm_type(config)
+    assert config.cp_comm_type == ["all_gather", "p2p"]
+
+
+def test_module_level_spec_resolves_like_megatron_lm_spec_flag():
+    # pretrain_gpt.py --spec MODULE NAME: import_module(MODULE), then getattr(NAME), used uncalled
+    module, name = "mcp_context.megatron.specs", "hcp_local_spec"
+    spec = getattr(importlib.import_module(module), name)
+    assert spec.submodules.self_attention.submodules.core_attention is HCPDotProductAttention
+    with pytest.raises(AttributeError, match=r"layer specs here: hcp_local_spec, hcp_te_spec"):
+        getattr(importlib.import_module(module), "hcp_spec")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="TE may be importable on a CUDA machine")
+def test_te_spec_without_transformer_engine_says_what_to_do():
+    with pytest.raises(RuntimeError, match=r"needs Transformer Engine, which is not importable here"):
+        importlib.import_module("mcp_context.megatron.specs").hcp_te_spec
+
+
+def _build_errors(rank, world):
+    from megatron.core import parallel_state
+    from megatron.core.transformer.enums import AttnMaskType
+
+    megatron_patches.apply_all()
+    messages = {}
+    init_parallel(context_parallel_size=1)
+    try:  # config says CP=4, parallel_state has CP=1: must not train without CP
+        HCPDotProductAttention(_config(), 1, AttnMaskType.causal, "self")
+    except HCPConfigError as err:
+        messages["mismatch"] = str(err)
+    finally:
+        parallel_state.destroy_model_parallel()
+    init_parallel(context_parallel_size=2)
+    try:
+        attn = HCPDotProductAttention(_config(context_parallel_size=2), 1, AttnMaskType.causal, "self")
+        q = torch.zeros(4, 1, 8, 4)
+        for name, kwargs in [("packed", dict(packed_seq_params=object())), ("bias", dict(attention_bias=q)),
+                             ("mask", dict(attn_mask_type=AttnMaskType.arbitrary))]:
+            try:
+                attn(q, q, q, torch.ones(1, 1, 4, 8, dtype=torch.bool), **kwargs)
+            except NotImplementedError as err:
+                messages[name] = str(err)
+    finally:
+        parallel_state.destroy_model_parallel()
+    return messages
+
+
+def test_core_attention_refuses_what_it_cannot_do():
+    messages = run_distributed(2, _build_errors)[0]
+    assert re.search(r"context_parallel_size=4, but the context-parallel process group has 1 ranks; initialise "
+                     r"parallel_state with context_parallel_size=4", messages["mismatch"])
+    assert "does not support packed sequences" in messages["packed"]
+    assert "does not support attention_bias" in messages["bias"]
+    assert "attn_mask_type=arbitrary with an explicit attention_mask is not supported" in messages["mask"]
