@@ -12,12 +12,16 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+import warnings
 from typing import Optional, Sequence
 
 import yaml
 
-from mcp_context.recipes.config import RecipeError, load_recipe, validate_recipe
-from mcp_context.recipes.megatron_args import format_megatron_command
+# megatron-core (imported by the validators) warns once per fused kernel it lacks; not news on CPU.
+warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).* not installed")
+
+from mcp_context.recipes.config import RecipeError, load_recipe, validate_recipe  # noqa: E402
+from mcp_context.recipes.megatron_args import format_megatron_command  # noqa: E402
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

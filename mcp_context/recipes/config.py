@@ -8,7 +8,8 @@ The dataclass defaults *are* the tiny CPU recipe (``recipes/tiny_cpu.yaml`` repe
 
 This module owns: the schema and its defaults, type checking of every value read from a file or a
 command line, unknown-key errors with a close-match suggestion, the layout checks of a recipe
-(run as a pure function, before any process group exists), and the atomic save of the resolved
+(run as a pure function, before any process group exists; the context-parallel checks are
+``mcp_context.megatron.config.validate_cp_config``, shared with the Megatron integration), and the atomic save of the resolved
 config next to checkpoints. It does not build models, process groups or data (see
 ``mcp_context.data`` and the pretrain entry).
 """
@@ -26,8 +27,9 @@ from typing import Any, Iterable, List, Literal, Mapping, Optional, Sequence, Un
 
 import yaml
 
+from mcp_context.algorithms import COMM_ALIASES
+
 RESOLVED_RECIPE_FILENAME = "recipe.yaml"
-CP_COMM_TYPES = ("p2p", "a2a", "all_gather", "allgather", "a2a+p2p")
 
 
 class RecipeError(ValueError):
@@ -291,8 +293,7 @@ class RecipeConfig:
             "squared_relu": lambda x: torch.pow(F.relu(x), 2),
         }
         kwargs["activation_func"] = activations[self.model.activation_func]
-        if kwargs["cp_comm_type"] == "allgather":  # Transformer Engine spells it all_gather
-            kwargs["cp_comm_type"] = "all_gather"
+        kwargs["cp_comm_type"] = COMM_ALIASES.get(kwargs["cp_comm_type"], kwargs["cp_comm_type"])  # TE spelling
         kwargs["params_dtype"] = getattr(torch, self.model.params_dtype)
         if self.model.hierarchical_context_parallel_sizes is not None:
             kwargs["hierarchical_context_parallel_sizes"] = list(self.model.hierarchical_context_parallel_sizes)
@@ -534,9 +535,15 @@ def validate_recipe(cfg: RecipeConfig, world_size: Optional[int] = None) -> None
         if getattr(t, key) < 1:
             raise RecipeError(f"train.{key}={getattr(t, key)} must be a positive integer")
 
-    _validate_context_parallel(m)
-    _validate_heads(m)
-    _validate_sequence_length(m)
+    # The CP checks shared with the Megatron integration: one check, one message. Imported here
+    # because mcp_context.megatron imports megatron-core (seconds), which loading a recipe does not need.
+    from mcp_context.megatron.config import HCPConfigError, validate_cp_config
+
+    try:
+        validate_cp_config(m, seq_length=m.seq_length, prefix="model.")
+    except HCPConfigError as err:
+        raise RecipeError(str(err)) from err
+    _validate_tensor_parallel_kv_heads(m)
     if m.num_layers % m.pipeline_model_parallel_size:
         raise RecipeError(
             f"model.num_layers={m.num_layers} is not divisible by "
@@ -561,107 +568,13 @@ def validate_recipe(cfg: RecipeConfig, world_size: Optional[int] = None) -> None
     _validate_data(cfg.data)
 
 
-def _validate_context_parallel(m: ModelConfig) -> None:
-    cp, sizes, comm = m.context_parallel_size, m.hierarchical_context_parallel_sizes, m.cp_comm_type
-    if comm not in CP_COMM_TYPES:
-        close = difflib.get_close_matches(comm, CP_COMM_TYPES, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise RecipeError(f"model.cp_comm_type={comm!r} is not one of {', '.join(CP_COMM_TYPES)}{hint}")
-    if sizes is not None:
-        if not sizes or any(s < 1 for s in sizes):
-            raise RecipeError(
-                f"model.hierarchical_context_parallel_sizes={sizes} must be a non-empty list of positive "
-                f"integers, inner level first, e.g. [2, {max(cp // 2, 1)}]"
-            )
-        product = math.prod(sizes)
-        if product != cp:
-            raise RecipeError(
-                f"model.hierarchical_context_parallel_sizes={sizes} multiply to {product}, but "
-                f"model.context_parallel_size={cp}; choose sizes whose product is {cp}"
-                + (f", e.g. [2, {cp // 2}]" if cp % 2 == 0 and cp > 2 else "")
-            )
-        if comm != "a2a+p2p":
-            raise RecipeError(
-                f"model.hierarchical_context_parallel_sizes={sizes} is only used by cp_comm_type 'a2a+p2p', "
-                f"but model.cp_comm_type={comm!r}; set cp_comm_type to 'a2a+p2p' or the sizes to null"
-            )
-    if comm == "a2a+p2p" and cp > 1:
-        if sizes is None or len(sizes) < 2:
-            example = f"[2, {cp // 2}]" if cp % 2 == 0 and cp > 2 else "[inner, outer]"
-            raise RecipeError(
-                f"model.cp_comm_type='a2a+p2p' needs model.hierarchical_context_parallel_sizes with at "
-                f"least two levels (got {sizes}); set it, e.g. {example}, or use cp_comm_type 'a2a' or 'p2p'"
-            )
-
-
-def _a2a_degree(m: ModelConfig) -> int:
-    """Ranks over which Ulysses all-to-all scatters heads (1 when no all-to-all runs)."""
-    if m.context_parallel_size == 1:
-        return 1
-    if m.cp_comm_type == "a2a":
-        return m.context_parallel_size
-    if m.cp_comm_type == "a2a+p2p":
-        return m.hierarchical_context_parallel_sizes[0]
-    return 1
-
-
-def _validate_heads(m: ModelConfig) -> None:
-    tp, heads = m.tensor_model_parallel_size, m.num_attention_heads
-    groups = m.num_query_groups or heads
-    if heads % groups:
+def _validate_tensor_parallel_kv_heads(m: ModelConfig) -> None:
+    groups = m.num_query_groups or m.num_attention_heads
+    if groups % m.tensor_model_parallel_size:
         raise RecipeError(
-            f"model.num_attention_heads={heads} is not divisible by model.num_query_groups={groups}; "
-            f"choose a number of query groups that divides the head count"
-        )
-    if heads % tp:
-        raise RecipeError(
-            f"model.num_attention_heads={heads} is not divisible by "
-            f"model.tensor_model_parallel_size={tp}; choose a TP size that divides the head count"
-        )
-    if groups % tp:
-        raise RecipeError(
-            f"model.num_query_groups={groups} is not divisible by model.tensor_model_parallel_size={tp}; "
-            f"choose a TP size that divides the number of key/value heads"
-        )
-    degree = _a2a_degree(m)
-    heads_local, groups_local = heads // tp, groups // tp
-    where = (
-        "model.context_parallel_size"
-        if m.cp_comm_type == "a2a"
-        else "model.hierarchical_context_parallel_sizes[0]"
-    )
-    if heads_local % degree:
-        raise RecipeError(
-            f"all-to-all over {where}={degree} ranks needs the heads per TP rank "
-            f"(model.num_attention_heads / tensor_model_parallel_size = {heads_local}) to be divisible "
-            f"by {degree}; use a smaller all-to-all degree or more heads"
-        )
-    if groups_local % degree and degree % groups_local:
-        raise RecipeError(
-            f"all-to-all over {where}={degree} ranks needs the key/value heads per TP rank "
-            f"(model.num_query_groups / tensor_model_parallel_size = {groups_local}) to divide or be "
-            f"divisible by {degree} (fewer are replicated); change num_query_groups or the degree"
-        )
-
-
-def _validate_sequence_length(m: ModelConfig) -> None:
-    tp, cp, s = m.tensor_model_parallel_size, m.context_parallel_size, m.seq_length
-    if m.sequence_parallel and tp == 1:
-        raise RecipeError(
-            "model.sequence_parallel=true needs model.tensor_model_parallel_size > 1 (it shards over the "
-            "TP group); set sequence_parallel to false or raise TP"
-        )
-    multiple, why = 1, []
-    if cp > 1:
-        multiple, why = 2 * cp, ["2 * context_parallel_size (zigzag: 2 chunks per CP rank)"]
-    if m.sequence_parallel:
-        multiple *= tp
-        why.append("tensor_model_parallel_size (sequence parallelism)")
-    if s % multiple:
-        padded = -(-s // multiple) * multiple
-        raise RecipeError(
-            f"model.seq_length={s} is not divisible by {multiple} = {' * '.join(why)}; "
-            f"pad it to model.seq_length={padded}"
+            f"model.num_query_groups={groups} is not divisible by "
+            f"model.tensor_model_parallel_size={m.tensor_model_parallel_size}; choose a TP size that divides "
+            f"the number of key/value heads"
         )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import shlex
 from typing import Optional
 
+from mcp_context.algorithms import COMM_ALIASES
 from mcp_context.data.corpus import data_prefixes, tokenizer_model_path
 from mcp_context.recipes.config import RecipeConfig, RecipeError
 
@@ -83,7 +84,7 @@ def to_megatron_args(cfg: RecipeConfig) -> list[str]:
     if m.virtual_pipeline_model_parallel_size is not None:
         add("--num-virtual-stages-per-pipeline-rank", m.virtual_pipeline_model_parallel_size)
     add("--context-parallel-size", m.context_parallel_size)
-    add("--cp-comm-type", "all_gather" if m.cp_comm_type == "allgather" else m.cp_comm_type)
+    add("--cp-comm-type", COMM_ALIASES.get(m.cp_comm_type, m.cp_comm_type))
     if m.hierarchical_context_parallel_sizes is not None:
         add("--hierarchical-context-parallel-sizes", *m.hierarchical_context_parallel_sizes)
     if m.sequence_parallel:
