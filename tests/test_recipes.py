@@ -310,3 +310,14 @@ def test_cli_reports_bad_recipes_with_status_2(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "--context-parallel-size 32" in out and "--hierarchical-context-parallel-sizes 2 16" in out
     assert "--spec mcp_context.megatron.specs hcp_te_spec" in out and "--nnodes 128" in out
+
+
+def test_spec_flag_names_a_module_spec_that_megatron_lm_can_import():
+    """Megatron-LM's ``--spec MODULE NAME`` does ``getattr(import_module(MODULE), NAME)``."""
+    import importlib
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    argv = shlex.split(_command_argv(format_megatron_command(load_recipe(RECIPES_DIR / "tiny_cpu.yaml"))))
+    module, name = argv[argv.index("--spec") + 1 : argv.index("--spec") + 3]
+    assert isinstance(getattr(importlib.import_module(module), name), ModuleSpec)
