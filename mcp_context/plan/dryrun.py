@@ -1,0 +1,149 @@
+"""Bytes and memory of one attention layer, taken from the real engine run on meta tensors.
+
+The planner does not carry its own byte formulas: for a candidate layout it runs the engine's
+``context_parallel_forward`` forward and backward, once per CP rank, on ``meta`` tensors (shapes and
+dtypes, no data) under torch's in-process *fake* process group of the CP size (every collective and
+point-to-point op returns at once). The comm layer counts what it sends exactly as in a real run
+(``comm_stats``), ``MemTracker`` follows every tensor the engine allocates (peak and what stays saved
+for backward), and a thin observer around the four ``torch.distributed`` calls the comm layer uses
+notes *where* each call sends (the peers), so the planner can split bytes into intra- and inter-node
+traffic. The kernel is the fused CPU attention op, whose meta function allocates what a fused
+kernel returns (no O(s^2) scores).
+
+This module owns the fake world, the destination observer and the per-rank dry run; it does not
+decide which layouts are valid (``candidates.py``) or what they cost (``cost.py``).
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..algorithms import context_parallel_forward
+from ..comm import build_hcp_groups, comm_stats
+from ..kernels.torch_sdpa import TorchKernel, _cpu_backward, _cpu_forward
+
+# The comm layer's operations (comm_stats keys) and the torch.distributed call each one uses.
+OP_CALL = {"ring_kv": "batch_isend_irecv", "ring_dkv": "batch_isend_irecv", "all_to_all": "all_to_all_single",
+           "all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor"}
+
+
+@dataclass(frozen=True)
+class RankShape:
+    """One CP rank's attention inputs after tensor parallelism (heads already divided by TP)."""
+
+    seq_len: int
+    batch: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.bfloat16
+
+
+@dataclass
+class RankTraffic:
+    """What one CP rank sends and holds in one attention layer's forward and backward."""
+
+    cp_rank: int
+    forward: dict[str, int]
+    backward: dict[str, int]
+    destinations: dict[str, dict[int, int]] = field(default_factory=dict)
+    """torch.distributed call -> {destination CP rank: bytes} (weights for the intra/inter split)."""
+    calls_forward: dict[str, int] = field(default_factory=dict)
+    """torch.distributed call -> how many times this rank made it in forward (one ring transfer each)."""
+    calls_backward: dict[str, int] = field(default_factory=dict)
+    saved_bytes: int = 0
+    """Bytes allocated by the layer that are still alive after forward (inputs included)."""
+    peak_bytes: int = 0
+    """Peak bytes allocated during forward and backward (inputs and output gradient included)."""
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int) -> Iterator[None]:
+    """An in-process fake default process group: this process plays ``rank`` of ``world_size``."""
+    from torch.testing._internal.distributed import fake_pg  # noqa: F401  (registers the "fake" backend)
+
+    if dist.is_initialized():
+        raise RuntimeError("the planner's dry run needs a process without a torch.distributed default group; "
+                           "run it in its own process (python -m mcp_context.plan ...)")
+    dist.init_process_group("cpu:fake,meta:fake", store=fake_pg.FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _observe(log: dict[str, Counter], calls: Counter, name: str, original):
+    def collective(*args, **kwargs):
+        if name == "batch_isend_irecv":
+            for op in args[0]:
+                if op.op is dist.isend:
+                    log[name][op.peer] += op.tensor.numel() * op.tensor.element_size()
+        else:
+            inp = args[1]
+            ranks = dist.get_process_group_ranks(kwargs.get("group") or dist.group.WORLD)
+            me = dist.get_rank()
+            for peer in ranks:
+                if peer != me:  # equal parts to every other member: only the split matters here
+                    log[name][peer] += inp.numel() * inp.element_size()
+        calls[name] += 1
+        return original(*args, **kwargs)
+
+    return collective
+
+
+@contextlib.contextmanager
+def _observe_destinations() -> Iterator[tuple[dict[str, Counter], Counter]]:
+    log: dict[str, Counter] = defaultdict(Counter)
+    calls: Counter = Counter()
+    originals = {name: getattr(dist, name) for name in set(OP_CALL.values())}
+    for name, fn in originals.items():
+        setattr(dist, name, _observe(log, calls, name, fn))
+    try:
+        yield log, calls
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def _fused_meta_kernel() -> TorchKernel:
+    return TorchKernel("torch:cpu_flash", _cpu_forward, _cpu_backward)
+
+
+def dry_run_rank(comm: str, sizes: Sequence[int], layout: str, causal: bool, shape: RankShape,
+                 cp_rank: int) -> RankTraffic:
+    """Run one attention layer's forward and backward as CP rank ``cp_rank`` of ``prod(sizes)``."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    cp_size = 1
+    for s in sizes:
+        cp_size *= s
+    s_local = shape.seq_len // cp_size
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with fake_world(cp_size, cp_rank), _observe_destinations() as (log, calls):
+            groups = build_hcp_groups(list(sizes))
+            tracker = MemTracker()
+            comm_stats.reset()
+            with tracker:
+                q, k, v = (torch.empty(s_local, shape.batch, h, shape.head_dim, device="meta", dtype=shape.dtype,
+                                       requires_grad=True) for h in (shape.heads, shape.kv_heads, shape.kv_heads))
+                out = context_parallel_forward(q, k, v, groups, comm, layout, causal, _fused_meta_kernel(),
+                                               shape.head_dim ** -0.5, False)
+                saved = _total(tracker.get_tracker_snapshot("current"))
+                forward, calls_forward = dict(comm_stats.bytes_sent), dict(calls)
+                out.backward(torch.empty_like(out))
+            backward = dict(comm_stats.bytes_sent - Counter(forward))
+            calls_backward = dict(calls - Counter(calls_forward))
+            peak = _total(tracker.get_tracker_snapshot("peak"))
+    return RankTraffic(cp_rank, forward, backward, {k: dict(v) for k, v in log.items()}, calls_forward,
+                       calls_backward, saved, peak)
+
+
+def _total(snapshot: dict) -> int:
+    return sum(stats.get("Total", 0) for stats in snapshot.values())

@@ -1,0 +1,190 @@
+"""The planner: every valid CP layout for a model, a sequence and a machine, measured and ranked.
+
+For each candidate (``candidates.py``) it reads load balance and masked waste from the engine's
+schedule, bytes and attention memory from a dry run of the engine (``dryrun.py``), predicts the
+layer's attention time with and without overlap (``cost.py``) and the memory per rank
+(``model.py``), then recommends one. Ranking: layouts that fit in memory first; among them the
+lowest attention time per sequence for the whole cluster (one layer's time divided by the
+data-parallel size, since a smaller CP leaves more GPUs for data parallelism and the MLP's cost per
+sequence does not depend on CP); near-ties (within 2 %) go to fewer inter-node bytes, then less memory.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from ..schedule import layout_schedule, load_balance, masked_waste
+from .candidates import Candidate, cp_sizes_for, enumerate_candidates, heads_per_tp_rank
+from .cost import Fabric, Prediction, predict
+from .dryrun import RankShape, RankTraffic, dry_run_rank
+from .model import ModelShape
+from .profiles import MachineProfile
+
+ALL_RANKS_UP_TO = 16
+TIE = 0.02
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    model: ModelShape
+    seq_len: int
+    gpus: int
+    profile: MachineProfile
+    tp: int = 1
+    pp: int = 1
+    micro_batch_size: int = 1
+    causal: bool = True
+    dtype: torch.dtype = torch.bfloat16
+
+
+@dataclass
+class PlanRow:
+    """One candidate's figures (bytes and memory per rank, times per layer)."""
+
+    candidate: Candidate
+    data_parallel_size: int
+    load_balance: float
+    masked_waste: float
+    forward_bytes: dict[str, int]
+    backward_bytes: dict[str, int]
+    intra_node_bytes: int
+    inter_node_bytes: int
+    prediction: Prediction
+    attention_saved_bytes: int
+    attention_peak_bytes: int
+    activation_bytes: int
+    model_state_bytes: int
+    fits: bool
+    dry_run_ranks: list[int] = field(default_factory=list)
+
+    @property
+    def seconds_per_sequence(self) -> float:
+        """One layer's attention (fwd+bwd, overlapped) per sequence for the whole cluster."""
+        return self.prediction.total_s / self.data_parallel_size
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.activation_bytes + self.model_state_bytes
+
+    def bytes_by_level(self) -> dict[str, int]:
+        """Forward+backward bytes per rank: level 0 (all-to-all), the outer levels (ring), all-gather."""
+        both = {op: self.forward_bytes.get(op, 0) + self.backward_bytes.get(op, 0)
+                for op in set(self.forward_bytes) | set(self.backward_bytes)}
+        return {"level0_all_to_all": both.get("all_to_all", 0),
+                "outer_ring": both.get("ring_kv", 0) + both.get("ring_dkv", 0),
+                "all_gather": both.get("all_gather", 0) + both.get("reduce_scatter", 0)}
+
+
+@dataclass
+class Plan:
+    request: PlanRequest
+    rows: list[PlanRow]
+    rejected: list[tuple[Candidate, str]]
+    recommended: Optional[PlanRow]
+    reasons: list[str]
+
+
+def dry_run_ranks(cp_size: int, tp: int, gpus_per_node: int) -> list[int]:
+    """Every CP rank up to ``ALL_RANKS_UP_TO``; beyond, the ranks on the first and the last node
+    (where the ring wraps round and where every kind of peer pair already occurs)."""
+    if cp_size <= ALL_RANKS_UP_TO:
+        return list(range(cp_size))
+    per_node = max(gpus_per_node // tp, 1)
+    return sorted(set(range(min(per_node, cp_size))) | set(range(max(cp_size - per_node, 0), cp_size)))
+
+
+def rank_shape(req: PlanRequest) -> RankShape:
+    heads, kv_heads = heads_per_tp_rank(req.model.num_attention_heads, req.model.num_query_groups, req.tp)
+    return RankShape(req.seq_len, req.micro_batch_size, heads, kv_heads, req.model.kv_channels, req.dtype)
+
+
+def evaluate(req: PlanRequest, cand: Candidate, ranks: Optional[list[int]] = None) -> PlanRow:
+    """All figures of one candidate (dry run on ``ranks``, default ``dry_run_ranks``)."""
+    shape = rank_shape(req)
+    fabric = Fabric(req.profile, req.tp)
+    ranks = ranks if ranks is not None else dry_run_ranks(cand.cp_size, req.tp, req.profile.gpus_per_node)
+    traffics: list[RankTraffic] = [dry_run_rank(cand.engine_comm, cand.sizes, cand.layout, req.causal, shape, r)
+                                   for r in ranks]
+    schedule = layout_schedule(cand.layout, cand.cp_size, req.seq_len, req.causal, cand.a2a_degree)
+    splits = [fabric.split(tr, {op: tr.forward.get(op, 0) + tr.backward.get(op, 0)
+                                for op in set(tr.forward) | set(tr.backward)}) for tr in traffics]
+    worst = max(range(len(traffics)), key=lambda i: (splits[i][1], sum(splits[i])))
+    s_local = req.seq_len // cand.cp_size
+    dp = req.gpus // (req.tp * req.pp * cand.cp_size)
+    peak = max(tr.peak_bytes for tr in traffics)
+    activation = (req.model.checkpointed_activation_bytes(s_local, req.micro_batch_size, req.tp, req.pp)
+                  + req.model.layer_working_bytes(s_local, req.micro_batch_size, req.tp) + peak)
+    state = req.model.model_state_bytes(req.tp, req.pp, dp * cand.cp_size)
+    return PlanRow(cand, dp, load_balance(schedule), masked_waste(schedule), traffics[worst].forward,
+                   traffics[worst].backward, *splits[worst],
+                   predict(schedule, shape, cand.a2a_degree, traffics, fabric),
+                   max(tr.saved_bytes for tr in traffics), peak, activation, state,
+                   activation + state <= req.profile.memory_gib * GIB, list(ranks))
+
+
+def _rank_key(row: PlanRow) -> tuple:
+    return (not row.fits, row.seconds_per_sequence if row.fits else row.memory_bytes)
+
+
+def plan(req: PlanRequest) -> Plan:
+    """Evaluate every valid candidate and recommend one."""
+    if req.seq_len < 1 or req.micro_batch_size < 1:
+        raise ValueError(f"seq_len={req.seq_len} and micro_batch_size={req.micro_batch_size} must be positive")
+    shape = rank_shape(req)
+    valid, rejected = enumerate_candidates(cp_sizes_for(req.gpus, req.tp, req.pp), req.seq_len, shape.heads,
+                                           shape.kv_heads)
+    rows = sorted((evaluate(req, c) for c in valid), key=_rank_key)
+    if not rows:
+        return Plan(req, [], rejected, None, ["no CP layout is valid; see the rejected list for why"])
+    best = rows[0]
+    if best.fits:  # near-ties: prefer less inter-node traffic, then less memory
+        close = [r for r in rows if r.fits and r.seconds_per_sequence <= best.seconds_per_sequence * (1 + TIE)]
+        best = min(close, key=lambda r: (r.inter_node_bytes, r.memory_bytes))
+        rows.remove(best)
+        rows.insert(0, best)
+    return Plan(req, rows, rejected, best, explain(req, best, rows))
+
+
+def explain(req: PlanRequest, best: PlanRow, rows: list[PlanRow]) -> list[str]:
+    """Plain-language reasons for the recommendation, with the figures they rest on."""
+    c, p, mem = best.candidate, best.prediction, req.profile.memory_gib
+    reasons = []
+    fitting = [r for r in rows if r.fits]
+    if not best.fits:
+        reasons.append(f"no layout fits in {mem:.0f} GiB per GPU; {c.label()} needs the least "
+                       f"({best.memory_bytes / GIB:.1f} GiB: {best.model_state_bytes / GIB:.1f} model state + "
+                       f"{best.activation_bytes / GIB:.1f} activations); raise pipeline_model_parallel_size, "
+                       f"use a machine with more memory, or shorten the sequence")
+    else:
+        smaller = sorted({r.candidate.cp_size for r in rows if not r.fits and r.candidate.cp_size < c.cp_size})
+        if smaller:
+            reasons.append(f"CP sizes {smaller} do not fit in {mem:.0f} GiB per GPU (model state + activations); "
+                           f"CP {c.cp_size} needs {best.memory_bytes / GIB:.1f} GiB")
+        reasons.append(f"fastest attention per sequence among the {len(fitting)} layouts that fit: "
+                       f"{p.total_s * 1e3:.2f} ms forward+backward per layer with data parallel size "
+                       f"{best.data_parallel_size}")
+    hidden = p.total_no_overlap_s - p.total_s
+    reasons.append(f"predicted {p.forward_s * 1e3:.2f} ms forward + {p.backward_s * 1e3:.2f} ms backward per layer "
+                   f"({p.compute_s * 1e3:.2f} ms of it compute); overlapping the ring hides {hidden * 1e3:.2f} ms "
+                   f"(without overlap: {p.total_no_overlap_s * 1e3:.2f} ms)")
+    if p.ring_step_transfer_s > 0:
+        verdict = "hidden under" if p.ring_step_transfer_s <= p.ring_step_compute_s else "longer than"
+        reasons.append(f"a ring step's K/V transfer ({p.ring_step_transfer_s * 1e3:.2f} ms) is {verdict} its block's "
+                       f"compute ({p.ring_step_compute_s * 1e3:.2f} ms)")
+    reasons.append(f"load balance {best.load_balance:.3f} (1.0 is perfect), masked waste {best.masked_waste:.4f}; "
+                   f"per rank per layer {best.intra_node_bytes / 2**20:.1f} MiB over NVLink and "
+                   f"{best.inter_node_bytes / 2**20:.1f} MiB over the network")
+    runner_up = next((r for r in rows[1:] if r.fits == best.fits), None)
+    if runner_up is not None:
+        reasons.append(f"runner-up {runner_up.candidate.label()}: {runner_up.prediction.total_s * 1e3:.2f} ms per "
+                       f"layer, {runner_up.seconds_per_sequence / best.seconds_per_sequence:.2f}x the time per "
+                       f"sequence, {runner_up.inter_node_bytes / 2**20:.1f} MiB over the network")
+    return reasons
+
+
+def with_gpus_per_node(profile: MachineProfile, gpus_per_node: Optional[int]) -> MachineProfile:
+    return profile if gpus_per_node is None else dataclasses.replace(profile, gpus_per_node=gpus_per_node)

@@ -1,0 +1,80 @@
+"""A plan as a text table (for people) and as a JSON-ready dict (for tools)."""
+from __future__ import annotations
+
+import dataclasses
+
+from .planner import GIB, Plan, PlanRow
+
+MIB = 2 ** 20
+
+
+def row_dict(row: PlanRow) -> dict:
+    c, p = row.candidate, row.prediction
+    return {
+        "context_parallel_size": c.cp_size,
+        "hierarchical_context_parallel_sizes": list(c.sizes),
+        "cp_comm_type": c.comm,
+        "layout": c.layout,
+        "data_parallel_size": row.data_parallel_size,
+        "load_balance": row.load_balance,
+        "masked_waste": row.masked_waste,
+        "bytes_per_rank": {"forward": row.forward_bytes, "backward": row.backward_bytes,
+                           "by_level": row.bytes_by_level(), "intra_node": row.intra_node_bytes,
+                           "inter_node": row.inter_node_bytes},
+        "predicted_seconds_per_layer": {"forward": p.forward_s, "backward": p.backward_s,
+                                        "forward_no_overlap": p.forward_no_overlap_s,
+                                        "backward_no_overlap": p.backward_no_overlap_s, "compute": p.compute_s},
+        "seconds_per_sequence_per_layer": row.seconds_per_sequence,
+        "memory_bytes_per_rank": {"attention_saved": row.attention_saved_bytes,
+                                  "attention_peak": row.attention_peak_bytes, "activations": row.activation_bytes,
+                                  "model_state": row.model_state_bytes, "total": row.memory_bytes},
+        "fits": row.fits,
+        "dry_run_ranks": row.dry_run_ranks,
+    }
+
+
+def plan_dict(plan: Plan) -> dict:
+    req = plan.request
+    return {
+        "request": {"model": dataclasses.asdict(req.model), "seq_len": req.seq_len, "gpus": req.gpus,
+                    "tensor_model_parallel_size": req.tp, "pipeline_model_parallel_size": req.pp,
+                    "micro_batch_size": req.micro_batch_size, "causal": req.causal, "dtype": str(req.dtype),
+                    "profile": dataclasses.asdict(req.profile)},
+        "recommended": row_dict(plan.recommended) if plan.recommended else None,
+        "reasons": plan.reasons,
+        "candidates": [row_dict(r) for r in plan.rows],
+        "rejected": [{"label": c.label(), "reason": why} for c, why in plan.rejected],
+    }
+
+
+COLUMNS = ["layout", "dp", "balance", "L0 a2a MiB", "ring MiB", "AG MiB", "inter MiB", "fwd ms", "bwd ms",
+           "no-ovl ms", "ms/seq", "attn GiB", "act GiB", "mem GiB", "fits"]
+
+
+def _cells(row: PlanRow) -> list[str]:
+    lv, p = row.bytes_by_level(), row.prediction
+    return [row.candidate.label(), str(row.data_parallel_size), f"{row.load_balance:.3f}",
+            f"{lv['level0_all_to_all'] / MIB:.0f}", f"{lv['outer_ring'] / MIB:.0f}", f"{lv['all_gather'] / MIB:.0f}",
+            f"{row.inter_node_bytes / MIB:.0f}", f"{p.forward_s * 1e3:.2f}", f"{p.backward_s * 1e3:.2f}",
+            f"{p.total_no_overlap_s * 1e3:.2f}", f"{row.seconds_per_sequence * 1e3:.3f}",
+            f"{row.attention_peak_bytes / GIB:.2f}", f"{row.activation_bytes / GIB:.1f}",
+            f"{row.memory_bytes / GIB:.1f}", "yes" if row.fits else "no"]
+
+
+def plan_table(plan: Plan) -> str:
+    """The candidates as aligned columns, best first, then the recommendation and its reasons."""
+    req = plan.request
+    rows = [COLUMNS] + [_cells(r) for r in plan.rows]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    lines = [f"{req.model.num_layers} layers, hidden {req.model.hidden_size}, heads {req.model.num_attention_heads}/"
+             f"{req.model.num_query_groups} kv, head dim {req.model.kv_channels}; {req.seq_len} tokens, "
+             f"{req.gpus} GPUs ({req.profile.gpus_per_node} a node, {req.profile.name}), TP{req.tp} PP{req.pp}; "
+             f"per rank, per layer; MiB = forward+backward bytes sent"]
+    lines += ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths)))
+              for r in rows]
+    if plan.recommended is not None:
+        lines.append(f"\nrecommended: {plan.recommended.candidate.label()}")
+    lines += [f"  - {why}" for why in plan.reasons]
+    if plan.rejected:
+        lines.append(f"\n{len(plan.rejected)} layouts rejected by the engine's checks (see --json for each reason)")
+    return "\n".join(lines)

@@ -1,0 +1,185 @@
+"""The planner's figures come from the engine: bytes equal a real gloo run's, balance the schedule's.
+
+- Bytes: for every scheme at P=4 the dry run (meta tensors, fake process group) counts, rank by rank,
+  exactly (==) the bytes the comm layer counts in a real forward+backward on gloo.
+- Balance: equals both the schedule's ``load_balance`` and a brute-force count of visible pairs per
+  ring member from the layout's positions (rel 1e-12).
+- Intra/inter-node split, the cost model's overlap arithmetic, memory scaling with S/P, the
+  recommendation and the CLI are checked on small cases with hand-computed figures.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mcp_context.layouts import layout_spans, spans_positions
+from mcp_context.plan import Candidate, ModelShape, PlanRequest, RankShape, dry_run_rank, evaluate, load_profile, plan
+from mcp_context.plan.__main__ import main
+from mcp_context.plan.cost import Fabric, predict, step_pairs
+from mcp_context.plan.profiles import PROFILE_DIR, MachineProfile
+from mcp_context.schedule import layout_schedule, load_balance
+from tests._dist import run_distributed
+
+SEQ, B, H, D = 64, 2, 8, 4
+SCHEMES = [("p2p", (4,)), ("a2a", (4,)), ("all_gather", (4,)), ("a2a+p2p", (2, 2))]
+
+
+def _real_bytes(rank, world, comm, sizes, layout, kv_heads):
+    from mcp_context import build_hcp_groups, comm_stats, context_parallel_attention
+
+    groups = build_hcp_groups(list(sizes))
+    q, k, v = (torch.randn(SEQ // world, B, h, D, requires_grad=True) for h in (H, kv_heads, kv_heads))
+    comm_stats.reset()
+    out = context_parallel_attention(q, k, v, groups, causal=True, layout=layout, comm=comm)
+    forward = dict(comm_stats.bytes_sent)
+    out.backward(torch.randn_like(out))
+    return forward, {op: n - forward.get(op, 0) for op, n in comm_stats.bytes_sent.items() if n - forward.get(op, 0)}
+
+
+@pytest.mark.parametrize("comm,sizes", SCHEMES)
+@pytest.mark.parametrize("kv_heads", [8, 2])
+def test_dry_run_bytes_equal_the_comm_layers_counted_bytes(comm, sizes, kv_heads):
+    layout = "zigzag" if kv_heads == 8 else "striped"
+    real = run_distributed(4, _real_bytes, comm, sizes, layout, kv_heads)
+    shape = RankShape(SEQ, B, H, kv_heads, D, torch.float32)
+    for rank, (forward, backward) in enumerate(real):
+        dry = dry_run_rank(comm, sizes, layout, True, shape, rank)
+        assert (dry.forward, dry.backward) == (forward, backward), f"rank {rank}"
+
+
+def _brute_force_balance(layout, cp, seq, inner):
+    """Visible (causal) pairs per ring member from positions alone: query position i sees i+1 keys."""
+    pairs = []
+    for g in range(0, cp, inner):
+        pos = torch.cat([spans_positions(layout_spans(layout, cp, r, seq)) for r in range(g, g + inner)])
+        pairs.append(int((pos + 1).sum()))
+    return max(pairs) * len(pairs) / sum(pairs)
+
+
+def _request(profile, seq=SEQ, gpus=4, tp=1, pp=1, model=None):
+    model = model or ModelShape.build(2, H * D, H, 2, D, 64, vocab_size=256)
+    return PlanRequest(model, seq, gpus, profile, tp, pp, B, True, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def h100():
+    return load_profile("h100_nvlink_ib")
+
+
+def test_plan_balance_equals_the_schedule_and_a_brute_force_count(h100):
+    result = plan(_request(h100, seq=96, gpus=4))
+    assert {r.candidate.layout for r in result.rows} == {"contiguous", "zigzag", "striped"}
+    for row in result.rows:
+        c = row.candidate
+        sched = layout_schedule(c.layout, c.cp_size, 96, True, c.a2a_degree)
+        assert row.load_balance == load_balance(sched)
+        assert row.load_balance == pytest.approx(_brute_force_balance(c.layout, c.cp_size, 96, c.a2a_degree),
+                                                 rel=1e-12)
+
+
+def test_bytes_split_by_node_boundary(h100):
+    """TP1, 2 GPUs a node, p2p ring 0->1->2->3->0: ranks 0 and 2 send inside their node, 1 and 3 across."""
+    profile = MachineProfile(**{**h100.__dict__, "gpus_per_node": 2})
+    shape = RankShape(SEQ, B, H, 2, D, torch.float32)
+    fabric = Fabric(profile, tp=1)
+    for rank in range(4):
+        tr = dry_run_rank("p2p", (4,), "zigzag", True, shape, rank)
+        total = sum(tr.forward.values()) + sum(tr.backward.values())
+        both = {op: tr.forward.get(op, 0) + tr.backward.get(op, 0) for op in tr.backward}
+        assert fabric.split(tr, both) == ((total, 0) if rank % 2 == 0 else (0, total)), rank
+    # a2a over 4 ranks on 2-GPU nodes: one of the three peers is on the same node
+    tr = dry_run_rank("a2a", (4,), "zigzag", True, shape, 0)
+    intra, inter = fabric.split(tr, tr.forward)
+    assert intra * 2 == inter and intra + inter == tr.forward["all_to_all"]
+
+
+@pytest.mark.parametrize("comm,sizes", [("p2p", (20,)), ("a2a+p2p", (4, 5))])
+def test_sampled_ranks_give_the_same_figures_as_all_ranks(h100, comm, sizes):
+    """Beyond 16 CP ranks the planner dry-runs the first and last node only (here 4 GPUs a node)."""
+    profile = MachineProfile(**{**h100.__dict__, "gpus_per_node": 4})
+    req = _request(profile, seq=80, gpus=20)
+    cand = Candidate(20, sizes, comm, "zigzag")
+    sampled, full = evaluate(req, cand), evaluate(req, cand, ranks=list(range(20)))
+    assert sampled.dry_run_ranks == [0, 1, 2, 3, 16, 17, 18, 19]
+    assert (sampled.intra_node_bytes, sampled.inter_node_bytes) == (full.intra_node_bytes, full.inter_node_bytes)
+    assert sampled.inter_node_bytes > 0 and sampled.prediction == full.prediction
+
+
+def test_cost_model_overlap_arithmetic(h100):
+    """P=2 p2p zigzag: forward = max(step-0 compute, transfer) + step-1 compute; no overlap = their sum."""
+    shape = RankShape(SEQ, B, H, 2, D, torch.float32)
+    traffics = [dry_run_rank("p2p", (2,), "zigzag", True, shape, r) for r in range(2)]
+    fabric = Fabric(h100, tp=8)  # TP8: the two CP ranks are on different nodes
+    sched = layout_schedule("zigzag", 2, SEQ, True)
+    pred = predict(sched, shape, 1, traffics, fabric)
+    flops = [n * 4 * D * B * H for n in step_pairs(sched)]
+    c0, c1 = (f / (h100.attention_tflops * 1e12) for f in flops)
+    transfer = traffics[0].forward["ring_kv"] / (h100.inter_node_bandwidth_gbps * 1e9) + h100.inter_node_latency_us * 1e-6
+    assert pred.forward_s == pytest.approx(max(c0, transfer) + c1, rel=1e-12)
+    assert pred.forward_no_overlap_s == pytest.approx(c0 + transfer + c1, rel=1e-12)
+    assert pred.total_s < pred.total_no_overlap_s
+    assert pred.compute_s == pytest.approx(sum(flops) / (h100.attention_tflops * 1e12)
+                                           + 2.5 * sum(flops) / (h100.attention_bwd_tflops * 1e12), rel=1e-12)
+
+
+@pytest.mark.parametrize("comm,sizes", SCHEMES)
+def test_attention_memory_scales_as_s_over_p(comm, sizes):
+    """Same S and heads, the attention layer's saved and peak bytes halve when each rank holds half."""
+    small, large = (dry_run_rank(comm, sizes, "zigzag", True, RankShape(seq, B, H, 8, D, torch.float32), 0)
+                    for seq in (64, 128))
+    assert large.saved_bytes == 2 * small.saved_bytes and large.peak_bytes == 2 * small.peak_bytes
+    # what stays saved at least holds q, k, v and out of the local shard
+    assert small.saved_bytes >= 4 * (64 // 4) * B * H * D * 4
+
+
+def test_recommends_no_cp_when_it_fits_and_says_why(h100):
+    result = plan(_request(h100, seq=64, gpus=4))
+    assert result.recommended.candidate.cp_size == 1 and result.recommended.fits
+    assert any("fastest" in r for r in result.reasons)
+
+
+def test_llama3_70b_memory_falls_with_cp_and_fits_only_on_the_larger_gpu(h100):
+    """Llama-3-70B (70.6e9 parameters), 1M tokens, 64 GPUs, TP8 PP1: CP8 needs less than CP2; on
+    80 GiB neither fits (model state alone is ~62 GiB), on 141 GiB CP8 does."""
+    model = ModelShape.build(80, 8192, 64, 8, 128, 28672)
+    assert model.parameters() == pytest.approx(70.6e9, rel=0.01)
+    h100_rows = {c: evaluate(PlanRequest(model, 2 ** 20, 64, h100, tp=8), Candidate(c, (c,), "p2p", "zigzag"))
+                 for c in (2, 8)}
+    assert h100_rows[8].memory_bytes < h100_rows[2].memory_bytes
+    assert not h100_rows[8].fits and not h100_rows[2].fits
+    h200 = evaluate(PlanRequest(model, 2 ** 20, 64, load_profile("h200_nvlink_ib"), tp=8),
+                    Candidate(8, (8,), "p2p", "zigzag"))
+    assert h200.fits and h200.memory_bytes == h100_rows[8].memory_bytes
+
+
+def test_cli_table_json_and_errors(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    args = ["--layers", "2", "--hidden", "32", "--heads", "8", "--kv-heads", "2", "--seq-len", "64", "--gpus", "4",
+            "--vocab", "256"]
+    assert main(args + ["--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert "recommended:" in table and data["recommended"]["layout"] in table
+    assert len(data["candidates"]) == len(table.strip().split("\n\nrecommended")[0].splitlines()) - 2
+    assert main(["--gpus", "4", "--seq-len", "64"]) == 2
+    assert "--layers, --hidden, --heads" in capsys.readouterr().err
+    assert main(args + ["--profile", "nope"]) == 2
+    assert "h100_nvlink_ib" in capsys.readouterr().err
+    assert main(args[:-4] + ["--gpus", "5", "--tp", "2"]) == 2
+    assert "gpus=5" in capsys.readouterr().err
+
+
+def test_profiles_load_and_reject_bad_fields(tmp_path):
+    for name in ("h100_nvlink_ib", "h200_nvlink_ib"):
+        p = load_profile(name)
+        assert p.gpus_per_node == 8 and p.inter_node_bandwidth_gbps < p.intra_node_bandwidth_gbps
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ngpus_per_node: 8\n")
+    with pytest.raises(ValueError, match="missing fields"):
+        load_profile(str(bad))
+    text = (PROFILE_DIR / "h100_nvlink_ib.yaml").read_text()
+    bad.write_text(text.replace("memory_gib: 80.0", "memory_gib: -1"))
+    with pytest.raises(ValueError, match="memory_gib=-1 must be a positive number"):
+        load_profile(str(bad))
