@@ -32,12 +32,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorProperties
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+                                                  TensorProperties)
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from mcp_context.convert.hf_io import prepare_staging_dir
+from mcp_context.convert.hf_io import MissingTensorError, prepare_staging_dir
 
 CONFIG_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
@@ -45,8 +45,8 @@ DCP_METADATA_FILE = ".metadata"
 # megatron.core.dist_checkpointing.core.CheckpointingConfig for the torch_dist backend
 MCORE_CHECKPOINT_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                            "common_backend": "torch", "common_backend_version": 1}
-EXTRA_DIR = "mcp_context"
-_SINGLE_PROCESS_NOTICE = ".*torch.distributed is disabled, unavailable or uninitialized.*"  # our additions: the architecture record and the original HF files
+EXTRA_DIR = "mcp_context"  # our additions: the architecture record and the original HF side files
+_SINGLE_PROCESS_NOTICE = ".*torch.distributed is disabled, unavailable or uninitialized.*"
 
 
 @dataclass(frozen=True)
@@ -219,8 +219,8 @@ _SAFE_GLOBALS = {
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
-    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("builtins", "slice"), ("builtins", "tuple"), ("builtins", "list"), ("builtins", "dict"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
 }
 
 
@@ -243,8 +243,6 @@ class _SafeFileSystemReader(FileSystemReader):
             with open(Path(self.path) / DCP_METADATA_FILE, "rb") as f:
                 metadata = _AllowListUnpickler(f).load()
             if getattr(metadata, "storage_meta", None) is None:
-                from torch.distributed.checkpoint.metadata import StorageMeta
-
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             self._cached_metadata = metadata
@@ -301,8 +299,6 @@ class McoreCheckpointReader:
     def _tensor_md(self, key: str) -> Any:
         md = self._md.get(key)
         if md is None or not hasattr(md, "size"):
-            from mcp_context.convert.hf_io import MissingTensorError
-
             raise MissingTensorError(f"megatron checkpoint {self.dir} has no tensor {key!r}")
         return md
 
