@@ -15,6 +15,7 @@ import torch
 from ..kernels import Dropout, Kernel, accum_dtype
 from ..merge import merge_
 from ..schedule import BlockTask
+from . import timeline
 from .rotation import LocalRotation, RingRotation
 
 
@@ -57,11 +58,13 @@ class RingAttention(torch.autograd.Function):
         out = qb.new_zeros(qb.shape, dtype=acc)
         lse = qb.new_full(qb.shape[:3], float("-inf"), dtype=acc)
         for step, kv in plan.rotation.blocks(_pack_kv(k, v)):
+            t0 = timeline.now()
             for i, t in enumerate(plan.tasks[step]):
                 qs, ks = slice(*t.q), slice(*t.kv)
                 o, l = plan.kernel.forward(qb[:, :, qs], kv[0, :, :, ks], kv[1, :, :, ks], t.causal, plan.scale,
                                            plan.dropout(step, i))
                 merge_(out[:, :, qs], lse[:, :, qs], o, l)
+            timeline.record("forward_compute", step, t0)
         out = _sbhd(out, q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan
@@ -78,6 +81,7 @@ class RingAttention(torch.autograd.Function):
         kv = _pack_kv(k, v)
         grads = plan.rotation.gradients(kv, acc)
         for step, kv in plan.rotation.blocks(kv):
+            t0 = timeline.now()
             dkv = kv.new_zeros(kv.shape, dtype=acc)
             for i, t in enumerate(plan.tasks[step]):
                 qs, ks = slice(*t.q), slice(*t.kv)
@@ -87,6 +91,7 @@ class RingAttention(torch.autograd.Function):
                 dq[:, :, qs] += gq
                 dkv[0, :, :, ks] += gk
                 dkv[1, :, :, ks] += gv
+            timeline.record("backward_compute", step, t0)
             grads.add(step, dkv)
         dkv = grads.result()
         return _sbhd(dq, q.dtype), _sbhd(dkv[0], k.dtype), _sbhd(dkv[1], v.dtype), None

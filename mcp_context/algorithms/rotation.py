@@ -15,6 +15,7 @@ from typing import Iterator, Optional
 import torch
 
 from ..comm.primitives import PendingExchange, RingExchange
+from . import timeline
 
 
 class RingRotation:
@@ -26,7 +27,9 @@ class RingRotation:
             pending = self.kv_exchange.start(kv, step) if step + 1 < self.ring_size else None
             yield step, kv
             if pending is not None:
+                t0 = timeline.now()
                 kv = pending.wait()
+                timeline.record("kv_wait", step + 1, t0)
 
     def gradients(self, kv: torch.Tensor, dtype: torch.dtype) -> "RingGradients":
         return RingGradients(self.dkv_exchange)
@@ -39,14 +42,21 @@ class RingGradients:
     def __init__(self, exchange: RingExchange):
         self.exchange = exchange
         self.pending: Optional[PendingExchange] = None
+        self.step = -1
 
     def add(self, step: int, dkv: torch.Tensor) -> None:
         if self.pending is not None:
-            dkv = self.pending.wait().add_(dkv)
-        self.pending = self.exchange.start(dkv, step)
+            t0 = timeline.now()
+            received = self.pending.wait()
+            timeline.record("dkv_wait", step, t0)
+            dkv = received.add_(dkv)
+        self.pending, self.step = self.exchange.start(dkv, step), step
 
     def result(self) -> torch.Tensor:
-        return self.pending.wait()
+        t0 = timeline.now()
+        received = self.pending.wait()
+        timeline.record("dkv_wait", self.step + 1, t0)
+        return received
 
 
 class LocalRotation:
