@@ -171,6 +171,9 @@ def test_world_size_comes_from_the_launcher_when_the_recipe_leaves_it_open(monke
     with pytest.raises(RecipeError, match=r"micro_batch_size \* data-parallel size = 2 \* 2"):
         validate_recipe(cfg)
     validate_recipe(cfg, world_size=4)  # an explicit world size wins over the variable
+    monkeypatch.delenv("WORLD_SIZE")
+    with pytest.raises(RecipeError, match=r"train.world_size=4 but the launch has 8 ranks; set train.world_size=8"):
+        validate_recipe(load_recipe(None), world_size=8)
 
 
 def test_saved_recipe_round_trips_and_is_written_atomically(tmp_path):

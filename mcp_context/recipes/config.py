@@ -419,6 +419,8 @@ def _set_field(obj: Any, path: Sequence[str], value: Any, prefix: str = "") -> N
         if len(path) > 1:
             _set_field(section, path[1:], value, dotted + ".")
             return
+        if value is None:  # a section whose keys are all commented out
+            return
         if not isinstance(value, Mapping):
             raise RecipeError(f"{dotted} is a section: give it a mapping of keys, not {value!r}")
         for sub_key, sub_value in value.items():
@@ -505,19 +507,25 @@ def save_recipe(cfg: RecipeConfig, directory: Union[str, os.PathLike]) -> Path:
 
 
 def _resolve_world_size(cfg: RecipeConfig, world_size: Optional[int]) -> Optional[int]:
-    if world_size is not None:
-        return world_size
-    if cfg.train.world_size is not None:
-        return cfg.train.world_size
+    """The launcher's world size (argument, else WORLD_SIZE), which must match train.world_size
+    when the recipe plans one; else the planned one; else None."""
     env = os.environ.get("WORLD_SIZE")
-    return int(env) if env else None
+    launched = world_size if world_size is not None else (int(env) if env else None)
+    planned = cfg.train.world_size
+    if launched is not None and planned is not None and launched != planned:
+        raise RecipeError(
+            f"train.world_size={planned} but the launch has {launched} ranks; set train.world_size={launched} "
+            f"(and check the batch sizes) or launch {planned} ranks"
+        )
+    return launched if launched is not None else planned
 
 
 def validate_recipe(cfg: RecipeConfig, world_size: Optional[int] = None) -> None:
     """Check that the recipe describes a runnable layout; raise ``RecipeError`` naming the key.
 
-    ``world_size`` (else ``train.world_size``, else the WORLD_SIZE variable) enables the
-    data-parallel checks. Pure function: safe to call before any process group starts.
+    ``world_size`` (else the WORLD_SIZE variable, else ``train.world_size``) enables the
+    data-parallel checks; a launch size that differs from ``train.world_size`` is an error. Pure
+    function: safe to call before any process group starts.
     """
     m, t = cfg.model, cfg.train
     for key in (
