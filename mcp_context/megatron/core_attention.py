@@ -4,7 +4,8 @@ Same constructor and forward as megatron-core's ``DotProductAttention``, so a la
 with no other change. It reads ``context_parallel_size``, ``hierarchical_context_parallel_sizes`` and
 ``cp_comm_type`` from the ``TransformerConfig``, the groups from ``pg_collection`` (newer cores) or
 ``model_comm_pgs`` (older cores) or ``parallel_state``, and runs ``context_parallel_attention`` on the
-zigzag layout that megatron-core's batch and RoPE slicing use.
+zigzag layout that megatron-core's batch and RoPE slicing use. Sliding windows (``window_size``) are
+refused at build time rather than silently ignored.
 
 With ``attn_mask_type=causal`` the ``attention_mask`` argument is ignored, as in
 ``TEDotProductAttention``: the mask is implied by the positions each CP rank holds. Arbitrary masks,
@@ -18,6 +19,7 @@ from typing import Any, Optional
 import torch
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import is_layer_window_attention
 
 from ..api import context_parallel_attention, normalize_comm
 from ..comm import HCPGroups
@@ -47,6 +49,11 @@ class HCPDotProductAttention(MegatronModule):
         normalize_cp_comm_type(config)
         validate_cp_config(config)
         self.layer_number = max(1, layer_number)
+        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, self.layer_number):
+            raise HCPConfigError(f"window_size={config.window_size} (sliding-window attention, layer "
+                                 f"{self.layer_number}) is not supported by HCPDotProductAttention yet; it would "
+                                 f"compute full causal attention. Set window_size=None, or use the TE spec with "
+                                 f"TEDotProductAttention (hcp_te_attention_spec)")
         self.attn_mask_type = attn_mask_type
         comm = cp_comm_type if cp_comm_type is not None else config.cp_comm_type
         if isinstance(comm, (list, tuple)):  # a per-layer list reaching us unindexed
