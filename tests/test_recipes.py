@@ -99,6 +99,7 @@ def test_unknown_key_in_file_at_any_depth(tmp_path):
         load_recipe(_write(tmp_path, {"trainer": {"steps": 2}}))
     with pytest.raises(RecipeError, match=r"train\.global_batch_size='8' has type str"):
         load_recipe(_write(tmp_path, {"train": {"global_batch_size": "8"}}))
+    assert load_recipe(_write(tmp_path, {"logging": None})) == RecipeConfig()  # all keys commented out
 
 
 # Each case: overrides on the tiny default (CP 4 = [2, 2], a2a+p2p, 4 heads, 2 KV heads, seq 256,
