@@ -127,6 +127,16 @@ def test_user_jsonl_with_its_own_trained_tokenizer(tmp_path):
     _check_samples(train, tokenizer, "\n".join(docs), 64)
     _check_samples(valid, tokenizer, "\n".join(docs), 64)
 
+    # The corpus changes under the same name: force retrains the tokenizer and re-tokenises.
+    old_tokenizer = tokenizer
+    docs = [d.upper() for d in docs]
+    corpus.write_text("".join(json.dumps({"id": i, "content": d}) + "\n" for i, d in enumerate(docs)))
+    tokenizer, prefixes = prepare_data(cfg, force=True)
+    assert _sequences(prefixes[0]) == [tokenizer.tokenize(d) + [tokenizer.eod] for d in docs]
+    assert all(tokenizer.detokenize(tokenizer.tokenize(d)) == d for d in docs)
+    upper_text = "".join(docs)
+    assert len(tokenizer.tokenize(upper_text)) < 0.8 * len(old_tokenizer.tokenize(upper_text))  # retrained
+
 
 def test_user_text_file_is_one_document_and_uses_a_given_tokenizer(tmp_path):
     text = _bundled_texts()[7]

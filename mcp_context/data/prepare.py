@@ -53,10 +53,12 @@ def prepare_data(cfg: RecipeConfig, force: bool = False) -> tuple[MegatronTokeni
     """Make the recipe's tokenizer and tokenised data; return ``(tokenizer, data prefixes)``.
 
     With ``data.data_path`` the given prefixes are checked and used as they are; otherwise the corpus
-    is tokenised into ``data.cache_dir`` unless a complete copy is already there (or ``force``).
+    is tokenised into ``data.cache_dir`` unless a complete copy is already there. The cache is keyed
+    by file names, not contents: after editing a corpus, pass ``force`` (which also retrains a
+    tokenizer trained from that corpus).
     """
     data = cfg.data
-    tokenizer = load_tokenizer(data)
+    tokenizer = load_tokenizer(data, retrain=force)
     if cfg.padded_vocab_size(tokenizer.vocab_size) < tokenizer.vocab_size:
         raise RecipeError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "

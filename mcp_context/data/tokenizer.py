@@ -170,12 +170,13 @@ class HuggingFaceTokenizer(MegatronTokenizerBase):
         raise NotImplementedError("pretraining tokenizers here have no chat template")
 
 
-def load_tokenizer(data: DataConfig) -> MegatronTokenizerBase:
+def load_tokenizer(data: DataConfig, retrain: bool = False) -> MegatronTokenizerBase:
     """The recipe's tokenizer; trains and caches a SentencePiece model from the corpus when the
-    recipe names none and the corpus is the user's own."""
+    recipe names none and the corpus is the user's own (again if ``retrain``)."""
     path = tokenizer_model_path(data)
     if data.tokenizer_type == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(path)
-    if data.tokenizer_model is None and not Path(path).is_file():
+    trained_here = data.tokenizer_model is None and data.corpus != "bundled"
+    if trained_here and (retrain or not Path(path).is_file()):
         train_tokenizer(read_documents(corpus_path(data), data.json_key), path, data.tokenizer_vocab_size)
     return SentencePieceTokenizer(path)
