@@ -310,18 +310,27 @@ _HCP_SPEC_MISSING = importlib.util.find_spec("mcp_context.megatron") is None or 
 
 @pytest.mark.skipif(_HCP_SPEC_MISSING, reason="mcp_context.megatron.specs (HCP layer spec, needed for CP>1) "
                                               "is not in this tree yet")
-@pytest.mark.parametrize("name", list(MODELS))
-def test_hf_to_mcore_logits_match_hf_at_cp2(converted, name):
+@pytest.mark.parametrize("name,comm", [("llama_gqa_rope3", "p2p"), ("qwen2_bias_tied", "p2p"),
+                                       ("llama_gqa_rope3", "a2a")])
+def test_hf_to_mcore_logits_match_hf_at_cp2(converted, name, comm):
     """CP shards activations, never weights: the checkpoint converted once loads unchanged at CP=2."""
     _, mcore_dir, arch, reference = converted[name]
-    shards = run_distributed(2, _case_logits_cp2, str(mcore_dir), arch, _tokens())
+    shards = run_distributed(2, _case_logits_cp2, str(mcore_dir), arch, _tokens(), comm)
     from mcp_context import unshard_sequence
 
     logits = unshard_sequence(shards, layout="zigzag", dim=1)
     torch.testing.assert_close(logits, reference, atol=LOGIT_ATOL, rtol=0)
 
 
-def _case_logits_cp2(rank, world_size, mcore_dir, arch, tokens):
+@pytest.mark.skipif(_HCP_SPEC_MISSING, reason="mcp_context.megatron.specs (HCP layer spec, needed for CP>1) "
+                                              "is not in this tree yet")
+def test_sliding_window_model_is_refused_by_the_hcp_spec_not_run_without_its_window(converted):
+    _, mcore_dir, arch, _ = converted["mistral_window"]
+    with pytest.raises(AssertionError, match="window_size=\\(7, 0\\)"):
+        run_distributed(2, _case_logits_cp2, str(mcore_dir), arch, _tokens(), "p2p")
+
+
+def _case_logits_cp2(rank, world_size, mcore_dir, arch, tokens, comm):
     from megatron.core import parallel_state
 
     from mcp_context import shard_sequence
@@ -333,7 +342,7 @@ def _case_logits_cp2(rank, world_size, mcore_dir, arch, tokens):
         cp_rank = parallel_state.get_context_parallel_rank()
         model = load_mcore_model(mcore_dir, LlamaArchitecture.from_dict(arch),
                                  get_gpt_layer_hcp_spec(normalization="RMSNorm"), context_parallel_size=2,
-                                 cp_comm_type="p2p")
+                                 cp_comm_type=comm)
         local_tokens = shard_sequence(tokens, 2, cp_rank, layout="zigzag", dim=1)
         positions = shard_sequence(torch.arange(tokens.shape[1]).expand_as(tokens), 2, cp_rank, layout="zigzag", dim=1)
         with torch.no_grad():
