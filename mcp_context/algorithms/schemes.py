@@ -24,7 +24,6 @@ from functools import lru_cache
 import torch
 
 from ..comm import HCPGroups, RingExchange, gather_seq, heads_to_seq, seq_to_heads
-from ..comm.primitives import _heads_to_seq
 from ..kernels import Kernel
 from ..layouts import canonical_member_spans, layout_spans
 from ..schedule import Schedule, layout_schedule
@@ -103,5 +102,5 @@ def context_parallel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
             out, lse = _take(out, pieces[1]), _take(lse, pieces[1])
         out = heads_to_seq(out, a2a_group)
         if return_lse:
-            lse = _heads_to_seq(lse.unsqueeze(-1).contiguous(), a2a_group).squeeze(-1)
+            lse = heads_to_seq(lse.unsqueeze(-1).contiguous(), a2a_group).squeeze(-1)
     return (out, lse) if return_lse else out
