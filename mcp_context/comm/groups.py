@@ -15,15 +15,17 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 
-def check_hcp_sizes(sizes: Sequence[int], cp_size: int) -> None:
-    """Raise a ValueError that names the fix when ``sizes`` cannot describe ``cp_size`` ranks."""
+def check_hcp_sizes(sizes: Sequence[int], cp_size: int, prefix: str = "") -> None:
+    """Raise a ValueError that names the fix when ``sizes`` cannot describe ``cp_size`` ranks.
+
+    ``prefix`` says where the fields live in the caller's config (``"model."`` for a recipe)."""
     sizes = list(sizes)
     if not sizes or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in sizes):
-        raise ValueError(f"hierarchical_context_parallel_sizes={sizes} must be a non-empty list of "
-                         f"positive integers (inner level first), e.g. [2, {max(cp_size // 2, 1)}]")
+        raise ValueError(f"{prefix}hierarchical_context_parallel_sizes={sizes} must be a non-empty list of "
+                         f"positive integers (inner level first), e.g. {example_hcp_sizes(cp_size)}")
     if math.prod(sizes) != cp_size:
-        raise ValueError(f"hierarchical_context_parallel_sizes={sizes} multiply to {math.prod(sizes)}, but "
-                         f"context_parallel_size={cp_size}; choose sizes whose product is {cp_size}, "
+        raise ValueError(f"{prefix}hierarchical_context_parallel_sizes={sizes} multiply to {math.prod(sizes)}, "
+                         f"but {prefix}context_parallel_size={cp_size}; choose sizes whose product is {cp_size}, "
                          f"e.g. {example_hcp_sizes(cp_size)}")
 
 

@@ -85,26 +85,17 @@ def _heads_to_seq(y: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return _all_to_all(chunks, group, "all_to_all").movedim(0, 2).reshape(ps // p, b, p * hp, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):
+    """One all-to-all whose backward is its inverse (``seq_to_heads`` <-> ``heads_to_seq``)."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_to_heads(x, group)
+    def forward(ctx, x, group, forward_fn, backward_fn):
+        ctx.group, ctx.backward_fn = group, backward_fn
+        return forward_fn(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_seq(grad, ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, group):
-        ctx.group = group
-        return _heads_to_seq(y, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad, ctx.group), None
+        return ctx.backward_fn(grad, ctx.group), None, None, None
 
 
 def seq_to_heads(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -112,12 +103,12 @@ def seq_to_heads(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
     The output sequence is the group's shards concatenated in group-rank order.
     """
-    return _SeqToHeads.apply(x, group)
+    return _AllToAll.apply(x, group, _seq_to_heads, _heads_to_seq)
 
 
 def heads_to_seq(y: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Inverse of ``seq_to_heads``: ``[P*s, b, h/P, d] -> [s, b, h, d]``."""
-    return _HeadsToSeq.apply(y, group)
+    return _AllToAll.apply(y, group, _heads_to_seq, _seq_to_heads)
 
 
 class _GatherSeq(torch.autograd.Function):

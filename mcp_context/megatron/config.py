@@ -9,11 +9,10 @@ recipe's model section — so recipes and layer specs share one set of checks an
 from __future__ import annotations
 
 import difflib
-import math
 from typing import Any, Optional
 
 from ..algorithms import COMM_ALIASES, COMM_TYPES
-from ..comm.groups import example_hcp_sizes
+from ..comm.groups import check_hcp_sizes, example_hcp_sizes
 
 ACCEPTED_COMM = COMM_TYPES + tuple(COMM_ALIASES)
 
@@ -75,13 +74,10 @@ def _check_hierarchy(config: Any, p: str) -> None:
     cp, sizes = config.context_parallel_size, config.hierarchical_context_parallel_sizes
     uses_hierarchy = "a2a+p2p" in _comm_list(config)
     if sizes is not None:
-        if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
-            raise HCPConfigError(f"{p}hierarchical_context_parallel_sizes={list(sizes)} must be a non-empty list "
-                                 f"of positive integers, inner level first, e.g. {example_hcp_sizes(cp)}")
-        if math.prod(sizes) != cp:
-            raise HCPConfigError(f"{p}hierarchical_context_parallel_sizes={list(sizes)} multiply to "
-                                 f"{math.prod(sizes)}, but {p}context_parallel_size={cp}; choose sizes whose "
-                                 f"product is {cp}, e.g. {example_hcp_sizes(cp)}")
+        try:
+            check_hcp_sizes(sizes, cp, p)
+        except ValueError as err:
+            raise HCPConfigError(str(err)) from None
     if uses_hierarchy and cp > 1 and (sizes is None or len(sizes) < 2):
         raise HCPConfigError(f"{p}cp_comm_type='a2a+p2p' needs {p}hierarchical_context_parallel_sizes with at "
                              f"least two levels (got {sizes}); megatron-core would silently train without "
