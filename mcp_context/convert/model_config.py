@@ -182,11 +182,13 @@ def gpt_model_kwargs(arch: LlamaArchitecture) -> dict[str, Any]:
 
 def build_gpt_model(arch: LlamaArchitecture, layer_spec: Any = None, *, params_dtype: torch.dtype = torch.float32,
                     **config_overrides: Any) -> torch.nn.Module:
-    """A megatron-core ``GPTModel`` for ``arch`` on the current parallel state (whole model, PP=1).
+    """A megatron-core ``GPTModel`` for ``arch``: this rank's pipeline stage on the current parallel state.
 
     ``layer_spec`` defaults to megatron-core's local spec with RMSNorm; ``config_overrides`` are
-    extra ``TransformerConfig`` fields (``tensor_model_parallel_size``, ``context_parallel_size``, ...).
+    extra ``TransformerConfig`` fields (``tensor_model_parallel_size``, ``context_parallel_size``,
+    ``pipeline_model_parallel_size``, ...), which must agree with the initialised parallel state.
     """
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
@@ -194,9 +196,12 @@ def build_gpt_model(arch: LlamaArchitecture, layer_spec: Any = None, *, params_d
     if layer_spec is None:
         layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     kwargs = transformer_config_kwargs(arch)
-    kwargs.update(params_dtype=params_dtype, use_cpu_initialization=not torch.cuda.is_available(),
+    kwargs.update(params_dtype=params_dtype, pipeline_dtype=params_dtype,
+                  use_cpu_initialization=not torch.cuda.is_available(),
                   bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16)
     kwargs.update(config_overrides)
     config = TransformerConfig(**kwargs)
-    return GPTModel(config, layer_spec, **gpt_model_kwargs(arch))
+    return GPTModel(config, layer_spec, pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
+                    post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+                    **gpt_model_kwargs(arch))
 
