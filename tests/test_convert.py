@@ -290,22 +290,35 @@ def _case_logits_cp1(rank, world_size, mcore_dir, arch, tokens):
         parallel_state.destroy_model_parallel()
 
 
-def test_verify_command_reports_logit_difference_below_tolerance(converted, capsys):
-    hf_dir, mcore_dir, _, _ = converted["llama_gqa_rope3"]
-    status, text = run_distributed(1, _case_verify_cli, str(hf_dir), str(mcore_dir))[0]
+def test_verify_command_tokenizes_the_prompt_and_reports_logit_difference_below_tolerance(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model = _build_hf_model("llama_gqa_rope3")
+    words = ["[UNK]", "the", "capital", "of", "france", "is", "paris", "and", "a", "city"]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    model.save_pretrained(tmp_path / "hf")
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(tmp_path / "hf")
+    hf_to_mcore(tmp_path / "hf", tmp_path / "mcore", progress=False)
+    status, text = run_distributed(1, _case_verify_cli, str(tmp_path / "hf"), str(tmp_path / "mcore"),
+                                   "the capital of france is paris and the city of paris is a capital")[0]
     assert status == 0, text
     diff = float(text.split("max |logit difference| = ")[1].split()[0])
-    assert diff <= LOGIT_ATOL
+    assert diff <= LOGIT_ATOL and "over 14 tokens" in text
+    mcore_to_hf(tmp_path / "mcore", tmp_path / "back", progress=False)  # the tokenizer travels with the checkpoint
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "back" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes()
 
 
-def _case_verify_cli(rank, world_size, hf_dir, mcore_dir):
+def _case_verify_cli(rank, world_size, hf_dir, mcore_dir, prompt):
     import contextlib
 
     from mcp_context.convert.__main__ import main
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        status = main(["verify", "--hf", hf_dir, "--mcore", mcore_dir])
+        status = main(["verify", "--hf", hf_dir, "--mcore", mcore_dir, "--prompt", prompt])
     return status, buf.getvalue()
 
 

@@ -9,6 +9,7 @@ restores. File formats live in ``hf_io`` / ``mcore_io``; names and fusing in ``m
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 from typing import Any, Optional
@@ -99,8 +100,6 @@ def _hf_chunks(reader: HFCheckpointReader, arch: LlamaArchitecture) -> list[Tens
 
 def _extra_state_objects(arch: LlamaArchitecture) -> dict[str, bytes]:
     """``_extra_state`` entries megatron-core's loader asks for (``None`` payloads, as a fresh model has)."""
-    import io
-
     buf = io.BytesIO()
     torch.save([None], buf)
     return {f"{LAYER_KEY_PREFIX}{module}._extra_state/shard_{layer}_{arch.num_layers}": buf.getvalue()
