@@ -19,6 +19,8 @@ from typing import Iterable, Optional
 
 import torch
 
+from mcp_context.convert.staging import prepare_staging_dir
+
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
@@ -133,22 +135,6 @@ class HFCheckpointReader:
             if f.readinto(buf) != len(buf):
                 raise ValueError(f"tensor {name!r}: {info.path} ended before byte {info.end}; the file is truncated")
         return torch.frombuffer(buf, dtype=torch.uint8).view(info.dtype).reshape(info.shape)
-
-
-def staging_dir(final_dir: Path) -> Path:
-    """The temporary sibling a checkpoint is written into before being renamed to ``final_dir``."""
-    return final_dir.parent / f".{final_dir.name}.partial"
-
-
-def prepare_staging_dir(final_dir: Path) -> Path:
-    """Refuse to overwrite ``final_dir``; create (or clear a stale) staging directory and return it."""
-    if final_dir.exists():
-        raise FileExistsError(f"output {final_dir} already exists; choose a new directory or remove it first")
-    tmp = staging_dir(final_dir)
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    return tmp
 
 
 def _encode_header(entries: dict) -> bytes:

@@ -37,7 +37,8 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from mcp_context.convert.hf_io import MissingTensorError, prepare_staging_dir
+from mcp_context.convert.hf_io import MissingTensorError
+from mcp_context.convert.staging import prepare_staging_dir
 
 CONFIG_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
