@@ -12,6 +12,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["mcp_context", "mcp_context.*", "megatron_patches", "megatron_patches.*"]),
+    package_data={"mcp_context.data": ["corpus/*"], "mcp_context.plan": ["profiles/*.yaml"]},
+    include_package_data=True,
     install_requires=[
         "torch>=2.4",
         "megatron-core>=0.14",
