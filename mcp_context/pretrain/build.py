@@ -1,0 +1,133 @@
+"""Build what a training run needs from a recipe: process groups, the GPT, its optimizer and schedule.
+
+Everything is megatron-core's own: ``parallel_state`` (gloo on CPU, NCCL on GPU), ``GPTModel`` with
+our layer spec (``mcp_context.megatron.specs``), ``DistributedDataParallel`` with per-token loss
+semantics (``calculate_per_token_loss=True``: gradients are summed over the DP x CP ranks and divided
+by the global count of valid tokens), ``get_megatron_optimizer`` (gradient clipping included) and
+``OptimizerParamScheduler``. On a machine without CUDA, ``megatron_patches`` makes these run on the
+CPU. Owns no loop, no data order and no files (see ``loop``, ``batches``, ``checkpoint``).
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from mcp_context.recipes import RecipeConfig
+
+
+def init_process_group() -> bool:
+    """Start the default process group from torchrun's environment (NCCL with CUDA, gloo without).
+
+    Returns False, doing nothing, when one is already initialised (a caller that owns it). Without a
+    launcher (no ``WORLD_SIZE``), starts a one-rank group on a local port.
+    """
+    if dist.is_initialized():
+        return False
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=timedelta(minutes=10))
+    return True
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def apply_megatron_patches() -> None:
+    """Apply ``megatron_patches`` (CPU shims and fixes) and the CPU training shims; idempotent."""
+    import megatron_patches
+    from megatron_patches.cpu_training import apply_cpu_training_shims
+
+    megatron_patches.apply_all()
+    apply_cpu_training_shims()
+
+
+def init_model_parallel(cfg: RecipeConfig) -> None:
+    """megatron-core ``parallel_state`` for the recipe's TP / CP layout (DP is what is left) and seeds."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    m = cfg.model
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=m.tensor_model_parallel_size,
+        pipeline_model_parallel_size=m.pipeline_model_parallel_size,
+        context_parallel_size=m.context_parallel_size,
+        hierarchical_context_parallel_sizes=m.hierarchical_context_parallel_sizes,
+    )
+    torch.manual_seed(cfg.train.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
+
+
+def transformer_config(cfg: RecipeConfig):
+    """``TransformerConfig`` of the recipe, with per-token loss and, without CUDA, CPU settings."""
+    from megatron.core.transformer import TransformerConfig
+
+    runtime = dict(calculate_per_token_loss=True)
+    if not torch.cuda.is_available():
+        runtime.update(use_cpu_initialization=True, masked_softmax_fusion=False, bias_activation_fusion=False,
+                       apply_rope_fusion=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False)
+    return TransformerConfig(**cfg.to_transformer_config_kwargs(), **runtime)
+
+
+def build_model(cfg: RecipeConfig, tokenizer_vocab_size: int):
+    """The recipe's ``GPTModel`` with the HCP layer spec, wrapped in megatron-core DDP.
+
+    Initialisation depends only on ``train.seed`` and TP (weights are made whole, then split over TP),
+    so runs at any CP size start from the same weights.
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.module import Float16Module
+
+    from mcp_context.megatron.specs import get_gpt_layer_hcp_spec
+
+    config = transformer_config(cfg)
+    spec = get_gpt_layer_hcp_spec(normalization=cfg.model.normalization, use_te=cfg.model.layer_spec == "te")
+    model = GPTModel(config, spec, **cfg.to_gpt_model_kwargs(tokenizer_vocab_size))
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    if config.bf16 or config.fp16:
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=config.bf16 or config.fp16,
+        use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+    )
+    return DistributedDataParallel(config, ddp_config, model)
+
+
+def build_optimizer(cfg: RecipeConfig, model):
+    """megatron-core optimizer (Adam/SGD, grad clipping at ``optimizer.clip_grad``) and LR schedule.
+
+    The schedule is Megatron-LM's: linear warm-up from 0 over ``train.lr_warmup_iters`` steps, then
+    ``train.lr_decay_style`` down to ``optimizer.min_lr`` at ``train.lr_decay_iters`` (default
+    ``train.steps``); constant weight decay.
+    """
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    optimizer = get_megatron_optimizer(OptimizerConfig(**cfg.to_optimizer_config_kwargs()), [model])
+    t, o = cfg.train, cfg.optimizer
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=t.lr_warmup_iters,
+        lr_decay_steps=t.lr_decay_iters if t.lr_decay_iters is not None else t.steps,
+        lr_decay_style=t.lr_decay_style,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=t.steps,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler

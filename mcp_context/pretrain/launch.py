@@ -1,0 +1,85 @@
+"""Before anything starts: check a recipe against the launch and the training loop; place the run.
+
+Owns the checks that must fail before any process group exists (the recipe's own layout checks are
+``validate_recipe``; here come the launcher's world size and what this training loop supports) and
+the run directory layout: ``RUN_DIR/metrics.jsonl``, ``RUN_DIR/recipe.yaml``,
+``RUN_DIR/checkpoints/iter_NNNNNNN``. Pure: no process group, no files written.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+from mcp_context.recipes import RecipeConfig, RecipeError, validate_recipe
+
+CHECKPOINTS_SUBDIR = "checkpoints"
+METRICS_FILENAME = "metrics.jsonl"
+
+
+def launched_world_size() -> int:
+    """The number of ranks the launcher started (torchrun's ``WORLD_SIZE``; 1 without a launcher)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def resolve_run_dir(cfg: RecipeConfig, run_dir: Optional[str]) -> Path:
+    """The run directory; sets ``cfg.checkpoint.save`` to match it.
+
+    ``run_dir`` given: checkpoints go to ``run_dir/checkpoints``. Otherwise the recipe decides: the
+    parent of ``checkpoint.save`` (``runs/tiny_cpu`` for the tiny recipe), or ``runs/<name>`` without
+    checkpoints when ``checkpoint.save`` is null.
+    """
+    if run_dir is not None:
+        cfg.checkpoint.save = str(Path(run_dir) / CHECKPOINTS_SUBDIR)
+        return Path(run_dir)
+    if cfg.checkpoint.save is not None:
+        return Path(cfg.checkpoint.save).parent
+    return Path("runs") / cfg.name
+
+
+def check_recipe_for_training(cfg: RecipeConfig, world_size: int) -> None:
+    """Raise ``RecipeError`` naming the key for a recipe this launch cannot train.
+
+    Runs ``validate_recipe`` at the launched world size, then checks what the loop needs: the
+    recipe's ``train.world_size`` equals the launch, one pipeline stage, an LR schedule megatron-core's
+    scheduler can run from the recipe's fields, and, on a machine without CUDA, fp32 parameters and
+    the plain (not distributed) optimizer.
+    """
+    import torch
+
+    validate_recipe(cfg, world_size=world_size)
+    t, m, o = cfg.train, cfg.model, cfg.optimizer
+    if t.world_size is not None and t.world_size != world_size:
+        raise RecipeError(
+            f"train.world_size={t.world_size} but {world_size} rank(s) were launched; run "
+            f"`torchrun --nproc-per-node {t.world_size} -m mcp_context.pretrain ...`, or set "
+            f"train.world_size={world_size} (and a layout that fits it)"
+        )
+    if m.pipeline_model_parallel_size != 1:
+        raise RecipeError(
+            f"model.pipeline_model_parallel_size={m.pipeline_model_parallel_size}: mcp_context.pretrain runs "
+            f"one pipeline stage; set it to 1, or train with Megatron-LM "
+            f"(python -m mcp_context.recipes to-megatron-args RECIPE prints the command)"
+        )
+    if t.lr_decay_style == "WSD":
+        raise RecipeError(
+            "train.lr_decay_style='WSD' needs a WSD decay length, which recipes have no field for; "
+            "use 'cosine', 'linear', 'inverse-square-root' or 'constant'"
+        )
+    if cfg.logging.tensorboard_dir is not None or cfg.logging.wandb_project is not None:
+        raise RecipeError(
+            "logging.tensorboard_dir / logging.wandb_project are not written by mcp_context.pretrain "
+            "(every step goes to RUN_DIR/metrics.jsonl); set them to null"
+        )
+    if not torch.cuda.is_available():
+        if m.bf16 or m.params_dtype != "float32":
+            raise RecipeError(
+                f"model.bf16={m.bf16}, model.params_dtype={m.params_dtype!r}: on a machine without CUDA "
+                f"mcp_context.pretrain trains in fp32 (megatron-core's mixed-precision optimizer needs CUDA); "
+                f"set model.bf16=false model.params_dtype=float32"
+            )
+        if o.use_distributed_optimizer:
+            raise RecipeError(
+                "optimizer.use_distributed_optimizer=true needs CUDA (megatron-core's distributed optimizer "
+                "allocates its buffers on the GPU); set it to false on CPU"
+            )

@@ -1,0 +1,182 @@
+"""The training loop: build, (resume,) loop over steps, log, evaluate, checkpoint.
+
+``train(cfg, run_dir)`` is the whole run on every rank; ``train_step`` is one optimizer step:
+forward/backward of this rank's micro-batches (each cut to this CP rank's zigzag shard), then
+megatron-core's ``finalize_model_grads`` sums the gradients over the DP x CP ranks and divides them
+by the global number of valid tokens (per-token loss), then the optimizer clips and steps and the
+scheduler moves the learning rate. The reported loss is the mean over every valid token of the
+global batch, the same number on every rank, so it does not depend on the CP or DP size.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from mcp_context.pretrain import build
+from mcp_context.pretrain.batches import MicroBatchSampler, step_batches
+from mcp_context.pretrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from mcp_context.pretrain.launch import METRICS_FILENAME
+from mcp_context.pretrain.metrics import MetricsLog
+from mcp_context.recipes import RecipeConfig, save_recipe
+
+
+@dataclass
+class TrainResult:
+    """What a finished ``train`` call leaves behind (the same on every rank)."""
+
+    run_dir: Path
+    metrics_path: Path
+    first_step: int
+    """Step the run started from (0, or the step of the checkpoint it resumed)."""
+    records: list
+    """This call's per-step records (what metrics.jsonl got)."""
+    checkpoint: Optional[Path]
+    """The newest complete checkpoint (None when checkpoint.save is null)."""
+
+
+def _to_device(batch: dict) -> dict:
+    if not torch.cuda.is_available():
+        return batch
+    return {key: value.cuda(non_blocking=True) for key, value in batch.items()}
+
+
+def _forward_loss_sum(model, micro_batch: dict, cp_group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of the per-token losses over this CP rank's valid tokens of ``micro_batch``, and their count."""
+    from mcp_context.megatron import slice_batch_for_cp
+
+    local = slice_batch_for_cp(_to_device(micro_batch), cp_group)
+    per_token = model(local["tokens"], local["position_ids"], local.get("attention_mask"), labels=local["labels"])
+    mask = local["loss_mask"].to(per_token.dtype)
+    return (per_token.float() * mask).sum(), mask.sum()
+
+
+def train_step(model, optimizer, scheduler, micro_batches: list[dict]) -> dict:
+    """One optimizer step on this rank's micro-batches; returns loss, lr and grad norm (same on every rank)."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+
+    cp_group = parallel_state.get_context_parallel_group()
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    loss_sum = torch.zeros((), dtype=torch.float32, device=_device())
+    num_tokens = torch.zeros((), dtype=torch.float32, device=_device())
+    for micro_batch in micro_batches:
+        local_sum, local_tokens = _forward_loss_sum(model, micro_batch, cp_group)
+        local_sum.backward()  # per-token loss: divided by the global token count in finalize_model_grads
+        loss_sum += local_sum.detach()
+        num_tokens += local_tokens
+    finalize_model_grads([model], num_tokens=num_tokens)  # all-reduces num_tokens over DP x CP in place
+    dist.all_reduce(loss_sum, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    lr = optimizer.param_groups[0]["lr"]
+    success, grad_norm, _ = optimizer.step()
+    if not success:
+        raise FloatingPointError(f"the optimizer skipped the step (gradient norm {grad_norm}); "
+                                 f"lower optimizer.lr or check the data")
+    scheduler.step(1)
+    return {"loss": (loss_sum / num_tokens.clamp(min=1)).item(), "lr": lr, "grad_norm": float(grad_norm)}
+
+
+@torch.no_grad()
+def evaluate(model, dataset, cfg: RecipeConfig) -> float:
+    """Mean loss over every valid token of the first ``train.eval_iters`` global batches of ``dataset``
+    (the same samples at every evaluation, so the numbers compare across steps and layouts)."""
+    from megatron.core import parallel_state
+
+    cp_group = parallel_state.get_context_parallel_group()
+    sampler = _sampler(cfg, 0, cfg.train.eval_iters)
+    totals = torch.zeros(2, dtype=torch.float32, device=_device())
+    model.eval()
+    try:
+        for micro_batches in step_batches(dataset, sampler, cfg.data.num_workers):
+            for micro_batch in micro_batches:
+                local_sum, local_tokens = _forward_loss_sum(model, micro_batch, cp_group)
+                totals += torch.stack([local_sum, local_tokens])
+    finally:
+        model.train()
+    dist.all_reduce(totals, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    return (totals[0] / totals[1].clamp(min=1)).item()
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _sampler(cfg: RecipeConfig, first_step: int, last_step: int) -> MicroBatchSampler:
+    from megatron.core import parallel_state
+
+    return MicroBatchSampler(first_step, last_step, cfg.train.global_batch_size, cfg.train.micro_batch_size,
+                             dp_rank=parallel_state.get_data_parallel_rank(),
+                             dp_size=parallel_state.get_data_parallel_world_size())
+
+
+def _prepare_data(cfg: RecipeConfig):
+    """Tokenizer and GPT datasets; rank 0 tokenises the corpus (once, cached), the others then reuse it."""
+    from mcp_context.data import build_gpt_datasets, prepare_data
+
+    if dist.get_rank() == 0:
+        prepare_data(cfg)
+    dist.barrier()
+    tokenizer, prefixes = prepare_data(cfg)
+    train_ds, valid_ds = build_gpt_datasets(cfg, tokenizer, prefixes)
+    return tokenizer, train_ds, valid_ds
+
+
+def train(cfg: RecipeConfig, run_dir: Path, progress: bool = False) -> TrainResult:
+    """Train the recipe on every rank of the default process group (started here if needed).
+
+    Resumes from ``checkpoint.load``, else from ``checkpoint.save`` when it holds a ``latest``
+    checkpoint. Writes ``run_dir/recipe.yaml``, ``run_dir/metrics.jsonl`` and checkpoints every
+    ``checkpoint.save_interval`` steps and at the end. Call ``launch.check_recipe_for_training`` first.
+    """
+    from megatron.core import parallel_state
+
+    owns_process_group = build.init_process_group()
+    build.apply_megatron_patches()
+    build.init_model_parallel(cfg)
+    metrics = None
+    try:
+        tokenizer, train_ds, valid_ds = _prepare_data(cfg)
+        model = build.build_model(cfg, tokenizer.vocab_size)
+        optimizer, scheduler = build.build_optimizer(cfg, model)
+        rank0 = dist.get_rank() == 0
+        if rank0:
+            save_recipe(cfg, run_dir)
+
+        first_step, checkpoint = 0, None
+        resume_dir = cfg.checkpoint.load or cfg.checkpoint.save
+        if resume_dir is not None:
+            checkpoint = latest_checkpoint(resume_dir)
+        if checkpoint is not None:
+            first_step = load_checkpoint(checkpoint, model, optimizer, scheduler, cfg)
+        metrics = MetricsLog(run_dir / METRICS_FILENAME, first_step, cfg.train.steps, enabled=rank0,
+                             progress=progress)
+        if checkpoint is not None:
+            metrics.note(f"resumed from {checkpoint} at step {first_step}")
+
+        t, c = cfg.train, cfg.checkpoint
+        tokens_per_step = t.global_batch_size * cfg.model.seq_length
+        records = []
+        batches = step_batches(train_ds, _sampler(cfg, first_step, t.steps), cfg.data.num_workers)
+        for step, micro_batches in enumerate(batches, start=first_step + 1):
+            start = time.perf_counter()
+            record = {"step": step, **train_step(model, optimizer, scheduler, micro_batches)}
+            elapsed = time.perf_counter() - start
+            record.update(tokens_per_s=tokens_per_step / elapsed, step_time_s=elapsed)
+            if valid_ds is not None and step % t.eval_interval == 0:
+                record["val_loss"] = evaluate(model, valid_ds, cfg)
+            records.append(record)
+            metrics.log(record)
+            if c.save is not None and (step % c.save_interval == 0 or step == t.steps):
+                checkpoint = save_checkpoint(c.save, step, model, optimizer, scheduler, cfg)
+        return TrainResult(run_dir, run_dir / METRICS_FILENAME, first_step, records, checkpoint)
+    finally:
+        if metrics is not None:
+            metrics.close()
+        parallel_state.destroy_model_parallel()
+        if owns_process_group:
+            dist.destroy_process_group()

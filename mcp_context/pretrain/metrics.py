@@ -1,0 +1,83 @@
+"""Per-step metrics: ``RUN_DIR/metrics.jsonl`` (one JSON object per step) and the progress bar.
+
+Each line holds at least ``step``, ``loss`` (mean over every valid token of the step's global batch,
+the same on every rank), ``lr``, ``grad_norm`` (before clipping), ``tokens_per_s`` and
+``step_time_s``; evaluation steps add ``val_loss``. Written by rank 0 only, flushed every step. A
+resumed run first drops the lines of steps after its checkpoint (rewritten under a temporary name),
+so the file always describes one continuous run.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+from mcp_context.recipes.config import write_atomic
+
+
+def read_metrics(path: os.PathLike | str) -> list[dict]:
+    """The records of a ``metrics.jsonl`` file, in order."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class MetricsLog:
+    """Appends step records to ``path`` and shows them on a tqdm bar (``enabled`` on rank 0 only)."""
+
+    def __init__(self, path: os.PathLike | str, first_step: int, total_steps: int, enabled: bool,
+                 progress: bool = True):
+        self.path = Path(path)
+        self.enabled = enabled
+        self._file = None
+        self._bar = None
+        if not enabled:
+            return
+        if self.path.exists():
+            kept = [r for r in read_metrics(self.path) if r["step"] <= first_step]
+            write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept).encode("utf-8"))
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")
+        if progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=first_step, desc="train", unit="step", dynamic_ncols=True)
+
+    def log(self, record: dict) -> None:
+        """Write one step's record and advance the bar."""
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._bar is not None:
+            postfix = {"loss": f"{record['loss']:.4f}", "tok/s": f"{record['tokens_per_s']:.0f}"}
+            if "val_loss" in record:
+                postfix["val"] = f"{record['val_loss']:.4f}"
+            self._bar.set_postfix(postfix, refresh=False)
+            self._bar.update(1)
+
+    def note(self, text: str) -> None:
+        """A line for the user (above the bar), rank 0 only."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._file is not None:
+            self._file.close()
+        self._file = self._bar = None
+
+
+def format_record(record: dict, digits: Optional[int] = 4) -> str:
+    """One record as ``step 12 | loss 5.1234 | lr 2.1e-03 | ...`` for summaries."""
+    parts = [f"step {record['step']}", f"loss {record['loss']:.{digits}f}"]
+    if "val_loss" in record:
+        parts.append(f"val_loss {record['val_loss']:.{digits}f}")
+    parts += [f"lr {record['lr']:.2e}", f"grad_norm {record['grad_norm']:.3f}",
+              f"{record['tokens_per_s']:.0f} tokens/s"]
+    return " | ".join(parts)
