@@ -191,7 +191,7 @@ def test_interrupted_checkpoint_write_leaves_previous_checkpoint_loadable(uninte
 def test_bad_recipe_fails_before_any_process_group(monkeypatch, capsys, overrides, key):
     import torch.distributed as dist
 
-    from mcp_context.pretrain.__main__ import main
+    from mcp_context.pretrain.cli import main
 
     def no_process_group(*args, **kwargs):
         raise AssertionError("a process group was started before the recipe was checked")

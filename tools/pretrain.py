@@ -7,7 +7,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mcp_context.pretrain.__main__ import main  # noqa: E402
+from mcp_context.pretrain.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

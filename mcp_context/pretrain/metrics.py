@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Optional
 
 from mcp_context.recipes.config import write_atomic
 
@@ -72,12 +71,3 @@ class MetricsLog:
             self._file.close()
         self._file = self._bar = None
 
-
-def format_record(record: dict, digits: Optional[int] = 4) -> str:
-    """One record as ``step 12 | loss 5.1234 | lr 2.1e-03 | ...`` for summaries."""
-    parts = [f"step {record['step']}", f"loss {record['loss']:.{digits}f}"]
-    if "val_loss" in record:
-        parts.append(f"val_loss {record['val_loss']:.{digits}f}")
-    parts += [f"lr {record['lr']:.2e}", f"grad_norm {record['grad_norm']:.3f}",
-              f"{record['tokens_per_s']:.0f} tokens/s"]
-    return " | ".join(parts)
