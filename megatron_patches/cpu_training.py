@@ -15,9 +15,10 @@ the function's code (so a release that fixed one is left alone):
 
 Together these let `megatron.core.distributed.DistributedDataParallel`,
 `megatron.core.optimizer.get_megatron_optimizer` (fp32 parameters, plain optimizer) and its
-gradient clipping train a model on gloo. (megatron-core's own ``torch_dist`` checkpoint writer also
-needs CUDA; ``mcp_context.pretrain.checkpoint`` writes the same format in-process on CPU instead.) Not covered: the mixed-precision (fp16/bf16) optimizer,
-the distributed optimizer, overlapped grad reduction (CUDA streams).
+gradient clipping train a model on gloo. Not covered: the mixed-precision (fp16/bf16) optimizer,
+the distributed optimizer, overlapped grad reduction (CUDA streams), and megatron-core's own
+``torch_dist`` checkpoint writer (``mcp_context.pretrain.checkpoint`` writes the same format
+in-process on CPU instead).
 """
 from __future__ import annotations
 

@@ -187,6 +187,7 @@ def test_interrupted_checkpoint_write_leaves_previous_checkpoint_loadable(uninte
     (["model.seq_length=260"], "model.seq_length"),
     (["model.pipeline_model_parallel_size=2", *CP2], "model.pipeline_model_parallel_size"),
     (["train.world_size=8"], "train.world_size"),
+    (["checkpoint.load=/nonexistent/checkpoints"], "checkpoint.load"),
 ])
 def test_bad_recipe_fails_before_any_process_group(monkeypatch, capsys, overrides, key):
     import torch.distributed as dist

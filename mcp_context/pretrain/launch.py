@@ -7,6 +7,7 @@ the run directory layout: ``RUN_DIR/metrics.jsonl``, ``RUN_DIR/recipe.yaml``,
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 from typing import Optional
@@ -40,14 +41,13 @@ def resolve_run_dir(cfg: RecipeConfig, run_dir: Optional[str]) -> Path:
 def check_recipe_for_training(cfg: RecipeConfig, world_size: int) -> None:
     """Raise ``RecipeError`` naming the key for a recipe this launch cannot train.
 
-    Runs ``validate_recipe`` at the launched world size, then checks what the loop needs: the
-    recipe's ``train.world_size`` equals the launch, one pipeline stage, an LR schedule megatron-core's
-    scheduler can run from the recipe's fields, and, on a machine without CUDA, fp32 parameters and
-    the plain (not distributed) optimizer.
+    Checks that the recipe's ``train.world_size`` equals the launch, runs ``validate_recipe`` at the
+    launched world size, then checks what the loop needs: one pipeline stage, an LR schedule megatron-core's
+    scheduler can run from the recipe's fields, einops for hierarchical CP groups, a
+    ``checkpoint.load`` that holds a checkpoint, and, on a machine without CUDA, fp32 parameters and the plain (not distributed) optimizer.
     """
     import torch
 
-    validate_recipe(cfg, world_size=world_size)
     t, m, o = cfg.train, cfg.model, cfg.optimizer
     if t.world_size is not None and t.world_size != world_size:
         raise RecipeError(
@@ -55,6 +55,7 @@ def check_recipe_for_training(cfg: RecipeConfig, world_size: int) -> None:
             f"`torchrun --nproc-per-node {t.world_size} -m mcp_context.pretrain ...`, or set "
             f"train.world_size={world_size} (and a layout that fits it)"
         )
+    validate_recipe(cfg, world_size=world_size)
     if m.pipeline_model_parallel_size != 1:
         raise RecipeError(
             f"model.pipeline_model_parallel_size={m.pipeline_model_parallel_size}: mcp_context.pretrain runs "
@@ -71,6 +72,19 @@ def check_recipe_for_training(cfg: RecipeConfig, world_size: int) -> None:
             "logging.tensorboard_dir / logging.wandb_project are not written by mcp_context.pretrain "
             "(every step goes to RUN_DIR/metrics.jsonl); set them to null"
         )
+    if m.hierarchical_context_parallel_sizes is not None and importlib.util.find_spec("einops") is None:
+        raise RecipeError(
+            f"model.hierarchical_context_parallel_sizes={m.hierarchical_context_parallel_sizes} needs the einops "
+            f"package (megatron-core builds the hierarchical CP groups with it); pip install einops"
+        )
+    if cfg.checkpoint.load is not None:
+        from mcp_context.pretrain.checkpoint import LATEST_FILENAME
+
+        if not (Path(cfg.checkpoint.load) / LATEST_FILENAME).is_file():
+            raise RecipeError(
+                f"checkpoint.load={cfg.checkpoint.load!r} holds no '{LATEST_FILENAME}' file naming a checkpoint; "
+                f"give the checkpoints directory of a run (RUN_DIR/checkpoints), or null to start afresh"
+            )
     if not torch.cuda.is_available():
         if m.bf16 or m.params_dtype != "float32":
             raise RecipeError(

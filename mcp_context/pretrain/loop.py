@@ -51,7 +51,7 @@ def _forward_loss_sum(model, micro_batch: dict, cp_group) -> tuple[torch.Tensor,
 
     local = slice_batch_for_cp(_to_device(micro_batch), cp_group)
     per_token = model(local["tokens"], local["position_ids"], local.get("attention_mask"), labels=local["labels"])
-    mask = local["loss_mask"].to(per_token.dtype)
+    mask = local["loss_mask"].float()
     return (per_token.float() * mask).sum(), mask.sum()
 
 
@@ -118,9 +118,15 @@ def _prepare_data(cfg: RecipeConfig):
     """Tokenizer and GPT datasets; rank 0 tokenises the corpus (once, cached), the others then reuse it."""
     from mcp_context.data import build_gpt_datasets, prepare_data
 
+    failure = [None]
     if dist.get_rank() == 0:
-        prepare_data(cfg)
-    dist.barrier()
+        try:
+            prepare_data(cfg)
+        except Exception as err:
+            failure[0] = err
+    dist.broadcast_object_list(failure, src=0)  # so no rank waits for a rank 0 that failed
+    if failure[0] is not None:
+        raise failure[0]
     tokenizer, prefixes = prepare_data(cfg)
     train_ds, valid_ds = build_gpt_datasets(cfg, tokenizer, prefixes)
     return tokenizer, train_ds, valid_ds
@@ -162,8 +168,8 @@ def train(cfg: RecipeConfig, run_dir: Path, progress: bool = False) -> TrainResu
         tokens_per_step = t.global_batch_size * cfg.model.seq_length
         records = []
         batches = step_batches(train_ds, _sampler(cfg, first_step, t.steps), cfg.data.num_workers)
-        for step, micro_batches in enumerate(batches, start=first_step + 1):
-            start = time.perf_counter()
+        start = time.perf_counter()
+        for step, micro_batches in enumerate(batches, start=first_step + 1):  # step time includes loading
             record = {"step": step, **train_step(model, optimizer, scheduler, micro_batches)}
             elapsed = time.perf_counter() - start
             record.update(tokens_per_s=tokens_per_step / elapsed, step_time_s=elapsed)
@@ -173,6 +179,7 @@ def train(cfg: RecipeConfig, run_dir: Path, progress: bool = False) -> TrainResu
             metrics.log(record)
             if c.save is not None and (step % c.save_interval == 0 or step == t.steps):
                 checkpoint = save_checkpoint(c.save, step, model, optimizer, scheduler, cfg)
+            start = time.perf_counter()
         return TrainResult(run_dir, run_dir / METRICS_FILENAME, first_step, records, checkpoint)
     finally:
         if metrics is not None:
