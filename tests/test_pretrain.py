@@ -117,6 +117,36 @@ def uninterrupted(data_dir, tmp_path_factory):
     return _records(results), results[0][1]
 
 
+def _rank_grads(rank):
+    generator = torch.Generator().manual_seed(rank)
+    return [torch.randn(5, 3, generator=generator) * (rank + 1), torch.randn(7, generator=generator)]
+
+
+def _clip_with_megatron_on_cpu(rank, world):
+    import torch.distributed as dist
+    from megatron.core.optimizer import clip_grads
+
+    from megatron_patches.cpu_training import apply_cpu_training_shims
+
+    apply_cpu_training_shims()
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in _rank_grads(rank)]
+    for param, grad in zip(params, _rank_grads(rank)):
+        param.grad = grad
+    norm = clip_grads.get_grad_norm_fp32([p.grad for p in params], grad_stats_parallel_group=dist.group.WORLD)
+    clip_grads.clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=norm)
+    return norm, [p.grad for p in params]
+
+
+def test_cpu_training_shims_give_megatron_grad_norm_and_clipping_on_cpu():
+    results = run_distributed(2, _clip_with_megatron_on_cpu)
+    grads = [_rank_grads(r) for r in range(2)]
+    norm = torch.cat([g.flatten() for rank_grads in grads for g in rank_grads]).double().norm().item()
+    for rank, (got_norm, clipped) in enumerate(results):
+        assert got_norm == pytest.approx(norm, rel=1e-6)
+        for got, grad in zip(clipped, grads[rank]):
+            torch.testing.assert_close(got, grad / (norm + 1e-6), rtol=1e-6, atol=0)
+
+
 def test_micro_batch_sampler_reads_the_same_global_batch_at_every_dp_size():
     from mcp_context.pretrain.batches import MicroBatchSampler
 
