@@ -126,26 +126,33 @@ def evaluate(req: PlanRequest, cand: Candidate, ranks: Optional[list[int]] = Non
                    activation + state <= req.profile.memory_gib * GIB, list(ranks))
 
 
-def _rank_key(row: PlanRow) -> tuple:
-    return (not row.fits, row.seconds_per_sequence if row.fits else row.memory_bytes)
+def _choose(rows: list[PlanRow]) -> PlanRow:
+    """Among layouts that fit: the fastest per sequence, near-ties (within ``TIE``) to fewer inter-node
+    bytes, then less memory. When none fits: the least memory, near-ties to the fastest."""
+    fitting = [r for r in rows if r.fits]
+    if fitting:
+        fastest = min(r.seconds_per_sequence for r in fitting)
+        close = [r for r in fitting if r.seconds_per_sequence <= fastest * (1 + TIE)]
+        return min(close, key=lambda r: (r.inter_node_bytes, r.memory_bytes))
+    least = min(r.memory_bytes for r in rows)
+    close = [r for r in rows if r.memory_bytes <= least * (1 + TIE)]
+    return min(close, key=lambda r: (r.seconds_per_sequence, r.inter_node_bytes))
 
 
 def plan(req: PlanRequest) -> Plan:
-    """Evaluate every valid candidate and recommend one."""
+    """Evaluate every valid candidate and recommend one (listed first; the rest: fitting ones first,
+    fastest per sequence first)."""
     if req.seq_len < 1 or req.micro_batch_size < 1:
         raise ValueError(f"seq_len={req.seq_len} and micro_batch_size={req.micro_batch_size} must be positive")
     shape = rank_shape(req)
     valid, rejected = enumerate_candidates(cp_sizes_for(req.gpus, req.tp, req.pp), req.seq_len, shape.heads,
                                            shape.kv_heads)
-    rows = sorted((evaluate(req, c) for c in valid), key=_rank_key)
+    rows = sorted((evaluate(req, c) for c in valid), key=lambda r: (not r.fits, r.seconds_per_sequence))
     if not rows:
         return Plan(req, [], rejected, None, ["no CP layout is valid; see the rejected list for why"])
-    best = rows[0]
-    if best.fits:  # near-ties: prefer less inter-node traffic, then less memory
-        close = [r for r in rows if r.fits and r.seconds_per_sequence <= best.seconds_per_sequence * (1 + TIE)]
-        best = min(close, key=lambda r: (r.inter_node_bytes, r.memory_bytes))
-        rows.remove(best)
-        rows.insert(0, best)
+    best = _choose(rows)
+    rows.remove(best)
+    rows.insert(0, best)
     return Plan(req, rows, rejected, best, explain(req, best, rows))
 
 
@@ -157,8 +164,10 @@ def explain(req: PlanRequest, best: PlanRow, rows: list[PlanRow]) -> list[str]:
     if not best.fits:
         reasons.append(f"no layout fits in {mem:.0f} GiB per GPU; {c.label()} needs the least "
                        f"({best.memory_bytes / GIB:.1f} GiB: {best.model_state_bytes / GIB:.1f} model state + "
-                       f"{best.activation_bytes / GIB:.1f} activations); raise pipeline_model_parallel_size, "
-                       f"use a machine with more memory, or shorten the sequence")
+                       f"{best.activation_bytes / GIB:.1f} activations); use more GPUs for a larger CP size, "
+                       f"GPUs with more memory, or a shorter sequence (a larger pipeline_model_parallel_size "
+                       f"shrinks the model state, not the first stage's activations: under 1F1B it holds "
+                       f"{req.model.num_layers} layers' inputs whatever the PP size)")
     else:
         smaller = sorted({r.candidate.cp_size for r in rows if not r.fits and r.candidate.cp_size < c.cp_size})
         if smaller:
@@ -178,12 +187,19 @@ def explain(req: PlanRequest, best: PlanRow, rows: list[PlanRow]) -> list[str]:
     reasons.append(f"load balance {best.load_balance:.3f} (1.0 is perfect), masked waste {best.masked_waste:.4f}; "
                    f"per rank per layer {best.intra_node_bytes / 2**20:.1f} MiB over NVLink and "
                    f"{best.inter_node_bytes / 2**20:.1f} MiB over the network")
-    runner_up = next((r for r in rows[1:] if r.fits == best.fits), None)
-    if runner_up is not None:
-        reasons.append(f"runner-up {runner_up.candidate.label()}: {runner_up.prediction.total_s * 1e3:.2f} ms per "
-                       f"layer, {runner_up.seconds_per_sequence / best.seconds_per_sequence:.2f}x the time per "
-                       f"sequence, {runner_up.inter_node_bytes / 2**20:.1f} MiB over the network")
+    others = [r for r in rows[1:] if r.fits == best.fits]
+    hierarchical = [r for r in others if r.candidate.comm == "a2a+p2p"]
+    for what, pool in (("runner-up", others), ("best hierarchical layout", hierarchical if c.comm != "a2a+p2p" else [])):
+        if pool:  # the same order the choice used: time among fitting layouts, memory otherwise
+            row = pool[0] if best.fits else min(pool, key=lambda r: (r.memory_bytes, r.seconds_per_sequence))
+            reasons.append(_compare(what, row, best))
     return reasons
+
+
+def _compare(what: str, row: PlanRow, best: PlanRow) -> str:
+    return (f"{what} {row.candidate.label()}: {row.prediction.total_s * 1e3:.2f} ms per layer, "
+            f"{row.seconds_per_sequence / best.seconds_per_sequence:.3f}x the time per sequence, "
+            f"{row.inter_node_bytes / 2**20:.1f} MiB over the network, {row.memory_bytes / GIB:.1f} GiB")
 
 
 def with_gpus_per_node(profile: MachineProfile, gpus_per_node: Optional[int]) -> MachineProfile:
