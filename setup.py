@@ -20,6 +20,7 @@ setup(
         "sentencepiece",
         "pyyaml",
         "tqdm",
+        "einops",  # megatron-core builds hierarchical CP groups with it but lists it only in extras
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]"],
