@@ -405,8 +405,9 @@ def plot(results: dict, out_dir: str, suffix: str) -> list[str]:
     paths = []
     cpu = results.get("cpu", {})
     if cpu:
-        fig, axes = plt.subplots(1, len(cpu), figsize=(6 * len(cpu), 4), squeeze=False)
-        for ax, (world, res) in zip(axes[0], cpu.items()):
+        width = max(len(res["configs"]) for res in cpu.values())
+        fig, axes = plt.subplots(len(cpu), 1, figsize=(1.0 * width + 2, 4 * len(cpu)), squeeze=False)
+        for ax, (world, res) in zip(axes[:, 0], cpu.items()):
             labels = [f"{c['comm']}\n{c['layout']}" for c in res["configs"]]
             x = range(len(labels))
             ax.bar([i - 0.2 for i in x], [c["ratio_fwd"] for c in res["configs"]], 0.4, label="forward")
@@ -485,10 +486,17 @@ def main(argv=None) -> int:
     ap.add_argument("--comms", nargs="+", default=list(COMMS), choices=COMMS)
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     ap.add_argument("--tag", default="", help="appended to the output file names")
+    ap.add_argument("--replot", metavar="JSON", help="only redraw the plots of an earlier run's JSON")
     ap.add_argument("--no-cpu", action="store_true", help="skip the gloo runs")
     ap.add_argument("--device-bench", choices=["auto", "cuda", "cpu", "none"], default="auto",
                     help="kernel/schedule benchmark device (auto: cuda when available, else none)")
     args = ap.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            old = json.load(f)
+        suffix = os.path.basename(args.replot)[len("bench_attention"):-len(".json")]
+        print("wrote", ", ".join(plot(old, os.path.dirname(args.replot) or ".", suffix)))
+        return 0
     shape = Shape(args.seq_len, args.batch, args.heads, args.kv_heads, args.head_dim)
     for world in args.world_sizes:
         if args.seq_len % (2 * world):
