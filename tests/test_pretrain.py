@@ -6,7 +6,8 @@ our spec): at CP=4 as [2, 2] (a2a+p2p, DP=1) the per-step losses, gradient norms
 and validation losses agree within 1e-4 relative (measured: <= 1.3e-7), and so do the weights after
 step 3 within 1e-4 absolute (measured: 8.5e-6; Adam's update of a nearly-zero gradient amplifies
 fp32 round-off). Resumed
-runs (same CP, and CP=2 with DP=2) repeat the uninterrupted run's losses within 1e-4 relative. An
+runs (same CP, and CP=2 with DP=2; and a torchrun job killed with SIGKILL, then relaunched) repeat the
+uninterrupted run's losses within 1e-4 relative. An
 interrupted checkpoint write leaves ``latest`` on the previous checkpoint, which loads and continues
 the run exactly. Bad recipes fail in the launcher's checks with the key named, and no process group
 is ever started.
@@ -15,8 +16,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -210,6 +213,63 @@ def test_interrupted_checkpoint_write_leaves_previous_checkpoint_loadable(uninte
     assert latest_checkpoint(ckpts).name == "iter_0000004" and not (ckpts / "iter_0000004.tmp").exists()
 
 
+def _torchrun(nproc, run_dir, overrides):
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "tools/pretrain.py",
+            "--recipe", "recipes/tiny_cpu.yaml", "--run-dir", str(run_dir), *overrides]
+
+
+def _process_tree(pid):
+    """``pid`` and all its descendants (read from /proc: torchrun starts its ranks in their own sessions)."""
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    return tree
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the ranks to kill through /proc (Linux)")
+def test_sigkill_mid_run_then_resume_repeats_the_uninterrupted_losses(data_dir, tmp_path):
+    from mcp_context.pretrain.checkpoint import latest_checkpoint
+    from mcp_context.pretrain.metrics import read_metrics
+
+    steps = 40
+    overrides = COMMON[:1] + CP2 + [f"train.steps={steps}", f"train.lr_decay_iters={steps}", "train.world_size=2",
+                                    "checkpoint.save_interval=2", f"data.cache_dir={data_dir}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.Popen(_torchrun(2, tmp_path, overrides), cwd=REPO, env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not (tmp_path / "checkpoints" / "latest").exists() and run.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in _process_tree(run.pid):  # torchrun and both ranks, wherever they are (a save may be half written)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    run.wait()
+    killed_at = int(latest_checkpoint(tmp_path / "checkpoints").name.split("_")[1])
+    assert killed_at < steps, "the run finished before it was killed"
+
+    resume = subprocess.run(_torchrun(2, tmp_path, overrides), cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert resume.returncode == 0, resume.stderr[-3000:]
+    reference = _records(run_distributed(2, _train, str(tmp_path / "reference"), overrides, False))
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    _assert_same_steps(records, reference, keys=("loss", "grad_norm", "lr"))
+    assert f"resumed from {tmp_path / 'checkpoints' / f'iter_{killed_at:07d}'} at step {killed_at}" in resume.stdout
+    assert latest_checkpoint(tmp_path / "checkpoints").name == f"iter_{steps:07d}"
+
+
 @pytest.mark.parametrize("overrides,key", [
     (["model.contex_parallel_size=4"], "model.contex_parallel_size"),
     (["train.steps=many"], "train.steps"),
@@ -242,10 +302,8 @@ def test_torchrun_entry_writes_metrics_recipe_and_checkpoint(data_dir, tmp_path)
 
     overrides = ["train.world_size=2", "train.steps=2", "train.lr_warmup_iters=0", f"data.cache_dir={data_dir}",
                  *CP2]
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "tools/pretrain.py",
-         "--recipe", "recipes/tiny_cpu.yaml", "--run-dir", str(tmp_path), *overrides],
-        cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(_torchrun(2, tmp_path, overrides), cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
