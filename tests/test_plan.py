@@ -116,7 +116,8 @@ def test_cost_model_overlap_arithmetic(h100):
     pred = predict(sched, shape, 1, traffics, fabric)
     flops = [n * 4 * D * B * H for n in step_pairs(sched)]
     c0, c1 = (f / (h100.attention_tflops * 1e12) for f in flops)
-    transfer = traffics[0].forward["ring_kv"] / (h100.inter_node_bandwidth_gbps * 1e9) + h100.inter_node_latency_us * 1e-6
+    transfer = (traffics[0].forward["ring_kv"] / (h100.inter_node_bandwidth_gbps * 1e9)
+                + h100.inter_node_latency_us * 1e-6)
     assert pred.forward_s == pytest.approx(max(c0, transfer) + c1, rel=1e-12)
     assert pred.forward_no_overlap_s == pytest.approx(c0 + transfer + c1, rel=1e-12)
     assert pred.total_s < pred.total_no_overlap_s
@@ -169,6 +170,8 @@ def test_cli_table_json_and_errors(tmp_path, capsys):
     assert "h100_nvlink_ib" in capsys.readouterr().err
     assert main(args[:-4] + ["--gpus", "5", "--tp", "2"]) == 2
     assert "gpus=5" in capsys.readouterr().err
+    assert main(args + ["--pp", "3"]) == 2
+    assert "num_layers=2 is not divisible by pipeline_model_parallel_size=3" in capsys.readouterr().err
 
 
 def test_profiles_load_and_reject_bad_fields(tmp_path):

@@ -63,8 +63,10 @@ def overlap_summary(timeline: dict) -> list[dict]:
     dK/dV, and the share of the forward transfers' own time hidden behind compute
     (1 - blocked / (transfers x one transfer alone))."""
     per_run = [_run_summary(run, timeline["transfer_alone_s"]) for run in timeline["runs"]]
-    return [{key: statistics.median(run[rank][key] for run in per_run) for key in per_run[0][rank]}
-            for rank in range(len(per_run[0]))]
+    counts = ("rank", "forward_transfers")  # the same in every run
+    return [{**{key: per_run[0][rank][key] for key in counts},
+             **{key: statistics.median(run[rank][key] for run in per_run) for key in per_run[0][rank]
+                if key not in counts}} for rank in range(len(per_run[0]))]
 
 
 def _run_summary(events_per_rank: list, transfer_alone_s: list) -> list[dict]:
@@ -120,6 +122,7 @@ def _timed(fn) -> float:
 def _bench_config(rank, world, groups, comm, layout, shape: Shape, reps: int) -> dict:
     """One configuration's interleaved repetitions; the figures (on rank 0; ``{}`` elsewhere)."""
     from mcp_context import comm_stats, context_parallel_attention, shard_sequence
+    from mcp_context.algorithms import a2a_degree
     from mcp_context.schedule import layout_schedule, load_balance, masked_waste
 
     gen = torch.Generator().manual_seed(0)
@@ -158,8 +161,7 @@ def _bench_config(rank, world, groups, comm, layout, shape: Shape, reps: int) ->
                          "ours_fwd_bwd": _timed(lambda: ours(True)), "full_fwd_bwd": baseline(True)})
     if rank != 0:
         return {}  # the times above are the slowest rank's on every rank; the baseline ran on rank 0
-    inner = {"p2p": 1, "all_gather": 1, "a2a": world, "a2a+p2p": 2}[comm]
-    sched = layout_schedule(layout, world, shape.seq_len, True, inner)
+    sched = layout_schedule(layout, world, shape.seq_len, True, a2a_degree(comm, groups))
     return {"comm": comm, "layout": layout, "world_size": world, "reps": reps_out,
             "ratio_fwd": statistics.median(r["ours_fwd"] / r["full_fwd"] for r in reps_out),
             "ratio_fwd_bwd": statistics.median(r["ours_fwd_bwd"] / r["full_fwd_bwd"] for r in reps_out),
@@ -237,14 +239,15 @@ def _cpu_worker(rank, world, init_file, out_file, shape, reps, comms, layouts):
             groups[sizes] = build_hcp_groups(list(sizes))
         res = _bench_config(rank, world, groups[sizes], comm, layout, shape, reps)
         if res:
-            print(f"  P={world} {comm:10s} {layout:10s} fwd {res['ratio_fwd']:.2f}x  fwd+bwd {res['ratio_fwd_bwd']:.2f}x"
-                  f"  balance {res['load_balance']:.3f}", flush=True)
+            print(f"  P={world} {comm:10s} {layout:10s} fwd {res['ratio_fwd']:.2f}x  "
+                  f"fwd+bwd {res['ratio_fwd_bwd']:.2f}x  balance {res['load_balance']:.3f}", flush=True)
         results.append(res)
     timeline = _timeline(rank, world, groups.get((world,)) or build_hcp_groups([world]), shape, reps)
     if rank == 0:
         timeline["summary"] = overlap_summary(timeline)
         for row in timeline["summary"]:
-            print(f"  P={world} p2p zigzag rank {row['rank']}: forward compute {row['forward_compute_s'] * 1e3:.1f} ms, "
+            print(f"  P={world} p2p zigzag rank {row['rank']}: "
+                  f"forward compute {row['forward_compute_s'] * 1e3:.1f} ms, "
                   f"blocked on K/V {row['forward_kv_wait_s'] * 1e3:.1f} ms over {row['forward_transfers']} transfers "
                   f"of {row['transfer_alone_s'] * 1e3:.1f} ms each alone (medians of {reps} runs)", flush=True)
         with open(out_file, "w") as f:
@@ -381,11 +384,12 @@ def device_benchmarks(device: torch.device, shape: Shape, world_sizes, reps: int
                "kernel": kernel.name}
         for label, backward, factor in (("fwd", False, 1.0), ("fwd_bwd", True, 3.5)):
             flops = 4 * b * h * d * pairs * factor
+            fused_flops = 4 * b * h * d * s_eq * (s_eq + 1) // 2 * factor
             ours = _device_seconds(lambda: rank_step(backward), device, reps)
             ref = _device_seconds(lambda: fused(backward), device, reps)
             row[label] = {"ours_s": ours, "fused_s": ref,
                           "ours_tflops": flops / statistics.median(ours) / 1e12,
-                          "fused_tflops": 4 * b * h * d * s_eq * (s_eq + 1) // 2 * factor / statistics.median(ref) / 1e12,
+                          "fused_tflops": fused_flops / statistics.median(ref) / 1e12,
                           "ours_peak_bytes": _peak_bytes(lambda: rank_step(backward), device),
                           "fused_peak_bytes": _peak_bytes(lambda: fused(backward), device)}
             row[label]["efficiency"] = row[label]["ours_tflops"] / row[label]["fused_tflops"]
@@ -449,14 +453,26 @@ def plot(results: dict, out_dir: str, suffix: str) -> list[str]:
     dev = results.get("device")
     if dev:
         rows = [r for r in dev["kernels"] if "fwd_tflops" in r]
-        fig, ax = plt.subplots(figsize=(7, 3.5))
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 3.8))
         x = range(len(rows))
         ax.bar([i - 0.2 for i in x], [r["fwd_tflops"] for r in rows], 0.4, label="forward")
         ax.bar([i + 0.2 for i in x], [r["fwd_bwd_tflops"] for r in rows], 0.4, label="forward+backward")
         ax.set_xticks(list(x), [r["kernel"] for r in rows])
         ax.set_ylabel("TFLOP/s")
-        ax.set_title(f"block kernels on {dev['device']} ({dev['dtype']}, causal block of {dev['block_len']})")
-        ax.legend()
+        ax.set_title(f"block kernels ({dev['dtype']}, causal block of {dev['block_len']})", fontsize=9)
+        ax.legend(fontsize=8)
+        sched = dev["rank_schedule"]
+        x = range(len(sched))
+        for offset, (label, key) in zip((-0.3, -0.1, 0.1, 0.3), [("ours fwd", ("fwd", "ours_tflops")),
+                                                                   ("fused fwd", ("fwd", "fused_tflops")),
+                                                                   ("ours fwd+bwd", ("fwd_bwd", "ours_tflops")),
+                                                                   ("fused fwd+bwd", ("fwd_bwd", "fused_tflops"))]):
+            ax2.bar([i + offset for i in x], [r[key[0]][key[1]] for r in sched], 0.2, label=label)
+        ax2.set_xticks(list(x), [f"P={r['world_size']}\n{r['fwd_bwd']['efficiency']:.2f} of fused" for r in sched])
+        ax2.set_ylabel("TFLOP/s")
+        ax2.set_title(f"rank 0's zigzag schedule vs one fused SDPA of equal useful FLOPs ({dev['device']})",
+                      fontsize=9)
+        ax2.legend(fontsize=8)
         fig.tight_layout()
         paths.append(os.path.join(out_dir, f"bench_device_kernels{suffix}.png"))
         fig.savefig(paths[-1], dpi=110)

@@ -49,7 +49,8 @@ def _request(args: argparse.Namespace) -> PlanRequest:
 
         cfg = load_recipe(args.recipe).model
         model = ModelShape.from_recipe(cfg)
-        tp, pp, seq = tp or cfg.tensor_model_parallel_size, pp or cfg.pipeline_model_parallel_size, seq or cfg.seq_length
+        tp, pp = tp or cfg.tensor_model_parallel_size, pp or cfg.pipeline_model_parallel_size
+        seq = seq or cfg.seq_length
         if args.vocab:
             model = ModelShape.build(model.num_layers, model.hidden_size, model.num_attention_heads,
                                      model.num_query_groups, model.kv_channels, model.ffn_hidden_size, args.vocab,

@@ -40,6 +40,14 @@ class PlanRequest:
     causal: bool = True
     dtype: torch.dtype = torch.bfloat16
 
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "gpus", "tp", "pp", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be a positive integer")
+        if self.model.num_layers % self.pp:
+            raise ValueError(f"num_layers={self.model.num_layers} is not divisible by pipeline_model_parallel_size="
+                             f"{self.pp}; choose a PP size that divides it")
+
 
 @dataclass
 class PlanRow:
@@ -142,8 +150,6 @@ def _choose(rows: list[PlanRow]) -> PlanRow:
 def plan(req: PlanRequest) -> Plan:
     """Evaluate every valid candidate and recommend one (listed first; the rest: fitting ones first,
     fastest per sequence first)."""
-    if req.seq_len < 1 or req.micro_batch_size < 1:
-        raise ValueError(f"seq_len={req.seq_len} and micro_batch_size={req.micro_batch_size} must be positive")
     shape = rank_shape(req)
     valid, rejected = enumerate_candidates(cp_sizes_for(req.gpus, req.tp, req.pp), req.seq_len, shape.heads,
                                            shape.kv_heads)
@@ -188,8 +194,8 @@ def explain(req: PlanRequest, best: PlanRow, rows: list[PlanRow]) -> list[str]:
                    f"per rank per layer {best.intra_node_bytes / 2**20:.1f} MiB over NVLink and "
                    f"{best.inter_node_bytes / 2**20:.1f} MiB over the network")
     others = [r for r in rows[1:] if r.fits == best.fits]
-    hierarchical = [r for r in others if r.candidate.comm == "a2a+p2p"]
-    for what, pool in (("runner-up", others), ("best hierarchical layout", hierarchical if c.comm != "a2a+p2p" else [])):
+    hierarchical = [r for r in others if r.candidate.comm == "a2a+p2p"] if c.comm != "a2a+p2p" else []
+    for what, pool in (("runner-up", others), ("best hierarchical layout", hierarchical)):
         if pool:  # the same order the choice used: time among fitting layouts, memory otherwise
             row = pool[0] if best.fits else min(pool, key=lambda r: (r.memory_bytes, r.seconds_per_sequence))
             reasons.append(_compare(what, row, best))
