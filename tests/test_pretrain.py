@@ -1,16 +1,14 @@
 """The pretrain entry: CP-independent losses, exact resume, safe checkpoint writes, early recipe errors.
 
-Every run trains the tiny recipe (2 layers, seq 256, global batch 8, fp32, gloo) on a world of 4
-ranks. The reference is the same recipe at CP=1 (DP=4, megatron-core's plain attention path through
-our spec): at CP=4 as [2, 2] (a2a+p2p, DP=1) the per-step losses, gradient norms (before clipping)
-and validation losses agree within 1e-4 relative (measured: <= 1.3e-7), and so do the weights after
-step 3 within 1e-4 absolute (measured: 8.5e-6; Adam's update of a nearly-zero gradient amplifies
-fp32 round-off). Resumed
-runs (same CP, and CP=2 with DP=2; and a torchrun job killed with SIGKILL, then relaunched) repeat the
-uninterrupted run's losses within 1e-4 relative. An
-interrupted checkpoint write leaves ``latest`` on the previous checkpoint, which loads and continues
-the run exactly. Bad recipes fail in the launcher's checks with the key named, and no process group
-is ever started.
+The runs train the tiny recipe (2 layers, seq 256, global batch 8, fp32, gloo), mostly on a world of
+4 ranks. The reference is the same recipe at CP=1 (DP=4: every rank attends over whole sequences):
+at CP=4 as [2, 2] (a2a+p2p, DP=1) the per-step losses, gradient norms (before clipping) and
+validation losses agree within 1e-4 relative (measured: <= 1.3e-7), and the weights after step 3
+within 1e-4 absolute (measured: 8.5e-6; Adam's update of a nearly-zero gradient amplifies fp32
+round-off). Resumed runs (same CP; CP=2 with DP=2; a torchrun job of 2 ranks killed with SIGKILL and
+relaunched) repeat the uninterrupted run's losses within 1e-4 relative. An interrupted checkpoint
+write leaves ``latest`` on the previous checkpoint, which loads and continues the run exactly. Bad
+recipes fail in the launcher's checks with the key named, and no process group is ever started.
 """
 from __future__ import annotations
 
