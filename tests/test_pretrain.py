@@ -276,6 +276,7 @@ def test_sigkill_mid_run_then_resume_repeats_the_uninterrupted_losses(data_dir, 
     (["model.pipeline_model_parallel_size=2", *CP2], "model.pipeline_model_parallel_size"),
     (["train.world_size=8"], "train.world_size"),
     (["checkpoint.load=/nonexistent/checkpoints"], "checkpoint.load"),
+    (["checkpoint.save_interval=0"], "checkpoint.save_interval"),
 ])
 def test_bad_recipe_fails_before_any_process_group(monkeypatch, capsys, overrides, key):
     import torch.distributed as dist

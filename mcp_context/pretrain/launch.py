@@ -42,7 +42,7 @@ def check_recipe_for_training(cfg: RecipeConfig, world_size: int) -> None:
     """Raise ``RecipeError`` naming the key for a recipe this launch cannot train.
 
     Checks that the recipe's ``train.world_size`` equals the launch, runs ``validate_recipe`` at the
-    launched world size, then checks what the loop needs: one pipeline stage, an LR schedule megatron-core's
+    launched world size, then checks what the loop needs: positive intervals, one pipeline stage, an LR schedule megatron-core's
     scheduler can run from the recipe's fields, einops for hierarchical CP groups, a
     ``checkpoint.load`` that holds a checkpoint, and, on a machine without CUDA, fp32 parameters and the plain (not distributed) optimizer.
     """
@@ -56,6 +56,11 @@ def check_recipe_for_training(cfg: RecipeConfig, world_size: int) -> None:
             f"train.world_size={world_size} (and a layout that fits it)"
         )
     validate_recipe(cfg, world_size=world_size)
+    for key, value, least in (("train.eval_interval", t.eval_interval, 1), ("train.eval_iters", t.eval_iters, 0),
+                              ("checkpoint.save_interval", cfg.checkpoint.save_interval, 1),
+                              ("logging.log_interval", cfg.logging.log_interval, 1)):
+        if value < least:
+            raise RecipeError(f"{key}={value} must be at least {least}")
     if m.pipeline_model_parallel_size != 1:
         raise RecipeError(
             f"model.pipeline_model_parallel_size={m.pipeline_model_parallel_size}: mcp_context.pretrain runs "

@@ -160,7 +160,7 @@ def train(cfg: RecipeConfig, run_dir: Path, progress: bool = False) -> TrainResu
         if checkpoint is not None:
             first_step = load_checkpoint(checkpoint, model, optimizer, scheduler, cfg)
         metrics = MetricsLog(run_dir / METRICS_FILENAME, first_step, cfg.train.steps, enabled=rank0,
-                             progress=progress)
+                             progress=progress, refresh_interval=cfg.logging.log_interval)
         if checkpoint is not None:
             metrics.note(f"resumed from {checkpoint} at step {first_step}")
 
@@ -173,7 +173,7 @@ def train(cfg: RecipeConfig, run_dir: Path, progress: bool = False) -> TrainResu
             record = {"step": step, **train_step(model, optimizer, scheduler, micro_batches)}
             elapsed = time.perf_counter() - start
             record.update(tokens_per_s=tokens_per_step / elapsed, step_time_s=elapsed)
-            if valid_ds is not None and step % t.eval_interval == 0:
+            if valid_ds is not None and t.eval_iters > 0 and step % t.eval_interval == 0:
                 record["val_loss"] = evaluate(model, valid_ds, cfg)
             records.append(record)
             metrics.log(record)

@@ -22,12 +22,17 @@ def read_metrics(path: os.PathLike | str) -> list[dict]:
 
 
 class MetricsLog:
-    """Appends step records to ``path`` and shows them on a tqdm bar (``enabled`` on rank 0 only)."""
+    """Appends step records to ``path`` and shows them on a tqdm bar (``enabled`` on rank 0 only).
+
+    The bar advances every step; its loss and tokens/s are refreshed every ``refresh_interval`` steps
+    (the recipe's ``logging.log_interval``) and at evaluations.
+    """
 
     def __init__(self, path: os.PathLike | str, first_step: int, total_steps: int, enabled: bool,
-                 progress: bool = True):
+                 progress: bool = True, refresh_interval: int = 1):
         self.path = Path(path)
         self.enabled = enabled
+        self.refresh_interval = refresh_interval
         self._file = None
         self._bar = None
         if not enabled:
@@ -48,12 +53,14 @@ class MetricsLog:
             return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._bar is not None:
+        if self._bar is None:
+            return
+        if record["step"] % self.refresh_interval == 0 or "val_loss" in record:
             postfix = {"loss": f"{record['loss']:.4f}", "tok/s": f"{record['tokens_per_s']:.0f}"}
             if "val_loss" in record:
                 postfix["val"] = f"{record['val_loss']:.4f}"
             self._bar.set_postfix(postfix, refresh=False)
-            self._bar.update(1)
+        self._bar.update(1)
 
     def note(self, text: str) -> None:
         """A line for the user (above the bar), rank 0 only."""
