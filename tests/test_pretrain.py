@@ -42,16 +42,18 @@ class _Interrupted(Exception):
 
 
 def _train(rank, world, run_dir, overrides, save=True, crash_before_step=None, crash_in_save_of_step=None,
-           weights_of_step=3):
+           skip_pointer_of_step=None, weights_of_step=3):
     """Train the tiny recipe with ``overrides``; return (records, rank 0's weights after ``weights_of_step``).
 
     ``crash_before_step``: every rank raises when that step starts (after the earlier checkpoints).
     ``crash_in_save_of_step``: every rank raises inside that step's checkpoint write, after
     megatron-core has written its files into the temporary directory and before the rename.
+    ``skip_pointer_of_step``: that step's checkpoint is renamed into place but ``latest`` is not
+    updated (what a crash between the two leaves on disk).
     """
     from megatron.core import dist_checkpointing
 
-    from mcp_context.pretrain import loop
+    from mcp_context.pretrain import checkpoint, loop
     from mcp_context.pretrain.launch import check_recipe_for_training, resolve_run_dir
     from mcp_context.recipes import load_recipe
 
@@ -77,13 +79,20 @@ def _train(rank, world, run_dir, overrides, save=True, crash_before_step=None, c
         if state["step"] == crash_in_save_of_step:
             raise _Interrupted
 
-    loop.train_step, dist_checkpointing.save = train_step, save
+    original_write_atomic = checkpoint.write_atomic
+
+    def write_atomic(path, data):
+        if data.decode() != checkpoint.checkpoint_name(skip_pointer_of_step or 0):
+            original_write_atomic(path, data)
+
+    loop.train_step, dist_checkpointing.save, checkpoint.write_atomic = train_step, save, write_atomic
     try:
         records = loop.train(cfg, run_dir).records
     except _Interrupted:
         records = None
     finally:
-        loop.train_step, dist_checkpointing.save = original_step, original_save
+        loop.train_step, dist_checkpointing.save, checkpoint.write_atomic = (original_step, original_save,
+                                                                           original_write_atomic)
     return records, weights
 
 
@@ -194,16 +203,23 @@ def test_resume_after_crash_repeats_the_uninterrupted_losses(uninterrupted, data
     assert latest_checkpoint(tmp_path / "checkpoints").name == "iter_0000006"
 
 
-def test_interrupted_checkpoint_write_leaves_previous_checkpoint_loadable(uninterrupted, data_dir, tmp_path):
+@pytest.mark.parametrize("crash", ["before_rename", "before_pointer"])
+def test_interrupted_checkpoint_write_leaves_previous_checkpoint_loadable(uninterrupted, data_dir, tmp_path, crash):
     from mcp_context.pretrain.checkpoint import latest_checkpoint
 
     overrides = COMMON + HCP4 + ["train.steps=4", "checkpoint.save_interval=2", f"data.cache_dir={data_dir}"]
-    crashed = run_distributed(4, _train, str(tmp_path), overrides, True, None, 4)
-    assert all(records is None for records, _ in crashed)
+    if crash == "before_rename":
+        crashed = run_distributed(4, _train, str(tmp_path), overrides, True, None, 4)
+        assert all(records is None for records, _ in crashed)
+    else:
+        run_distributed(4, _train, str(tmp_path), overrides, True, None, None, 4)
     ckpts = tmp_path / "checkpoints"
     assert latest_checkpoint(ckpts).name == "iter_0000002"
-    assert not (ckpts / "iter_0000004").exists()
-    assert (ckpts / "iter_0000004.tmp" / "metadata.json").exists()  # megatron-core's files, never renamed
+    if crash == "before_rename":
+        assert not (ckpts / "iter_0000004").exists()
+        assert (ckpts / "iter_0000004.tmp" / "metadata.json").exists()  # megatron-core's files, never renamed
+    else:
+        assert (ckpts / "iter_0000004" / "metadata.json").exists()  # complete, but newer than latest
 
     resumed = _records(run_distributed(4, _train, str(tmp_path), overrides))
     assert [r["step"] for r in resumed] == [3, 4]
