@@ -272,23 +272,29 @@ def cpu_benchmarks(world_sizes, shape: Shape, reps: int, comms, layouts) -> dict
 # -------------------------------------------------------------------------------------------- device
 
 
-def _device_seconds(fn, device: torch.device, reps: int) -> list[float]:
-    """Times of ``fn`` on ``device`` (CUDA events on a GPU), after one warm-up."""
+def _once(fn, device: torch.device) -> float:
+    """Seconds of one call of ``fn`` (CUDA events on a GPU)."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
     fn()
-    times = []
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def _interleaved_seconds(fns: dict, device: torch.device, reps: int) -> dict[str, list[float]]:
+    """Times of every function in ``fns``, one call of each per repetition, after one warm-up each."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
+        for name, fn in fns.items():
+            times[name].append(_once(fn, device))
     return times
 
 
@@ -343,17 +349,20 @@ def device_benchmarks(device: torch.device, shape: Shape, world_sizes, reps: int
 
     q, k, v, dout = rand(b, h, n, d), rand(b, hk, n, d), rand(b, hk, n, d), rand(b, h, n, d)
     causal_flops = 4 * b * h * d * n * (n + 1) // 2
+    available = {name: kern for name, kern in _device_kernels(device, dtype).items() if not isinstance(kern, str)}
+    calls = {f"{name} {label}": (lambda kern=kern, backward=backward: _kernel_block(kern, q, k, v, dout, backward))
+             for name, kern in available.items() for label, backward in (("fwd", False), ("fwd_bwd", True))}
+    times = _interleaved_seconds(calls, device, reps)
     kernels = []
     for name, kern in _device_kernels(device, dtype).items():
         if isinstance(kern, str):
             kernels.append({"kernel": name, "unavailable": kern})
             continue
         row = {"kernel": name}
-        for label, backward, flops in (("fwd", False, causal_flops), ("fwd_bwd", True, causal_flops * 3.5)):
-            times = _device_seconds(lambda: _kernel_block(kern, q, k, v, dout, backward), device, reps)
-            row[f"{label}_s"] = times
-            row[f"{label}_tflops"] = flops / statistics.median(times) / 1e12
-            row[f"{label}_peak_bytes"] = _peak_bytes(lambda: _kernel_block(kern, q, k, v, dout, backward), device)
+        for label, flops in (("fwd", causal_flops), ("fwd_bwd", causal_flops * 3.5)):
+            row[f"{label}_s"] = times[f"{name} {label}"]
+            row[f"{label}_tflops"] = flops / statistics.median(row[f"{label}_s"]) / 1e12
+            row[f"{label}_peak_bytes"] = _peak_bytes(calls[f"{name} {label}"], device)
         kernels.append(row)
 
     kernel = get_kernel("auto", device, dtype)
@@ -385,14 +394,16 @@ def device_benchmarks(device: torch.device, shape: Shape, world_sizes, reps: int
         for label, backward, factor in (("fwd", False, 1.0), ("fwd_bwd", True, 3.5)):
             flops = 4 * b * h * d * pairs * factor
             fused_flops = 4 * b * h * d * s_eq * (s_eq + 1) // 2 * factor
-            ours = _device_seconds(lambda: rank_step(backward), device, reps)
-            ref = _device_seconds(lambda: fused(backward), device, reps)
-            row[label] = {"ours_s": ours, "fused_s": ref,
-                          "ours_tflops": flops / statistics.median(ours) / 1e12,
-                          "fused_tflops": fused_flops / statistics.median(ref) / 1e12,
-                          "ours_peak_bytes": _peak_bytes(lambda: rank_step(backward), device),
-                          "fused_peak_bytes": _peak_bytes(lambda: fused(backward), device)}
-            row[label]["efficiency"] = row[label]["ours_tflops"] / row[label]["fused_tflops"]
+            pair = {"ours": lambda backward=backward: rank_step(backward),
+                    "fused": lambda backward=backward: fused(backward)}
+            t = _interleaved_seconds(pair, device, reps)
+            row[label] = {"ours_s": t["ours"], "fused_s": t["fused"],
+                          "ours_tflops": flops / statistics.median(t["ours"]) / 1e12,
+                          "fused_tflops": fused_flops / statistics.median(t["fused"]) / 1e12,
+                          "efficiency": statistics.median(flops / a / (fused_flops / f)
+                                                          for a, f in zip(t["ours"], t["fused"])),
+                          "ours_peak_bytes": _peak_bytes(pair["ours"], device),
+                          "fused_peak_bytes": _peak_bytes(pair["fused"], device)}
         schedules.append(row)
     return {"device": str(device), "dtype": str(dtype), "block_len": n, "kernels": kernels, "rank_schedule": schedules}
 
