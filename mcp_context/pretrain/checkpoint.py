@@ -13,8 +13,9 @@ tensors go through megatron-core's default ``torch_dist`` writer; without CUDA t
 ``InProcessTorchDistSaveStrategy``, which writes the same format from the calling process
 (megatron-core's writer forks writer processes and spawns a manager process on first use: slow for
 small CPU jobs, and impossible in daemonic processes such as worker pools). A crash at any
-moment leaves ``latest`` naming a complete checkpoint (or no ``latest`` at all), and the next save
-clears what the crash left. Loading reads ``latest``. The model weights and Adam moments are stored
+moment leaves ``latest`` naming a complete checkpoint (or no ``latest`` at all); the resumed run
+deletes the crash's ``.tmp`` directories, and a save replaces a complete checkpoint that ``latest``
+never named. Loading reads ``latest``. The model weights and Adam moments are stored
 with their global shapes, so a run resumes at any CP size (and, for the weights, any TP size); the
 per-rank RNG states are restored only when the parallel layout is unchanged.
 """
@@ -50,6 +51,17 @@ def latest_checkpoint(save_dir: os.PathLike | str) -> Optional[Path]:
         raise FileNotFoundError(f"{pointer} names {path.name}, but {path} is not a complete megatron-core checkpoint; "
                                 f"point {pointer} at an existing iter_* directory, or delete it to start afresh")
     return path
+
+
+def remove_interrupted_saves(save_dir: os.PathLike | str) -> list[Path]:
+    """Delete the ``iter_*.tmp`` directories an interrupted save left in ``save_dir``; return them.
+
+    Call on one rank before the run saves anything (no save of this run is then in progress).
+    """
+    leftovers = sorted(Path(save_dir).glob(f"iter_*{TMP_SUFFIX}")) if Path(save_dir).is_dir() else []
+    for path in leftovers:
+        shutil.rmtree(path)
+    return leftovers
 
 
 def parallel_layout(cfg: RecipeConfig) -> dict:

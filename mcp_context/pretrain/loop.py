@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from mcp_context.pretrain import build
 from mcp_context.pretrain.batches import MicroBatchSampler, step_batches
-from mcp_context.pretrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from mcp_context.pretrain.checkpoint import (latest_checkpoint, load_checkpoint, remove_interrupted_saves,
+                                             save_checkpoint)
 from mcp_context.pretrain.launch import METRICS_FILENAME
 from mcp_context.pretrain.metrics import MetricsLog
 from mcp_context.recipes import RecipeConfig, save_recipe
@@ -163,6 +164,9 @@ def train(cfg: RecipeConfig, run_dir: Path, progress: bool = False) -> TrainResu
                              progress=progress, refresh_interval=cfg.logging.log_interval)
         if checkpoint is not None:
             metrics.note(f"resumed from {checkpoint} at step {first_step}")
+        if rank0 and cfg.checkpoint.save is not None:
+            for leftover in remove_interrupted_saves(cfg.checkpoint.save):
+                metrics.note(f"removed {leftover} (a save that was interrupted)")
 
         t, c = cfg.train, cfg.checkpoint
         tokens_per_step = t.global_batch_size * cfg.model.seq_length
