@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_recipe(args.recipe, args.overrides)
         run_dir = resolve_run_dir(cfg, args.run_dir)
         check_recipe_for_training(cfg, launched_world_size())
-    except RecipeError as err:
+    except (RecipeError, FileNotFoundError) as err:
         if os.environ.get("RANK", "0") == "0":  # every rank finds the same error; say it once
             print(f"error: {err}", file=sys.stderr)
         return 2
