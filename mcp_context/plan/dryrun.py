@@ -141,6 +141,10 @@ def dry_run_rank(comm: str, sizes: Sequence[int], layout: str, causal: bool, sha
             backward = dict(comm_stats.bytes_sent - Counter(forward))
             calls_backward = dict(calls - Counter(calls_forward))
             peak = _total(tracker.get_tracker_snapshot("peak"))
+    unknown = sorted((set(forward) | set(backward)) - set(OP_CALL))
+    if unknown:
+        raise RuntimeError(f"the comm layer counted operations {unknown} that the planner does not know; add "
+                           f"them to mcp_context.plan.dryrun.OP_CALL with the torch.distributed call they use")
     return RankTraffic(cp_rank, forward, backward, {k: dict(v) for k, v in log.items()}, calls_forward,
                        calls_backward, saved, peak)
 
