@@ -19,5 +19,12 @@ setup: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
+# The main job: a tiny Llama-style GPT on the bundled Shakespeare corpus, 4 CPU processes, CP=4 as a
+# hierarchy [2, 2] (all-to-all pairs, a ring of 2). A second run resumes from runs/tiny_cpu.
+train: $(STAMP)
+	$(BIN)/torchrun --nproc-per-node 4 -m mcp_context.pretrain --recipe recipes/tiny_cpu.yaml \
+	    --run-dir runs/tiny_cpu model.context_parallel_size=4 \
+	    'model.hierarchical_context_parallel_sizes=[2,2]' model.cp_comm_type=a2a+p2p train.steps=300
+
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -21,6 +21,7 @@ setup(
         "pyyaml",
         "tqdm",
         "einops",  # megatron-core builds hierarchical CP groups with it but lists it only in extras
+        "psutil",  # megatron-core's default (GPU) dist_checkpointing writer
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]"],

@@ -12,12 +12,14 @@ from __future__ import annotations
 from typing import Callable
 
 from megatron_patches.cpu_shims import apply_cpu_shims
+from megatron_patches.cpu_training import apply_cpu_training_shims
 from megatron_patches.hcp_groups import apply_hcp_groups_reset
 from megatron_patches.per_layer_cp_comm_type import apply_per_layer_cp_comm_type_fix
 from megatron_patches.torch_norm_sequence_parallel import apply_torch_norm_sequence_parallel
 
 PATCHES: dict[str, Callable[[], list[str]]] = {
     "cpu_shims": apply_cpu_shims,
+    "cpu_training": apply_cpu_training_shims,
     "hcp_groups": apply_hcp_groups_reset,
     "per_layer_cp_comm_type": apply_per_layer_cp_comm_type_fix,
     "torch_norm_sequence_parallel": apply_torch_norm_sequence_parallel,
@@ -33,6 +35,7 @@ __all__ = [
     "PATCHES",
     "apply_all",
     "apply_cpu_shims",
+    "apply_cpu_training_shims",
     "apply_hcp_groups_reset",
     "apply_per_layer_cp_comm_type_fix",
     "apply_torch_norm_sequence_parallel",

@@ -45,12 +45,10 @@ def _free_port() -> int:
 
 
 def apply_megatron_patches() -> None:
-    """Apply ``megatron_patches`` (CPU shims and fixes) and the CPU training shims; idempotent."""
+    """Apply ``megatron_patches`` (CPU shims, CPU training shims and fixes); idempotent."""
     import megatron_patches
-    from megatron_patches.cpu_training import apply_cpu_training_shims
 
     megatron_patches.apply_all()
-    apply_cpu_training_shims()
 
 
 def init_model_parallel(cfg: RecipeConfig) -> None:

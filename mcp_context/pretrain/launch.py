@@ -7,7 +7,6 @@ the run directory layout: ``RUN_DIR/metrics.jsonl``, ``RUN_DIR/recipe.yaml``,
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 from typing import Optional
@@ -43,7 +42,7 @@ def check_recipe_for_training(cfg: RecipeConfig, world_size: int) -> None:
 
     Checks that the recipe's ``train.world_size`` equals the launch, runs ``validate_recipe`` at the
     launched world size, then checks what the loop needs: positive intervals, one pipeline stage, an LR schedule megatron-core's
-    scheduler can run from the recipe's fields, einops for hierarchical CP groups, a
+    scheduler can run from the recipe's fields, a
     ``checkpoint.load`` that holds a checkpoint, and, on a machine without CUDA, fp32 parameters and the plain (not distributed) optimizer.
     """
     import torch
@@ -76,11 +75,6 @@ def check_recipe_for_training(cfg: RecipeConfig, world_size: int) -> None:
         raise RecipeError(
             "logging.tensorboard_dir / logging.wandb_project are not written by mcp_context.pretrain "
             "(every step goes to RUN_DIR/metrics.jsonl); set them to null"
-        )
-    if m.hierarchical_context_parallel_sizes is not None and importlib.util.find_spec("einops") is None:
-        raise RecipeError(
-            f"model.hierarchical_context_parallel_sizes={m.hierarchical_context_parallel_sizes} needs the einops "
-            f"package (megatron-core builds the hierarchical CP groups with it); pip install einops"
         )
     if cfg.checkpoint.load is not None:
         from mcp_context.pretrain.checkpoint import LATEST_FILENAME
