@@ -16,6 +16,8 @@ decide which layouts are valid (``candidates.py``) or what they cost (``cost.py`
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import warnings
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -75,7 +77,23 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        with _native_stderr_silenced():  # c10 warns "No backend of type 0 found" for every fake group
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """Send file descriptor 2 (where C++ warnings go) to /dev/null for the duration."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(devnull)
+        os.close(saved)
 
 
 def _observe(log: dict[str, Counter], calls: Counter, name: str, original):

@@ -179,13 +179,28 @@ def explain(req: PlanRequest, best: PlanRow, rows: list[PlanRow]) -> list[str]:
         if smaller:
             reasons.append(f"CP sizes {smaller} do not fit in {mem:.0f} GiB per GPU (model state + activations); "
                            f"CP {c.cp_size} needs {best.memory_bytes / GIB:.1f} GiB")
-        reasons.append(f"fastest attention per sequence among the {len(fitting)} layouts that fit: "
-                       f"{p.total_s * 1e3:.2f} ms forward+backward per layer with data parallel size "
-                       f"{best.data_parallel_size}")
-    hidden = p.total_no_overlap_s - p.total_s
+        fastest = min(fitting, key=lambda r: r.seconds_per_sequence)
+        if fastest is best:
+            reasons.append(f"fastest attention per sequence among the {len(fitting)} layouts that fit: "
+                           f"{p.total_s * 1e3:.2f} ms forward+backward per layer with data parallel size "
+                           f"{best.data_parallel_size}")
+        else:
+            slower = best.seconds_per_sequence / fastest.seconds_per_sequence
+            if best.inter_node_bytes < fastest.inter_node_bytes:
+                why = (f"fewer bytes over the network: {best.inter_node_bytes / 2**20:.1f} MiB against "
+                       f"{fastest.inter_node_bytes / 2**20:.1f} MiB per layer")
+            else:
+                why = (f"as few bytes over the network and less memory: {best.memory_bytes / GIB:.1f} GiB against "
+                       f"{fastest.memory_bytes / GIB:.1f} GiB")
+            reasons.append(f"within {TIE:.0%} of the fastest per sequence among the {len(fitting)} layouts that fit "
+                           f"({fastest.candidate.label()}; {slower:.3f}x its time), with {why}")
+    if p.ring_step_transfer_s > 0:
+        comm = (f"overlapping the ring hides {(p.total_no_overlap_s - p.total_s) * 1e3:.2f} ms "
+                f"(without overlap: {p.total_no_overlap_s * 1e3:.2f} ms)")
+    else:
+        comm = f"no ring to overlap: {(p.total_s - p.compute_s) * 1e3:.2f} ms of communication is exposed"
     reasons.append(f"predicted {p.forward_s * 1e3:.2f} ms forward + {p.backward_s * 1e3:.2f} ms backward per layer "
-                   f"({p.compute_s * 1e3:.2f} ms of it compute); overlapping the ring hides {hidden * 1e3:.2f} ms "
-                   f"(without overlap: {p.total_no_overlap_s * 1e3:.2f} ms)")
+                   f"({p.compute_s * 1e3:.2f} ms of it compute); {comm}")
     if p.ring_step_transfer_s > 0:
         verdict = "hidden under" if p.ring_step_transfer_s <= p.ring_step_compute_s else "longer than"
         reasons.append(f"a ring step's K/V transfer ({p.ring_step_transfer_s * 1e3:.2f} ms) is {verdict} its block's "
