@@ -41,7 +41,8 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
 
 
-def _check_heads(h: int, h_kv: int, degree: int, comm: str) -> None:
+def check_heads(h: int, h_kv: int, degree: int, comm: str) -> None:
+    """Raise a ValueError unless ``h`` query and ``h_kv`` key/value heads split over an all-to-all of ``degree``."""
     if h % degree:
         raise ValueError(f"query heads h={h} are not divisible by the all-to-all degree {degree} "
                          f"(comm={comm!r}); use a degree that divides {h}, or comm='p2p'")
@@ -86,7 +87,7 @@ def context_parallel_attention(
                          f"hierarchical_context_parallel_sizes={list(groups.sizes)}; build them with "
                          f"build_hcp_groups([inner, outer]) or use comm='a2a' or 'p2p'")
     check_seq_len(q.shape[0] * groups.cp_size, groups.cp_size, layout)
-    _check_heads(q.shape[2], k.shape[2], a2a_degree(comm, groups), comm)
+    check_heads(q.shape[2], k.shape[2], a2a_degree(comm, groups), comm)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p={dropout_p} must be in [0, 1)")
     if dropout_p > 0 and dropout_seed is None:

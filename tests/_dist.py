@@ -7,10 +7,14 @@ default gloo process group initialised, and its return values come back as a lis
 
 A case that raises, or that does not answer within its timeout (a hang in a collective), tears its
 pool down: the next case starts a fresh one, so one broken case cannot wedge the rest of the suite.
+Every process group a case creates (megatron-core's ``initialize_model_parallel`` makes dozens and
+its ``destroy_model_parallel`` drops them without destroying them) is destroyed when the case ends:
+each gloo group keeps native threads, and hundreds of cases would otherwise pile up thousands.
 """
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import queue
 import tempfile
@@ -33,6 +37,15 @@ def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    created: list = []
+    new_group = dist.new_group
+
+    def recording_new_group(*args, **kwargs):
+        group = new_group(*args, **kwargs)
+        created.append(group)
+        return group
+
+    dist.new_group = recording_new_group
     while True:
         task = tasks.get()
         if task is None:
@@ -42,6 +55,10 @@ def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any
             results.put((rank, True, fn(rank, world_size, *args)))
         except BaseException:  # report everything, including assertion failures, to the test process
             results.put((rank, False, traceback.format_exc()))
+        for group in created:
+            with contextlib.suppress(ValueError):  # a group this rank is not in, or one already destroyed
+                dist.destroy_process_group(group)
+        created.clear()
     dist.destroy_process_group()
 
 

@@ -36,20 +36,8 @@ def _cases():
                                           f"-hkv{kv_heads}-{backend}".replace(" ", ""))
 
 
-_GROUPS: dict = {}
-
-
-def _groups(sizes):
-    from mcp_context import build_hcp_groups
-
-    key = tuple(sizes)
-    if key not in _GROUPS:
-        _GROUPS[key] = build_hcp_groups(sizes)
-    return _GROUPS[key]
-
-
 def _compare(rank, world, sizes, comm, layout, causal, kv_heads, backend, dtype):
-    from mcp_context import context_parallel_attention, shard_sequence
+    from mcp_context import build_hcp_groups, context_parallel_attention, shard_sequence
 
     seq_len, batch, heads, head_dim = 12 * world, 2, 8, 8
     scale = 1 / math.sqrt(head_dim)
@@ -62,7 +50,7 @@ def _compare(rank, world, sizes, comm, layout, causal, kv_heads, backend, dtype)
         return shard_sequence(x, world, rank, layout, dim=0)
 
     local = [shard(x).to(dtype).requires_grad_() for x in (q, k, v)]
-    out, lse = context_parallel_attention(*local, _groups(sizes), causal=causal, layout=layout, comm=comm,
+    out, lse = context_parallel_attention(*local, build_hcp_groups(sizes), causal=causal, layout=layout, comm=comm,
                                           backend=backend, return_lse=True)
     out.backward(shard(dout).to(dtype))
     assert out.dtype == dtype and local[0].grad.dtype == dtype

@@ -121,6 +121,11 @@ class TorchKernel:
         return _PROBED[key]
 
 
+def cpu_flash_kernel() -> TorchKernel:
+    """The CPU fused op as a kernel, without probing (the planner's dry run uses it on meta tensors)."""
+    return TorchKernel("torch:cpu_flash", _cpu_forward, _cpu_backward)
+
+
 def _agrees(kernel: TorchKernel, device: torch.device, dtype: torch.dtype) -> bool:
     gen = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(1, h, 40, 16, generator=gen).to(device, dtype) for h in (4, 2, 2, 4))

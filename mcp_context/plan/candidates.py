@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 
 from ..algorithms import a2a_degree
-from ..api import _check_heads
+from ..api import check_heads
 from ..layouts import LAYOUTS, check_seq_len
 
 
@@ -75,7 +75,7 @@ def enumerate_candidates(cp_sizes: list[int], seq_len: int, heads: int, kv_heads
             try:
                 check_seq_len(seq_len, cp, layout)
                 if comm != "none":
-                    _check_heads(heads, kv_heads, cand.a2a_degree, comm)
+                    check_heads(heads, kv_heads, cand.a2a_degree, comm)
             except ValueError as err:
                 rejected.append((cand, str(err)))
                 continue

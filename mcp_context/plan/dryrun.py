@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ..algorithms import context_parallel_forward
 from ..comm import build_hcp_groups, comm_stats
-from ..kernels.torch_sdpa import TorchKernel, _cpu_backward, _cpu_forward
+from ..kernels.torch_sdpa import cpu_flash_kernel
 
 # The comm layer's operations (comm_stats keys) and the torch.distributed call each one uses.
 OP_CALL = {"ring_kv": "batch_isend_irecv", "ring_dkv": "batch_isend_irecv", "all_to_all": "all_to_all_single",
@@ -129,10 +129,6 @@ def _observe_destinations() -> Iterator[tuple[dict[str, Counter], Counter]]:
             setattr(dist, name, fn)
 
 
-def _fused_meta_kernel() -> TorchKernel:
-    return TorchKernel("torch:cpu_flash", _cpu_forward, _cpu_backward)
-
-
 def dry_run_rank(comm: str, sizes: Sequence[int], layout: str, causal: bool, shape: RankShape,
                  cp_rank: int) -> RankTraffic:
     """Run one attention layer's forward and backward as CP rank ``cp_rank`` of ``prod(sizes)``."""
@@ -151,7 +147,7 @@ def dry_run_rank(comm: str, sizes: Sequence[int], layout: str, causal: bool, sha
             with tracker:
                 q, k, v = (torch.empty(s_local, shape.batch, h, shape.head_dim, device="meta", dtype=shape.dtype,
                                        requires_grad=True) for h in (shape.heads, shape.kv_heads, shape.kv_heads))
-                out = context_parallel_forward(q, k, v, groups, comm, layout, causal, _fused_meta_kernel(),
+                out = context_parallel_forward(q, k, v, groups, comm, layout, causal, cpu_flash_kernel(),
                                                shape.head_dim ** -0.5, False)
                 saved = _total(tracker.get_tracker_snapshot("current"))
                 forward, calls_forward = dict(comm_stats.bytes_sent), dict(calls)
