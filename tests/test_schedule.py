@@ -50,3 +50,15 @@ def test_masked_waste_is_only_inside_diagonal_tiles():
     expected = cp * (computed_diagonal - n * (n + 1) // 2) / (seq * (seq + 1) // 2)
     assert masked_waste(sch, tile=tile) == pytest.approx(expected, rel=1e-12)
     assert 0 < expected < 0.01
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous", "striped"])
+def test_attention_flops_sum_to_the_causal_total(layout):
+    """4*d FLOPs (QK^T and PV) per visible pair and head; the ranks together do exactly S(S+1)/2 pairs."""
+    from mcp_context.schedule import attention_flops
+
+    seq, batch, heads, head_dim = 8 * 64, 2, 8, 16
+    flops = attention_flops(layout_schedule(layout, 8, seq, True), batch, heads, head_dim)
+    assert sum(flops) == 4 * head_dim * batch * heads * seq * (seq + 1) // 2
+    if layout == "zigzag":
+        assert len(set(flops)) == 1
