@@ -9,7 +9,9 @@ A case that raises, or that does not answer within its timeout (a hang in a coll
 pool down: the next case starts a fresh one, so one broken case cannot wedge the rest of the suite.
 Every process group a case creates (megatron-core's ``initialize_model_parallel`` makes dozens and
 its ``destroy_model_parallel`` drops them without destroying them) is destroyed when the case ends:
-each gloo group keeps native threads, and hundreds of cases would otherwise pile up thousands.
+each gloo group keeps native threads, and hundreds of cases would otherwise pile up thousands. Groups
+made with ``use_local_synchronization`` are kept: torch names them after their ranks, so a destroyed
+one's rendezvous keys would be found by its successor.
 """
 from __future__ import annotations
 
@@ -42,7 +44,8 @@ def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any
 
     def recording_new_group(*args, **kwargs):
         group = new_group(*args, **kwargs)
-        created.append(group)
+        if not kwargs.get("use_local_synchronization"):  # those are named by their ranks: keep them
+            created.append(group)
         return group
 
     dist.new_group = recording_new_group

@@ -90,7 +90,10 @@ def build_hcp_groups(sizes: Sequence[int], group: Optional[ProcessGroup] = None)
     """Build one process group per level over the ranks of ``group`` (default: the whole world).
 
     ``sizes`` is inner-to-outer (``[2, 4]``: all-to-all pairs of adjacent ranks, a ring of 4). Every
-    rank of ``group`` must call this, in the same order as its other group creations.
+    rank of ``group`` must call this, in the same order as its other group creations. Over the whole
+    world every rank creates every level group (plain ``new_group``, uniquely named). Over a subgroup
+    (a CP group inside a larger job) only its members take part (``use_local_synchronization``), and
+    torch names such groups after their ranks: build them once per subgroup and keep them.
     """
     cp_group = group or dist.group.WORLD
     ranks = dist.get_process_group_ranks(cp_group)
@@ -99,8 +102,22 @@ def build_hcp_groups(sizes: Sequence[int], group: Optional[ProcessGroup] = None)
     if len(sizes) == 1:
         return HCPGroups(cp_group, (cp_group,), sizes)
     cp_rank = dist.get_rank(cp_group)
-    levels = tuple(
-        dist.new_group([ranks[i] for i in level_members(sizes, lvl, cp_rank)], use_local_synchronization=True)
-        for lvl in range(len(sizes))
-    )
+    if group is None or len(ranks) == dist.get_world_size():
+        levels = tuple(_own_group([[ranks[i] for i in level_members(sizes, lvl, r)] for r in range(len(ranks))],
+                                  ranks[cp_rank]) for lvl in range(len(sizes)))
+    else:
+        levels = tuple(
+            dist.new_group([ranks[i] for i in level_members(sizes, lvl, cp_rank)], use_local_synchronization=True)
+            for lvl in range(len(sizes))
+        )
     return HCPGroups(cp_group, levels, sizes)
+
+
+def _own_group(member_lists: list[list[int]], rank: int) -> ProcessGroup:
+    """Create every distinct group of ``member_lists`` (all ranks, same order); return ``rank``'s."""
+    own = None
+    for members in dict.fromkeys(tuple(m) for m in member_lists):
+        created = dist.new_group(list(members))
+        if rank in members:
+            own = created
+    return own
