@@ -8,9 +8,10 @@ or why; that lives in the patch modules.
 """
 from __future__ import annotations
 
+import functools
 import sys
 import types
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 _ORIGINAL_ATTR = "__megatron_patches_original__"
 
@@ -79,3 +80,17 @@ def _rebind_aliases(original: Any, replacement: Any) -> None:
         for alias, value in list(namespace.items()):
             if value is original:
                 namespace[alias] = replacement
+
+
+def run_inside(context: Callable[[], ContextManager]) -> Callable[[Callable], Callable]:
+    """A ``make_replacement`` for ``replace_attribute``: the original, run inside a fresh ``context()``."""
+
+    def make(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with context():
+                return original(*args, **kwargs)
+
+        return run
+
+    return make

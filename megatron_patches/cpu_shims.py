@@ -37,7 +37,7 @@ from megatron.core.tensor_parallel import mappings as tp_mappings
 from megatron.core.tensor_parallel import random as tp_random
 from megatron.core.transformer import utils as transformer_utils
 
-from megatron_patches._patching import is_patched, qualified_name, replace_attribute
+from megatron_patches._patching import is_patched, qualified_name, replace_attribute, run_inside
 
 # (owner, attribute): functions that call torch.cuda.current_device() to place a tensor.
 _CURRENT_DEVICE_USERS: tuple[tuple[Any, str], ...] = (
@@ -84,13 +84,7 @@ def _calls_current_device(owner: Any, name: str) -> bool:
     return code is not None and "current_device" in code.co_names
 
 
-def _on_cpu_current_device(original: Callable) -> Callable:
-    @functools.wraps(original)
-    def run_with_cpu_current_device(*args: Any, **kwargs: Any) -> Any:
-        with _current_device_is_cpu():
-            return original(*args, **kwargs)
-
-    return run_with_cpu_current_device
+_on_cpu_current_device = run_inside(_current_device_is_cpu)
 
 
 def default_causal_mask_on_cpu(sq: int) -> torch.Tensor:

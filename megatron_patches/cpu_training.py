@@ -32,7 +32,7 @@ from megatron.core.optimizer import clip_grads
 from megatron.core.optimizer import optimizer as mcore_optimizer
 from torch.overrides import TorchFunctionMode
 
-from megatron_patches._patching import is_patched, qualified_name, replace_attribute
+from megatron_patches._patching import is_patched, qualified_name, replace_attribute, run_inside
 from megatron_patches.cpu_shims import _calls_current_device, _on_cpu_current_device
 
 
@@ -62,13 +62,7 @@ def _asserts_cuda_grads(owner: Any, name: str) -> bool:
     return "torch.cuda.FloatTensor" in _code_constants(getattr(owner, name, None))
 
 
-def _with_cuda_factories_on_cpu(original: Callable) -> Callable:
-    @functools.wraps(original)
-    def run_with_cuda_factories_on_cpu(*args: Any, **kwargs: Any) -> Any:
-        with _CudaFactoriesOnCpu():
-            return original(*args, **kwargs)
-
-    return run_with_cuda_factories_on_cpu
+_with_cuda_factories_on_cpu = run_inside(_CudaFactoriesOnCpu)
 
 
 def _clip_grad_by_total_norm_any_device(original: Callable) -> Callable:
