@@ -371,15 +371,25 @@ def _case_logits_cp2(rank, world_size, mcore_dir, arch, tokens, comm):
 
 # ---- acceptance: bit-exact round trips ------------------------------------------------------------
 
+def _assert_same_tensors(back: dict, original: dict) -> None:
+    """Same names, and every tensor equal bit for bit in value and dtype."""
+    assert sorted(back) == sorted(original)
+    for key, tensor in original.items():
+        assert back[key].dtype == tensor.dtype and torch.equal(back[key], tensor), key
+
+
+def _assert_converts_back_bit_for_bit(saved_dir, hf_dir, out_dir) -> None:
+    """A checkpoint saved from a (TP- or PP-split) model converts back to exactly the original HF tensors."""
+    mcore_to_hf(saved_dir, out_dir, hf_config=json.loads((hf_dir / "config.json").read_text()), progress=False)
+    _assert_same_tensors(_load_safetensors_dir(out_dir), _load_safetensors_dir(hf_dir))
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_mcore_to_hf_reproduces_every_hf_tensor_bit_for_bit(converted, name, tmp_path):
     hf_dir, mcore_dir, _, _ = converted[name]
     mcore_to_hf(mcore_dir, tmp_path / "back", max_shard_bytes=40_000, progress=False)  # forces several shards
-    original, back = _load_safetensors_dir(hf_dir), _load_safetensors_dir(tmp_path / "back")
     assert len(list((tmp_path / "back").glob("*.safetensors"))) > 1
-    assert sorted(back) == sorted(original)
-    for key, tensor in original.items():
-        assert back[key].dtype == tensor.dtype and torch.equal(back[key], tensor), key
+    _assert_same_tensors(_load_safetensors_dir(tmp_path / "back"), _load_safetensors_dir(hf_dir))
     for side_file in ("config.json", "generation_config.json"):  # kept in the Megatron checkpoint, restored
         assert (tmp_path / "back" / side_file).read_bytes() == (hf_dir / side_file).read_bytes()
 
@@ -418,12 +428,7 @@ def test_tp2_load_shards_per_rank_and_tp2_save_converts_back_bit_for_bit(convert
 
     saved = FileSystemReader(str(tmp_path / "tp2")).read_metadata().state_dict_metadata  # our own file: trusted
     assert len(saved["decoder.layers.self_attention.linear_qkv.weight"].chunks) == 2 * a.num_layers  # TP-split
-    mcore_to_hf(tmp_path / "tp2", tmp_path / "back", hf_config=json.loads((hf_dir / "config.json").read_text()),
-                progress=False)
-    back = _load_safetensors_dir(tmp_path / "back")
-    assert sorted(back) == sorted(hf)
-    for key, tensor in hf.items():
-        assert torch.equal(back[key], tensor), key
+    _assert_converts_back_bit_for_bit(tmp_path / "tp2", hf_dir, tmp_path / "back")
 
 
 def _case_tp2_roundtrip(rank, world_size, mcore_dir, arch, out_dir, tokens):
@@ -462,12 +467,7 @@ def test_pp2_stages_load_their_layers_and_pp2_save_converts_back_bit_for_bit(con
         else hf["lm_head.weight"]
     assert torch.equal(last["output_layer.weight"], head)
     assert "embedding.word_embeddings.weight" not in last and "decoder.final_layernorm.weight" not in first
-    mcore_to_hf(tmp_path / "pp2", tmp_path / "back", hf_config=json.loads((hf_dir / "config.json").read_text()),
-                progress=False)
-    back = _load_safetensors_dir(tmp_path / "back")
-    assert sorted(back) == sorted(hf)
-    for key, tensor in hf.items():
-        assert torch.equal(back[key], tensor), key
+    _assert_converts_back_bit_for_bit(tmp_path / "pp2", hf_dir, tmp_path / "back")
 
 
 def _case_pp2_roundtrip(rank, world_size, mcore_dir, arch, out_dir):
