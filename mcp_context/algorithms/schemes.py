@@ -91,7 +91,8 @@ def context_parallel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         k, v = gather_seq(k, groups.cp_group), gather_seq(v, groups.cp_group)
         rotation = LocalRotation(member, ring_size)
     else:
-        peers = [groups.cp_global_ranks[cp_rank % inner + inner * m] for m in range(ring_size)]
+        cp_ranks = groups.cp_global_ranks
+        peers = [cp_ranks[cp_rank % inner + inner * m] for m in range(ring_size)]
         rotation = RingRotation(RingExchange(peers, member, groups.cp_group, "ring_kv"),
                                 RingExchange(peers, member, groups.cp_group, "ring_dkv"), ring_size)
     plan = RingPlan(schedule.tasks[member], rotation, kernel, scale, dropout_p, hash((dropout_seed, cp_rank)))

@@ -40,13 +40,17 @@ class RingExchange:
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, self.next, self.group),
                                         dist.P2POp(dist.irecv, recv, self.prev, self.group)])
         comm_stats.record(self.op, _nbytes(send))
-        return PendingExchange(works, recv, f"{self.op} ring step {step}: rank {dist.get_rank()} "
-                                            f"sending to {self.next}, receiving from {self.prev}", send)
+        return PendingExchange(works, recv, send, self, step)
+
+    def describe(self, step: int) -> str:
+        """Which transfer this is, for error messages: operation, step, this rank and its peers."""
+        return (f"{self.op} ring step {step}: rank {dist.get_rank()} sending to {self.next}, "
+                f"receiving from {self.prev}")
 
 
 class PendingExchange:
-    def __init__(self, works: list, recv: torch.Tensor, where: str, send: torch.Tensor):
-        self._works, self._recv, self._where = works, recv, where
+    def __init__(self, works: list, recv: torch.Tensor, send: torch.Tensor, exchange: RingExchange, step: int):
+        self._works, self._recv, self._exchange, self._step = works, recv, exchange, step
         self._send = send  # keep the send buffer alive until the transfer is done
 
     def wait(self) -> torch.Tensor:
@@ -54,9 +58,9 @@ class PendingExchange:
             try:
                 done = work.wait(timeout=datetime.timedelta(seconds=COMM_TIMEOUT_S))
             except RuntimeError as err:
-                raise RuntimeError(f"{self._where} failed: {err}") from err
+                raise RuntimeError(f"{self._exchange.describe(self._step)} failed: {err}") from err
             if done is False:
-                raise RuntimeError(f"{self._where} timed out after {COMM_TIMEOUT_S:.0f} s "
+                raise RuntimeError(f"{self._exchange.describe(self._step)} timed out after {COMM_TIMEOUT_S:.0f} s "
                                    f"(set MCP_CONTEXT_COMM_TIMEOUT_S to change)")
         self._send = None
         return self._recv
