@@ -541,7 +541,7 @@ def main(argv=None) -> int:
         results["device"] = device_benchmarks(torch.device(device), shape, args.world_sizes, args.reps)
     suffix = "_p" + "_".join(map(str, args.world_sizes)) + (f"_{args.tag}" if args.tag else "")
     results["plots"] = plot(results, args.out, suffix)
-    from mcp_context.recipes.config import write_atomic
+    from mcp_context.atomic import write_atomic
 
     path = os.path.join(args.out, f"bench_attention{suffix}.json")
     write_atomic(path, json.dumps(results, indent=1).encode())

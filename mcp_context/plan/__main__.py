@@ -80,7 +80,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     print(plan_table(result))
     if args.json:
-        from ..recipes.config import write_atomic
+        from ..atomic import write_atomic
 
         write_atomic(args.json, json.dumps(data, indent=1).encode())
         print(f"\nwrote {args.json}")

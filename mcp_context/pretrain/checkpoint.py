@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from mcp_context.recipes import RecipeConfig, save_recipe
-from mcp_context.recipes.config import write_atomic
+from mcp_context.atomic import write_atomic
 
 LATEST_FILENAME = "latest"
 TMP_SUFFIX = ".tmp"

@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from mcp_context.recipes.config import write_atomic
+from mcp_context.atomic import write_atomic
 
 
 def read_metrics(path: os.PathLike | str) -> list[dict]:

@@ -19,7 +19,6 @@ import dataclasses
 import difflib
 import math
 import os
-import tempfile
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any, Iterable, List, Literal, Mapping, Optional, Sequence, Un
 import yaml
 
 from mcp_context.algorithms import COMM_ALIASES
+from mcp_context.atomic import write_atomic
 
 RESOLVED_RECIPE_FILENAME = "recipe.yaml"
 
@@ -471,26 +471,6 @@ def load_recipe(path: Union[str, os.PathLike, None] = None, overrides: Sequence[
         keys, value = parse_override(text)
         _set_field(cfg, keys, value)
     return cfg
-
-
-def write_atomic(path: Union[str, os.PathLike], data: bytes) -> Path:
-    """Write ``data`` to ``path`` through a temporary file in the same directory and a rename, so a
-    reader never sees a partial file. The file gets the usual permissions (0666 less the umask)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
 
 
 def save_recipe(cfg: RecipeConfig, directory: Union[str, os.PathLike]) -> Path:
