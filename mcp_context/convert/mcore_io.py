@@ -10,8 +10,8 @@ Writing goes through ``torch.distributed.checkpoint.save`` with a planner that p
 only when the writer asks for it (one file per chunk, so a chunk is freed once written), inside a
 temporary directory renamed into place at the end. It never forks (megatron's own saver starts
 writer processes and needs CUDA); several ranks may save one checkpoint together (each its chunks).
-Reading asks for one chunk at a time and reads ``.metadata`` with an allow-list unpickler, so a
-checkpoint cannot run code. It knows nothing about Hugging Face names (``mapping``).
+Reading asks for one chunk at a time and reads ``.metadata`` with an allow-list unpickler
+(``mcp_context.safe_pickle``), so a checkpoint cannot run code. It knows nothing about Hugging Face names (``mapping``).
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ import contextlib
 import io
 import json
 import os
-import pickle
 import shutil
 import warnings
 from dataclasses import dataclass
@@ -29,16 +28,16 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
-                                                  TensorProperties)
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from mcp_context.convert.hf_io import MissingTensorError
 from mcp_context.convert.staging import prepare_staging_dir
+from mcp_context.safe_pickle import SafeFileSystemReader
 
 CONFIG_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
@@ -213,43 +212,6 @@ def save_model(model: torch.nn.Module, ckpt_dir: str | os.PathLike, extra_files:
 
 # ---- reading --------------------------------------------------------------------------------------
 
-_SAFE_GLOBALS = {
-    ("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"),
-    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-}
-
-
-class _AllowListUnpickler(pickle.Unpickler):
-    """Unpickles DCP ``.metadata`` only: its dataclasses, ``torch.Size`` and torch dtypes/layouts."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _SAFE_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                          torch.memory_format)):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not a "
-                                     f"checkpoint-metadata type; refusing to load it")
-
-
-class _SafeFileSystemReader(FileSystemReader):
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if getattr(self, "_cached_metadata", None) is None:
-            with open(Path(self.path) / DCP_METADATA_FILE, "rb") as f:
-                metadata = _AllowListUnpickler(f).load()
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            self._cached_metadata = metadata
-        return self._cached_metadata
-
-
 class _ChunkLoadPlanner(DefaultLoadPlanner):
     """Loads, for each requested key, the chunk starting at the requested offsets (resharding as needed)."""
 
@@ -284,7 +246,7 @@ class McoreCheckpointReader:
         if backend != "torch_dist":
             raise ValueError(f"{self.dir} uses sharded_backend={backend!r}; only 'torch_dist' is supported "
                              f"(re-save it with megatron-core's torch_dist strategy)")
-        self._reader = _SafeFileSystemReader(self.dir)
+        self._reader = SafeFileSystemReader(self.dir)
         self._md = self._reader.read_metadata().state_dict_metadata
 
     def keys(self) -> list[str]:
