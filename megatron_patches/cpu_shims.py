@@ -1,8 +1,9 @@
 """CPU shims: the hard-coded CUDA uses that stop a megatron-core GPTModel on a machine without CUDA.
 
-Targets megatron-core 0.16.x (seen on 0.16.1). `apply_cpu_shims()` does nothing when
-`torch.cuda.is_available()`; otherwise it patches, each behind a probe that the CUDA use is still
-there (so a release that fixed one is left alone):
+Targets megatron-core 0.16.x (seen on 0.16.1). `apply_cpu_shims(device)` patches when the run is on
+the CPU (``device="cpu"``; with no device, when CUDA is absent), also on a machine that has CUDA,
+each behind a probe that the CUDA use is still there (so a release that fixed one is left alone).
+Once applied, megatron-core places its tensors on the CPU for the rest of the process:
 
 - functions that place tensors with ``torch.cuda.current_device()`` — RoPE's `inv_freq` move in
   `RotaryEmbedding.get_emb`, the global memory buffer (`GlobalMemoryBuffer.get_tensor`), the
@@ -27,7 +28,7 @@ import contextlib
 import functools
 import inspect
 import threading
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 from megatron.core import utils as mcore_utils
@@ -50,9 +51,20 @@ _CURRENT_DEVICE_USERS: tuple[tuple[Any, str], ...] = (
 )
 
 _CPU = torch.device("cpu")
+DeviceLike = Union[str, torch.device, None]
 _redirect_lock = threading.Lock()
 _redirect_depth = 0
 _cuda_current_device: Optional[Callable[[], Any]] = None
+
+
+def runs_on_cpu(device: DeviceLike = None) -> bool:
+    """Whether megatron-core is to run on the CPU: `device` is a CPU device, or None and CUDA is absent."""
+    if device is None:
+        return not torch.cuda.is_available()
+    try:
+        return torch.device(device).type == "cpu"
+    except RuntimeError as err:
+        raise ValueError(f"device={device!r} is not a torch device; pass 'cpu', 'cuda' or None") from err
 
 
 def _cpu_device() -> torch.device:
@@ -134,12 +146,23 @@ class _SingleRankGroup:
         return 0
 
 
-def _fails_without_cuda(probe: Callable[[], Any]) -> bool:
+def _leaves_the_cpu(probe: Callable[[], torch.Tensor]) -> bool:
+    """Probe: does `probe()` fail (no CUDA here) or return a tensor off the CPU (CUDA here)?"""
     try:
-        probe()
+        result = probe()
     except (AssertionError, RuntimeError):
         return True
-    return False
+    return result.device.type != "cpu"
+
+
+def _rng_tracker_keeps_cuda_states() -> bool:
+    """Probe: does `CudaRNGStatesTracker.add` fail, or track something other than a CPU generator state?"""
+    tracker = tp_random.CudaRNGStatesTracker()
+    try:
+        tracker.add("megatron_patches_probe", 0)
+    except (AssertionError, RuntimeError):
+        return True
+    return not torch.equal(tracker.states_["megatron_patches_probe"], torch.Generator().manual_seed(0).get_state())
 
 
 def _rng_tracker_add_on_cpu(original: Callable) -> Callable:
@@ -244,35 +267,36 @@ def _shims() -> list[tuple[Any, str, Callable[[], bool], Callable[[Callable], Ca
     ]
     shims += [
         (transformer_utils, "get_default_causal_mask",
-         lambda: _fails_without_cuda(lambda: transformer_utils.get_default_causal_mask(2)),
+         lambda: _leaves_the_cpu(lambda: transformer_utils.get_default_causal_mask(2)),
          _replacing(default_causal_mask_on_cpu)),
         (transformer_utils, "get_sliding_window_causal_mask",
-         lambda: _fails_without_cuda(lambda: transformer_utils.get_sliding_window_causal_mask(2, 2, (1, 0))),
+         lambda: _leaves_the_cpu(lambda: transformer_utils.get_sliding_window_causal_mask(2, 2, (1, 0))),
          _replacing(sliding_window_causal_mask_on_cpu)),
         (rope_utils, "get_pos_emb_on_this_cp_rank",
-         lambda: _fails_without_cuda(
+         lambda: _leaves_the_cpu(
              lambda: rope_utils.get_pos_emb_on_this_cp_rank(torch.zeros(2, 1, 1, 1), 0, _SingleRankGroup())),
          _replacing(pos_emb_on_this_cp_rank)),
     ]
-    rng_unusable = functools.partial(
-        _fails_without_cuda, lambda: tp_random.CudaRNGStatesTracker().add("megatron_patches_probe", 0))
+    rng_on_cuda = _rng_tracker_keeps_cuda_states
     shims += [
-        (tp_random.CudaRNGStatesTracker, "add", rng_unusable, _rng_tracker_add_on_cpu),
-        (tp_random.CudaRNGStatesTracker, "fork", rng_unusable, _rng_tracker_fork_on_cpu),
-        (tp_random, "_get_cuda_rng_state", rng_unusable, _get_rng_state_on_cpu),
-        (tp_random, "_set_cuda_rng_state", rng_unusable, _set_rng_state_on_cpu),
-        (tp_random, "model_parallel_cuda_manual_seed", rng_unusable, _manual_seed_seeds_cpu),
+        (tp_random.CudaRNGStatesTracker, "add", rng_on_cuda, _rng_tracker_add_on_cpu),
+        (tp_random.CudaRNGStatesTracker, "fork", rng_on_cuda, _rng_tracker_fork_on_cpu),
+        (tp_random, "_get_cuda_rng_state", rng_on_cuda, _get_rng_state_on_cpu),
+        (tp_random, "_set_cuda_rng_state", rng_on_cuda, _set_rng_state_on_cpu),
+        (tp_random, "model_parallel_cuda_manual_seed", rng_on_cuda, _manual_seed_seeds_cpu),
     ]
     return shims
 
 
-def apply_cpu_shims() -> list[str]:
-    """Patch megatron-core's CUDA-only code paths to run on the CPU; no-op when CUDA is available.
+def apply_cpu_shims(device: DeviceLike = None) -> list[str]:
+    """Patch megatron-core's CUDA-only code paths to run on the CPU when `device` is the CPU.
 
+    `device=None` means the CPU exactly when CUDA is absent; a test or run that means the CPU on a
+    machine with CUDA passes ``device="cpu"``. The patches hold for the rest of the process.
     Idempotent. Returns the qualified names patched by this call (empty when already applied, when
-    CUDA is available, or when the installed megatron-core has none of the CUDA uses).
+    the run is not on the CPU, or when the installed megatron-core has none of the CUDA uses).
     """
-    if torch.cuda.is_available():
+    if not runs_on_cpu(device):
         return []
     # Probe everything before patching anything: a patched function no longer shows its CUDA use.
     needed = [(owner, name, make) for owner, name, cuda_use_present, make in _shims()

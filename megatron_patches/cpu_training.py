@@ -1,8 +1,8 @@
 """CPU shims for training: megatron-core's DDP grad buffers, FP32 optimizer and gradient clipping.
 
-Targets megatron-core 0.16.x (seen on 0.16.1). `apply_cpu_training_shims()` does nothing when
-`torch.cuda.is_available()`; otherwise it patches, each behind a probe that reads the CUDA use in
-the function's code (so a release that fixed one is left alone):
+Targets megatron-core 0.16.x (seen on 0.16.1). `apply_cpu_training_shims(device)` patches when the run
+is on the CPU (``device="cpu"``; with no device, when CUDA is absent), each behind a probe that reads
+the CUDA use in the function's code (so a release that fixed one is left alone):
 
 - `_ParamAndGradBuffer.__init__` allocates the DDP grad (and param) buffers on
   ``torch.cuda.current_device()``: it runs with the current device answering the CPU;
@@ -33,7 +33,7 @@ from megatron.core.optimizer import optimizer as mcore_optimizer
 from torch.overrides import TorchFunctionMode
 
 from megatron_patches._patching import is_patched, qualified_name, replace_attribute, run_inside
-from megatron_patches.cpu_shims import _calls_current_device, _on_cpu_current_device
+from megatron_patches.cpu_shims import DeviceLike, _calls_current_device, _on_cpu_current_device, runs_on_cpu
 
 
 class _CudaFactoriesOnCpu(TorchFunctionMode):
@@ -100,12 +100,13 @@ def _shims() -> list[tuple[Any, str, Callable[[], bool], Callable[[Callable], Ca
     ]
 
 
-def apply_cpu_training_shims() -> list[str]:
+def apply_cpu_training_shims(device: DeviceLike = None) -> list[str]:
     """Patch megatron-core's DDP buffers, FP32 optimizer and grad clipping to run on the CPU.
 
-    No-op when CUDA is available. Idempotent. Returns the qualified names patched by this call.
+    Applied when `device` is the CPU (None: when CUDA is absent), for the rest of the process.
+    Idempotent. Returns the qualified names patched by this call.
     """
-    if torch.cuda.is_available():
+    if not runs_on_cpu(device):
         return []
     needed = [(owner, name, make) for owner, name, cuda_use_present, make in _shims()
               if not is_patched(owner, name) and cuda_use_present()]

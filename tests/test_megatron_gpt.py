@@ -53,7 +53,7 @@ def _parity(rank, world, tp, cp, sizes, comm):
     from mcp_context.megatron import masked_token_mean, slice_batch_for_cp
     from mcp_context.megatron.specs import get_gpt_layer_hcp_spec
 
-    megatron_patches.apply_all()
+    megatron_patches.apply_all(device="cpu")
     params, ref_per_token, ref_loss, ref_grads = _reference()
     init_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
                   hierarchical_context_parallel_sizes=sizes)

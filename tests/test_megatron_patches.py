@@ -5,6 +5,10 @@ fp64 re-implementation (logits, per-token loss, every gradient) at TP=1, and at 
 parallelism against TP=1; RoPE's CP slicing against positions computed by hand; the RNG tracker
 against a separately seeded generator and activation recomputation with dropout; the hierarchical
 CP groups across destroy / re-initialise; and per-layer `cp_comm_type` with a pipeline offset.
+
+Every test means the CPU: it applies the patches with ``device="cpu"`` (so it runs the same on a
+machine with CUDA), and only in worker processes, since the CPU shims hold for the rest of a process
+and the test runner's own process may go on to run megatron-core on a GPU.
 """
 from __future__ import annotations
 
@@ -64,7 +68,7 @@ def _reference_logits(params: dict, tokens: torch.Tensor) -> torch.Tensor:
 def _gpt_tp1_vs_fp64(rank, world_size):
     from megatron.core import parallel_state
 
-    megatron_patches.apply_all()
+    megatron_patches.apply_all(device="cpu")
     init_parallel()
     try:
         model = tiny_gpt(tiny_config())
@@ -97,7 +101,7 @@ def _gpt_tp2_sp_vs_tp1(rank, world_size):
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
 
-    megatron_patches.apply_all()
+    megatron_patches.apply_all(device="cpu")
     tokens, positions, labels = batch()
     init_parallel()
     try:
@@ -142,7 +146,7 @@ def test_tiny_gpt_tp2_sequence_parallel_matches_tp1_logits_and_grads():
 def _gpt_recompute_with_dropout(rank, world_size):
     from megatron.core import parallel_state, tensor_parallel
 
-    megatron_patches.apply_all()
+    megatron_patches.apply_all(device="cpu")
     tokens, positions, labels = batch()
     init_parallel()
     try:
@@ -173,10 +177,10 @@ def test_dropout_is_deterministic_and_recompute_replays_it_on_cpu():
     run_distributed(2, _gpt_recompute_with_dropout)
 
 
-def test_rng_tracker_forks_the_cpu_generator():
+def _rng_tracker_forks(rank, world_size):
     from megatron.core import tensor_parallel
 
-    megatron_patches.apply_all()
+    megatron_patches.apply_all(device="cpu")
     tensor_parallel.model_parallel_cuda_manual_seed(123, tp_rank=0, ep_rank=0, etp_rank=0)
     default_after_seed = torch.get_rng_state()
     tracker = tensor_parallel.get_cuda_rng_tracker()
@@ -195,14 +199,18 @@ def test_rng_tracker_forks_the_cpu_generator():
             pass
 
 
-def test_each_patch_applied_twice_is_the_same_as_once():
+def test_rng_tracker_forks_the_cpu_generator():
+    run_distributed(2, _rng_tracker_forks)
+
+
+def _applied_twice(rank, world_size):
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer import utils as transformer_utils
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    megatron_patches.apply_all()
+    megatron_patches.apply_all(device="cpu")
     targets = (
         lambda: parallel_state.destroy_model_parallel,
         lambda: TransformerLayer.__dict__["__init__"],
@@ -211,37 +219,58 @@ def test_each_patch_applied_twice_is_the_same_as_once():
         lambda: tp_random.CudaRNGStatesTracker.__dict__["fork"],
     )
     before = [target() for target in targets]
-    assert megatron_patches.apply_all() == {name: [] for name in megatron_patches.PATCHES}
+    assert megatron_patches.apply_all(device="cpu") == {name: [] for name in megatron_patches.PATCHES}
     for name, apply in megatron_patches.PATCHES.items():
-        assert apply() == [], name
+        assert (apply("cpu") if name in megatron_patches.CPU_PATCHES else apply()) == [], name
     assert [target() for target in targets] == before
 
 
-def test_probes_see_the_upstream_problems_in_the_kept_originals():
+def test_each_patch_applied_twice_is_the_same_as_once():
+    run_distributed(2, _applied_twice)
+
+
+def test_run_device_decides_whether_the_cpu_patches_apply():
+    assert megatron_patches.runs_on_cpu("cpu") and megatron_patches.runs_on_cpu(torch.device("cpu"))
+    assert not megatron_patches.runs_on_cpu("cuda") and not megatron_patches.runs_on_cpu("cuda:0")
+    assert megatron_patches.runs_on_cpu(None) == (not torch.cuda.is_available())
+    with pytest.raises(ValueError, match=r"device='gpu' is not a torch device; pass 'cpu', 'cuda' or None"):
+        megatron_patches.runs_on_cpu("gpu")
+    # A CUDA run leaves megatron-core's CUDA code alone, also on a machine without CUDA.
+    for apply in megatron_patches.CPU_PATCHES.values():
+        assert apply("cuda") == []
+
+
+def _probes(rank, world_size):
     from megatron.core import parallel_state
     from megatron.core.transformer import utils as transformer_utils
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     from megatron_patches._patching import original_of
+    from megatron_patches.cpu_shims import _leaves_the_cpu, _rng_tracker_keeps_cuda_states
     from megatron_patches.hcp_groups import destroy_leaves_hcp_groups
     from megatron_patches.torch_norm_sequence_parallel import _sequence_parallel_config
 
-    megatron_patches.apply_all()
+    megatron_patches.apply_all(device="cpu")
     assert destroy_leaves_hcp_groups(original_of(parallel_state, "destroy_model_parallel"))
     with pytest.raises(AssertionError, match="sequence parallel"):
         original_of(WrappedTorchNorm, "__new__")(WrappedTorchNorm, _sequence_parallel_config(), 8)
     norm = WrappedTorchNorm(_sequence_parallel_config(), 8)
     assert isinstance(norm, torch.nn.RMSNorm) and norm.weight.sequence_parallel
-    if not torch.cuda.is_available():
-        with pytest.raises((AssertionError, RuntimeError)):
-            original_of(transformer_utils, "get_default_causal_mask")(2)
+    # The original mask fails without CUDA and lands on the GPU with it; the patched one stays on the CPU.
+    assert _leaves_the_cpu(lambda: original_of(transformer_utils, "get_default_causal_mask")(2))
+    assert not _leaves_the_cpu(lambda: transformer_utils.get_default_causal_mask(2))
+    assert not _rng_tracker_keeps_cuda_states(), "the patched RNG tracker must keep CPU generator states"
 
 
-def test_causal_masks_are_built_on_cpu_and_match_the_definition():
+def test_probes_see_the_upstream_problems_in_the_kept_originals():
+    run_distributed(2, _probes)
+
+
+def _cpu_masks(rank, world_size):
     from megatron.core.fusions import fused_softmax
     from megatron.core.transformer import utils as transformer_utils
 
-    megatron_patches.apply_all()
+    megatron_patches.apply_all(device="cpu")
     i, j = torch.arange(5)[:, None], torch.arange(5)[None, :]
     assert fused_softmax.get_default_causal_mask is transformer_utils.get_default_causal_mask
     assert torch.equal(fused_softmax.get_default_causal_mask(5), j > i)
@@ -251,12 +280,16 @@ def test_causal_masks_are_built_on_cpu_and_match_the_definition():
     assert torch.equal(fused_softmax.get_sliding_window_causal_mask(3, 5, (2, 0)), expected)
 
 
+def test_causal_masks_are_built_on_cpu_and_match_the_definition():
+    run_distributed(2, _cpu_masks)
+
+
 def _rope_on_cp_rank(rank, world_size):
     from megatron.core import parallel_state
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    megatron_patches.apply_all()
+    megatron_patches.apply_all(device="cpu")
     parallel_state.initialize_model_parallel(context_parallel_size=world_size)
     try:
         cp_group = parallel_state.get_context_parallel_group()
@@ -283,7 +316,7 @@ def _rope_on_cp_rank(rank, world_size):
 def _hcp_groups_across_reinit(rank, world_size):
     from megatron.core import parallel_state
 
-    megatron_patches.apply_all()
+    megatron_patches.apply_all(device="cpu")
 
     def hcp_ranks():
         groups = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)
@@ -314,7 +347,7 @@ def test_destroy_model_parallel_forgets_hierarchical_cp_groups():
 def test_per_layer_cp_comm_type_gives_each_layer_its_own_type():
     from megatron_patches.per_layer_cp_comm_type import cp_comm_types_received
 
-    megatron_patches.apply_all()
+    megatron_patches.apply_per_layer_cp_comm_type_fix()  # no CPU shim: safe in the test runner's process
     types = ["p2p", "a2a", "all_gather", "a2a+p2p"]
     assert cp_comm_types_received(types) == types
 
@@ -331,7 +364,7 @@ def _cp_comm_type_per_pipeline_stage(rank, world_size):
     from megatron.core.transformer.transformer_block import TransformerBlock
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-    megatron_patches.apply_all()
+    megatron_patches.apply_all(device="cpu")
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
     try:
         types = ["p2p", "a2a", "all_gather", "a2a+p2p"]
