@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -186,3 +187,70 @@ def test_profiles_load_and_reject_bad_fields(tmp_path):
     bad.write_text(text.replace("memory_gib: 80.0", "memory_gib: -1"))
     with pytest.raises(ValueError, match="memory_gib=-1 must be a positive number"):
         load_profile(str(bad))
+
+
+def test_storage_bytes_equal_memtrackers_figures():
+    """The dry run's light tracker reports MemTracker's current and peak device totals, every scheme and rank."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    import mcp_context.plan.dryrun as dryrun
+
+    class MemTrackerTotals(MemTracker):
+        @property
+        def current(self):
+            return sum(s.get("Total", 0) for s in self.get_tracker_snapshot("current").values())
+
+        @property
+        def peak(self):
+            return sum(s.get("Total", 0) for s in self.get_tracker_snapshot("peak").values())
+
+    shape = RankShape(SEQ, B, H, 2, D, torch.bfloat16)
+    for comm, sizes in SCHEMES:
+        for rank in range(4):
+            light = dry_run_rank(comm, sizes, "zigzag", True, shape, rank)
+            dryrun.StorageBytes, light_tracker = MemTrackerTotals, dryrun.StorageBytes
+            try:
+                reference = dry_run_rank(comm, sizes, "zigzag", True, shape, rank)
+            finally:
+                dryrun.StorageBytes = light_tracker
+            assert (light.saved_bytes, light.peak_bytes) == (reference.saved_bytes, reference.peak_bytes), (comm, rank)
+            assert light.peak_bytes > light.saved_bytes > 0
+
+
+ARGS = ["--layers", "2", "--hidden", "32", "--heads", "8", "--kv-heads", "2", "--seq-len", "64", "--gpus", "4",
+        "--vocab", "256", "--no-progress"]
+
+
+@pytest.mark.parametrize("flag", ["--layers", "--hidden", "--heads", "--kv-heads", "--head-dim", "--ffn-hidden",
+                                  "--vocab", "--seq-len", "--gpus", "--gpus-per-node", "--tp", "--pp",
+                                  "--micro-batch-size", "--cp-sizes"])
+@pytest.mark.parametrize("value", ["0", "-3", "two"])
+def test_cli_refuses_out_of_range_values_in_one_line(flag, value, capsys):
+    """--gpus-per-node 0 used to divide by zero: every integer flag is checked, the error names flag, value, range."""
+    with pytest.raises(SystemExit) as exit_:
+        main(ARGS + [flag, value])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1
+    assert f"argument {flag}: '{value}' is not an integer >= 1" in err
+
+
+def test_cli_refuses_bad_combinations_before_planning(tmp_path, capsys):
+    recipe = "recipes/tiny_cpu.yaml"
+    assert main(["--recipe", recipe, "--layers", "3", "--gpus", "4"]) == 2
+    assert f"--layers cannot be combined with --recipe={recipe}" in capsys.readouterr().err
+    assert main(["--recipe", str(tmp_path / "none.yaml"), "--gpus", "4"]) == 2
+    assert "none.yaml: no such file" in capsys.readouterr().err
+    assert main(ARGS + ["--json", str(tmp_path / "missing" / "plan.json")]) == 2
+    assert "does not exist; create it first" in capsys.readouterr().err
+    assert main(ARGS + ["--cp-sizes", "3"]) == 2
+    assert "[3] do not divide gpus / (tp * pp) = 4; choose from [1, 2, 4]" in capsys.readouterr().err
+
+
+def test_cp_sizes_restrict_the_candidates_and_progress_counts_them(h100, capsys):
+    full = plan(_request(h100, seq=64, gpus=4))
+    only = plan(dataclasses.replace(_request(h100, seq=64, gpus=4), cp_sizes=(2,)), progress=True)
+    assert {r.candidate.cp_size for r in only.rows} == {2}
+    assert {r.candidate for r in only.rows} == {
+        r.candidate for r in full.rows if r.candidate.cp_size == 2}
+    bar = capsys.readouterr().err
+    assert f"{len(only.rows)}/{len(only.rows)}" in bar and "dry runs" in bar

@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Optional, Sequence
+from pathlib import Path
+from typing import NoReturn, Optional, Sequence
 
 from .model import ModelShape
 from .planner import PlanRequest, plan, with_gpus_per_node
@@ -19,34 +20,70 @@ from .profiles import load_profile, shipped_profiles
 from .report import plan_dict, plan_table
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """Argument errors as one line (``error: ...``, exit 2), like the planner's own errors."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse puts the flag's name before the message)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return value
+
+
+# the model-shape flags (integers >= 1) -> help
+_MODEL_FLAGS = {"--layers": "num_layers", "--hidden": "hidden_size", "--heads": "num_attention_heads",
+                "--kv-heads": "num_query_groups (default: heads)",
+                "--head-dim": "kv_channels (default: hidden / heads)",
+                "--ffn-hidden": "ffn_hidden_size (default: 4 * hidden)"}
+
+
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m mcp_context.plan", description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--recipe", help="recipe YAML: model shape, seq_length, TP and PP (flags override)")
-    ap.add_argument("--layers", type=int, help="num_layers")
-    ap.add_argument("--hidden", type=int, help="hidden_size")
-    ap.add_argument("--heads", type=int, help="num_attention_heads")
-    ap.add_argument("--kv-heads", type=int, help="num_query_groups (default: heads)")
-    ap.add_argument("--head-dim", type=int, help="kv_channels (default: hidden / heads)")
-    ap.add_argument("--ffn-hidden", type=int, help="ffn_hidden_size (default: 4 * hidden)")
-    ap.add_argument("--vocab", type=int, help="vocabulary size (default: Llama-3's 128256)")
-    ap.add_argument("--seq-len", type=int, help="tokens per sample")
-    ap.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
-    ap.add_argument("--gpus-per-node", type=int, help="GPUs a node (default: the profile's)")
-    ap.add_argument("--tp", type=int, help="tensor_model_parallel_size (default: recipe's, else 1)")
-    ap.add_argument("--pp", type=int, help="pipeline_model_parallel_size (default: recipe's, else 1)")
-    ap.add_argument("--micro-batch-size", type=int, default=1)
+    ap = _OneLineParser(prog="python -m mcp_context.plan", description=__doc__.split("\n")[0],
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", help="recipe YAML: model shape, seq_length, TP and PP (--seq-len, --vocab, --tp and "
+                                     "--pp override it)")
+    for flag, what in _MODEL_FLAGS.items():
+        ap.add_argument(flag, type=_positive_int, help=what)
+    ap.add_argument("--vocab", type=_positive_int, help="vocabulary size (default: Llama-3's 128256)")
+    ap.add_argument("--seq-len", type=_positive_int, help="tokens per sample")
+    ap.add_argument("--gpus", type=_positive_int, required=True, help="GPUs in the job")
+    ap.add_argument("--gpus-per-node", type=_positive_int, help="GPUs a node (default: the profile's)")
+    ap.add_argument("--tp", type=_positive_int, help="tensor_model_parallel_size (default: recipe's, else 1)")
+    ap.add_argument("--pp", type=_positive_int, help="pipeline_model_parallel_size (default: recipe's, else 1)")
+    ap.add_argument("--micro-batch-size", type=_positive_int, default=1)
+    ap.add_argument("--cp-sizes", type=_positive_int, nargs="+", metavar="CP",
+                    help="evaluate only these context_parallel_sizes (default: every divisor of gpus / (tp * pp))")
     ap.add_argument("--profile", default="h100_nvlink_ib",
                     help=f"machine profile: {', '.join(shipped_profiles())} or a YAML path")
     ap.add_argument("--json", metavar="PATH", help="also write the whole plan as JSON ('-' for stdout only)")
+    ap.add_argument("--no-progress", action="store_true",
+                    help="hide the progress bar over the candidates (shown on stderr when it is a terminal)")
     return ap
 
 
 def _request(args: argparse.Namespace) -> PlanRequest:
     tp, pp, seq = args.tp, args.pp, args.seq_len
+    if args.json not in (None, "-") and not Path(args.json).parent.is_dir():
+        raise ValueError(f"--json={args.json}: directory {Path(args.json).parent} does not exist; create it first "
+                         f"or give a path in an existing directory")
     if args.recipe:
         from ..recipes import load_recipe
 
+        given = [flag for flag in _MODEL_FLAGS if getattr(args, flag[2:].replace("-", "_")) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} cannot be combined with --recipe={args.recipe}, which gives the "
+                             f"model shape; drop them, or drop --recipe and give the shape with flags")
+        if not Path(args.recipe).is_file():
+            raise ValueError(f"--recipe={args.recipe}: no such file; give the path of a recipe YAML "
+                             f"(e.g. recipes/llama3_8b_128k_hcp.yaml)")
         cfg = load_recipe(args.recipe).model
         model = ModelShape.from_recipe(cfg)
         tp, pp = tp or cfg.tensor_model_parallel_size, pp or cfg.pipeline_model_parallel_size
@@ -64,13 +101,14 @@ def _request(args: argparse.Namespace) -> PlanRequest:
     if seq is None:
         raise ValueError("give the sequence length with --seq-len (or a recipe's model.seq_length)")
     profile = with_gpus_per_node(load_profile(args.profile), args.gpus_per_node)
-    return PlanRequest(model, seq, args.gpus, profile, tp or 1, pp or 1, args.micro_batch_size)
+    return PlanRequest(model, seq, args.gpus, profile, tp or 1, pp or 1, args.micro_batch_size,
+                       cp_sizes=tuple(args.cp_sizes) if args.cp_sizes else None)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        result = plan(_request(args))
+        result = plan(_request(args), progress=False if args.no_progress else None)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

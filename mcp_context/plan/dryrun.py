@@ -4,11 +4,12 @@ The planner does not carry its own byte formulas: for a candidate layout it runs
 ``context_parallel_forward`` forward and backward, once per CP rank, on ``meta`` tensors (shapes and
 dtypes, no data) under torch's in-process *fake* process group of the CP size (every collective and
 point-to-point op returns at once). The comm layer counts what it sends exactly as in a real run
-(``comm_stats``), ``MemTracker`` follows every tensor the engine allocates (peak and what stays saved
-for backward), and a thin observer around the four ``torch.distributed`` calls the comm layer uses
-notes *where* each call sends (the peers), so the planner can split bytes into intra- and inter-node
-traffic. The kernel is the fused CPU attention op, whose meta function allocates what a fused
-kernel returns (no O(s^2) scores).
+(``comm_stats``), ``StorageBytes`` follows every storage the engine allocates (peak and what stays
+saved for backward: the figures of torch's ``MemTracker`` at a fraction of its cost per op), and a
+thin observer around the four ``torch.distributed`` calls the comm layer uses notes *where* each call
+sends (the peers), so the planner can split bytes into intra- and inter-node traffic. The kernel is
+the fused CPU attention op, whose meta function allocates what a fused kernel returns (no O(s^2)
+scores).
 
 This module owns the fake world, the destination observer and the per-rank dry run; it does not
 decide which layouts are valid (``candidates.py``) or what they cost (``cost.py``).
@@ -19,12 +20,15 @@ import contextlib
 import os
 import sys
 import warnings
+import weakref
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from ..algorithms import context_parallel_forward
 from ..comm import build_hcp_groups, comm_stats
@@ -129,11 +133,47 @@ def _observe_destinations() -> Iterator[tuple[dict[str, Counter], Counter]]:
             setattr(dist, name, fn)
 
 
+class StorageBytes(TorchDispatchMode):
+    """Bytes held by the storages that ops create while active: ``current`` and ``peak``.
+
+    A storage counts from the first op that returns a tensor on it until it is freed (a weak
+    reference's callback), at its size in bytes (updated when an op returns it resized). This is
+    what torch's ``MemTracker`` reports as the device total (meta tensors are not rounded), without
+    its module, optimizer and per-category bookkeeping, which cost the planner more than the ops
+    themselves.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = 0
+        self.peak = 0
+        self._sizes: dict[int, tuple[weakref.ref, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._track(t.untyped_storage())
+        self.peak = max(self.peak, self.current)
+        return out
+
+    def _track(self, st: torch.UntypedStorage) -> None:
+        key, nbytes = id(st), st.nbytes()
+        known = self._sizes.get(key)  # a live storage's id is not reused: _free runs when it dies
+        if known is None:
+            self._sizes[key] = (weakref.ref(st, lambda _, key=key: self._free(key)), nbytes)
+            self.current += nbytes
+        elif known[1] != nbytes:  # grown or shrunk in place (Tensor.resize_)
+            self._sizes[key] = (known[0], nbytes)
+            self.current += nbytes - known[1]
+
+    def _free(self, key: int) -> None:
+        self.current -= self._sizes.pop(key)[1]
+
+
 def dry_run_rank(comm: str, sizes: Sequence[int], layout: str, causal: bool, shape: RankShape,
                  cp_rank: int) -> RankTraffic:
     """Run one attention layer's forward and backward as CP rank ``cp_rank`` of ``prod(sizes)``."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     cp_size = 1
     for s in sizes:
         cp_size *= s
@@ -142,26 +182,22 @@ def dry_run_rank(comm: str, sizes: Sequence[int], layout: str, causal: bool, sha
         warnings.simplefilter("ignore")
         with fake_world(cp_size, cp_rank), _observe_destinations() as (log, calls):
             groups = build_hcp_groups(list(sizes))
-            tracker = MemTracker()
+            tracker = StorageBytes()
             comm_stats.reset()
             with tracker:
                 q, k, v = (torch.empty(s_local, shape.batch, h, shape.head_dim, device="meta", dtype=shape.dtype,
                                        requires_grad=True) for h in (shape.heads, shape.kv_heads, shape.kv_heads))
                 out = context_parallel_forward(q, k, v, groups, comm, layout, causal, cpu_flash_kernel(),
                                                shape.head_dim ** -0.5, False)
-                saved = _total(tracker.get_tracker_snapshot("current"))
+                saved = tracker.current
                 forward, calls_forward = dict(comm_stats.bytes_sent), dict(calls)
                 out.backward(torch.empty_like(out))
             backward = dict(comm_stats.bytes_sent - Counter(forward))
             calls_backward = dict(calls - Counter(calls_forward))
-            peak = _total(tracker.get_tracker_snapshot("peak"))
+            peak = tracker.peak
     unknown = sorted((set(forward) | set(backward)) - set(OP_CALL))
     if unknown:
         raise RuntimeError(f"the comm layer counted operations {unknown} that the planner does not know; add "
                            f"them to mcp_context.plan.dryrun.OP_CALL with the torch.distributed call they use")
     return RankTraffic(cp_rank, forward, backward, {k: dict(v) for k, v in log.items()}, calls_forward,
                        calls_backward, saved, peak)
-
-
-def _total(snapshot: dict) -> int:
-    return sum(stats.get("Total", 0) for stats in snapshot.values())

@@ -39,6 +39,8 @@ class PlanRequest:
     micro_batch_size: int = 1
     causal: bool = True
     dtype: torch.dtype = torch.bfloat16
+    cp_sizes: Optional[tuple[int, ...]] = None
+    """Only these context_parallel_sizes (default: every one that divides gpus / (tp * pp))."""
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "gpus", "tp", "pp", "micro_batch_size"):
@@ -147,19 +149,37 @@ def _choose(rows: list[PlanRow]) -> PlanRow:
     return min(close, key=lambda r: (r.seconds_per_sequence, r.inter_node_bytes))
 
 
-def plan(req: PlanRequest) -> Plan:
+def plan(req: PlanRequest, progress: Optional[bool] = False) -> Plan:
     """Evaluate every valid candidate and recommend one (listed first; the rest: fitting ones first,
-    fastest per sequence first)."""
+    fastest per sequence first). ``progress``: a bar over the candidates on stderr (None: only on a
+    terminal)."""
+    from tqdm import tqdm
+
     shape = rank_shape(req)
-    valid, rejected = enumerate_candidates(cp_sizes_for(req.gpus, req.tp, req.pp), req.seq_len, shape.heads,
-                                           shape.kv_heads)
-    rows = sorted((evaluate(req, c) for c in valid), key=lambda r: (not r.fits, r.seconds_per_sequence))
+    valid, rejected = enumerate_candidates(_cp_sizes(req), req.seq_len, shape.heads, shape.kv_heads)
+    bar = tqdm(valid, desc="dry runs", unit="candidate", disable=None if progress is None else not progress)
+    rows = []
+    for cand in bar:
+        bar.set_postfix_str(cand.label(), refresh=False)
+        rows.append(evaluate(req, cand))
+    rows.sort(key=lambda r: (not r.fits, r.seconds_per_sequence))
     if not rows:
         return Plan(req, [], rejected, None, ["no CP layout is valid; see the rejected list for why"])
     best = _choose(rows)
     rows.remove(best)
     rows.insert(0, best)
     return Plan(req, rows, rejected, best, explain(req, best, rows))
+
+
+def _cp_sizes(req: PlanRequest) -> list[int]:
+    possible = cp_sizes_for(req.gpus, req.tp, req.pp)
+    if req.cp_sizes is None:
+        return possible
+    wrong = [c for c in req.cp_sizes if c not in possible]
+    if wrong:
+        raise ValueError(f"cp_sizes={list(req.cp_sizes)}: {wrong} do not divide gpus / (tp * pp) = "
+                         f"{req.gpus // (req.tp * req.pp)}; choose from {possible}")
+    return sorted(set(req.cp_sizes))
 
 
 def explain(req: PlanRequest, best: PlanRow, rows: list[PlanRow]) -> list[str]:

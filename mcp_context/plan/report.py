@@ -39,7 +39,8 @@ def plan_dict(plan: Plan) -> dict:
         "request": {"model": dataclasses.asdict(req.model), "seq_len": req.seq_len, "gpus": req.gpus,
                     "tensor_model_parallel_size": req.tp, "pipeline_model_parallel_size": req.pp,
                     "micro_batch_size": req.micro_batch_size, "causal": req.causal, "dtype": str(req.dtype),
-                    "profile": dataclasses.asdict(req.profile)},
+                    "profile": dataclasses.asdict(req.profile),
+                    "cp_sizes": list(req.cp_sizes) if req.cp_sizes else "all"},
         "recommended": row_dict(plan.recommended) if plan.recommended else None,
         "reasons": plan.reasons,
         "candidates": [row_dict(r) for r in plan.rows],
@@ -68,7 +69,8 @@ def plan_table(plan: Plan) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
     lines = [f"{req.model.num_layers} layers, hidden {req.model.hidden_size}, heads {req.model.num_attention_heads}/"
              f"{req.model.num_query_groups} kv, head dim {req.model.kv_channels}; {req.seq_len} tokens, "
-             f"{req.gpus} GPUs ({req.profile.gpus_per_node} a node, {req.profile.name}), TP{req.tp} PP{req.pp}; "
+             f"{req.gpus} GPUs ({req.profile.gpus_per_node} a node, {req.profile.name}), TP{req.tp} PP{req.pp}"
+             f"{f', CP sizes {list(req.cp_sizes)} only' if req.cp_sizes else ''}; "
              f"per rank, per layer; MiB = forward+backward bytes sent"]
     lines += ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths)))
               for r in rows]
