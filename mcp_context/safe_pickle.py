@@ -138,7 +138,7 @@ def mcore_load_strategies() -> tuple[Any, Any]:
             reader = SafeFileSystemReader(checkpoint_dir)
             planner = SafeLoadPlanner(shapes_validation_sharded_tensors=validated,
                                       allow_shape_mismatch_sharded_tensors=mismatch)
-            checkpoint.load_state_dict(pyt_state_dict, reader, planner=planner)
+            checkpoint.load(pyt_state_dict, storage_reader=reader, planner=planner)
             self.cached_global_metadata = reader.read_metadata()
             state = {k: _unwrap_pyt_sharded_tensor(v) for k, v in pyt_state_dict.items()}
             state = _replace_sharded_keys_with_state_dict_keys(state, flat_mapping, rename_mapping)

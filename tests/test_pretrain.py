@@ -57,7 +57,7 @@ def _train(rank, world, run_dir, overrides, save=True, crash_before_step=None, c
     from mcp_context.pretrain.launch import check_recipe_for_training, resolve_run_dir
     from mcp_context.recipes import load_recipe
 
-    cfg = load_recipe(REPO / "recipes" / "tiny_cpu.yaml", overrides)
+    cfg = load_recipe(REPO / "recipes" / "tiny_cpu.yaml", [*overrides, "train.device=cpu"])
     run_dir = resolve_run_dir(cfg, run_dir)
     if not save:
         cfg.checkpoint.save = None
@@ -65,11 +65,11 @@ def _train(rank, world, run_dir, overrides, save=True, crash_before_step=None, c
     original_step, original_save = loop.train_step, dist_checkpointing.save
     weights = {}
 
-    def train_step(model, optimizer, scheduler, micro_batches):
+    def train_step(model, optimizer, scheduler, micro_batches, device):
         step = scheduler.num_steps + 1
         if step == crash_before_step:
             raise _Interrupted
-        record = original_step(model, optimizer, scheduler, micro_batches)
+        record = original_step(model, optimizer, scheduler, micro_batches, device)
         if step == weights_of_step and rank == 0:
             weights.update({n: p.detach().clone() for n, p in model.module.named_parameters()})
         return record
@@ -229,7 +229,7 @@ def test_interrupted_checkpoint_write_leaves_previous_checkpoint_loadable(uninte
 
 def _torchrun(nproc, run_dir, overrides):
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "tools/pretrain.py",
-            "--recipe", "recipes/tiny_cpu.yaml", "--run-dir", str(run_dir), *overrides]
+            "--recipe", "recipes/tiny_cpu.yaml", "--run-dir", str(run_dir), "train.device=cpu", *overrides]
 
 
 def _process_tree(pid):

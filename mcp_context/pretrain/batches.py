@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Iterator
 
-import torch
 from torch.utils.data import DataLoader, Dataset
 
 
@@ -43,10 +42,12 @@ class MicroBatchSampler:
         return (self.last_step - self.first_step) * self.micro_batches_per_step
 
 
-def step_batches(dataset: Dataset, sampler: MicroBatchSampler, num_workers: int = 0) -> Iterator[list[dict]]:
+def step_batches(dataset: Dataset, sampler: MicroBatchSampler, num_workers: int = 0,
+                 pin_memory: bool = False) -> Iterator[list[dict]]:
     """Yield, for each step of ``sampler``, the list of this DP rank's micro-batches (dicts of
-    ``[micro_batch_size, seq_length]`` tensors: tokens, labels, loss_mask, position_ids[, attention_mask])."""
-    loader = DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=torch.cuda.is_available())
+    ``[micro_batch_size, seq_length]`` tensors: tokens, labels, loss_mask, position_ids[, attention_mask]);
+    ``pin_memory`` for a run on CUDA."""
+    loader = DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory)
     micro_batches = iter(loader)
     for _ in range(sampler.first_step, sampler.last_step):
         yield [next(micro_batches) for _ in range(sampler.micro_batches_per_step)]

@@ -4,8 +4,9 @@ Everything is megatron-core's own: ``parallel_state`` (gloo on CPU, NCCL on GPU)
 our layer spec (``mcp_context.megatron.specs``), ``DistributedDataParallel`` with per-token loss
 semantics (``calculate_per_token_loss=True``: gradients are summed over the DP x CP ranks and divided
 by the global count of valid tokens), ``get_megatron_optimizer`` (gradient clipping included) and
-``OptimizerParamScheduler``. On a machine without CUDA, ``megatron_patches`` makes these run on the
-CPU. Owns no loop, no data order and no files (see ``loop``, ``batches``, ``checkpoint``).
+``OptimizerParamScheduler``. The device is the recipe's ``train.device`` (``train_device``); on the
+CPU, ``megatron_patches`` makes these run there (also on a machine that has CUDA). Owns no loop, no
+data order and no files (see ``loop``, ``batches``, ``checkpoint``).
 """
 from __future__ import annotations
 
@@ -15,11 +16,24 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from mcp_context.recipes import RecipeConfig
+from mcp_context.recipes import RecipeConfig, RecipeError
 
 
-def init_process_group() -> bool:
-    """Start the default process group from torchrun's environment (NCCL with CUDA, gloo without).
+def train_device(cfg: RecipeConfig) -> torch.device:
+    """The device this rank trains on: ``train.device`` (``auto``: CUDA when available), the GPU of
+    torchrun's ``LOCAL_RANK`` for ``cuda``. Raises ``RecipeError`` for ``cuda`` without CUDA."""
+    choice = cfg.train.device
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RecipeError("train.device='cuda', but torch sees no CUDA device here; set train.device=cpu (or auto)")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def init_process_group(device: torch.device) -> bool:
+    """Start the default process group from torchrun's environment (NCCL on CUDA, gloo on the CPU).
 
     Returns False, doing nothing, when one is already initialised (a caller that owns it). Without a
     launcher (no ``WORLD_SIZE``), starts a one-rank group on a local port.
@@ -29,10 +43,9 @@ def init_process_group() -> bool:
     if "WORLD_SIZE" not in os.environ:
         os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=timedelta(minutes=10))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=10))
     return True
 
 
@@ -44,11 +57,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def apply_megatron_patches() -> None:
-    """Apply ``megatron_patches`` (CPU shims, CPU training shims and fixes); idempotent."""
+def apply_megatron_patches(device: torch.device) -> None:
+    """Apply ``megatron_patches`` for a run on ``device`` (the CPU shims when it is the CPU, and the fixes); idempotent."""
     import megatron_patches
 
-    megatron_patches.apply_all()
+    megatron_patches.apply_all(device=device)
 
 
 def init_model_parallel(cfg: RecipeConfig) -> None:
@@ -66,18 +79,18 @@ def init_model_parallel(cfg: RecipeConfig) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
 
 
-def transformer_config(cfg: RecipeConfig):
-    """``TransformerConfig`` of the recipe, with per-token loss and, without CUDA, CPU settings."""
+def transformer_config(cfg: RecipeConfig, device: torch.device):
+    """``TransformerConfig`` of the recipe, with per-token loss and, on the CPU, CPU settings."""
     from megatron.core.transformer import TransformerConfig
 
     runtime = dict(calculate_per_token_loss=True)
-    if not torch.cuda.is_available():
+    if device.type == "cpu":
         runtime.update(use_cpu_initialization=True, masked_softmax_fusion=False, bias_activation_fusion=False,
                        apply_rope_fusion=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False)
     return TransformerConfig(**cfg.to_transformer_config_kwargs(), **runtime)
 
 
-def build_model(cfg: RecipeConfig, tokenizer_vocab_size: int):
+def build_model(cfg: RecipeConfig, tokenizer_vocab_size: int, device: torch.device):
     """The recipe's ``GPTModel`` with the HCP layer spec, wrapped in megatron-core DDP.
 
     Initialisation depends only on ``train.seed`` and TP (weights are made whole, then split over TP),
@@ -89,11 +102,11 @@ def build_model(cfg: RecipeConfig, tokenizer_vocab_size: int):
 
     from mcp_context.megatron.specs import get_gpt_layer_hcp_spec
 
-    config = transformer_config(cfg)
+    config = transformer_config(cfg, device)
     spec = get_gpt_layer_hcp_spec(normalization=cfg.model.normalization, use_te=cfg.model.layer_spec == "te")
     model = GPTModel(config, spec, **cfg.to_gpt_model_kwargs(tokenizer_vocab_size))
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
+    if device.type == "cuda":
+        model.cuda(device)
     if config.bf16 or config.fp16:
         model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(

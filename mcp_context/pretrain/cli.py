@@ -1,18 +1,24 @@
 """Command line of the pretrain entry: check the recipe, then train on every rank.
 
     torchrun --nproc-per-node 4 -m mcp_context.pretrain --recipe recipes/tiny_cpu.yaml \
-        [--run-dir runs/my_run] [section.key=value ...]
+        [--run-dir runs/my_run] [--resume-from CHECKPOINT | --restart] [section.key=value ...]
 
 (also ``tools/pretrain.py`` and the ``mcp-context-pretrain`` console script, each calling ``main``.)
 
-A bad recipe or a launch that does not fit it prints ``error: ...`` naming the key and exits with
-status 2 before any process group starts. At the end rank 0 prints the first and last loss and
-where the metrics and the checkpoint are.
+A bad recipe, a launch that does not fit it, or a run directory that cannot be resumed as asked
+(a malformed ``latest``, a damaged checkpoint, checkpoints without ``latest``, a recipe that changes
+the run, a malformed ``metrics.jsonl``) prints ``error: ...`` naming the key or file and the fix, and
+exits with status 2 before any process group starts. A run that diverges (non-finite loss, gradient
+norm or weights) prints ``error: ...`` with the step and exits with status 1. At the end rank 0
+prints the first and last loss and where the metrics and the checkpoint are. Under torchrun each
+rank dies with its launcher (``PR_SET_PDEATHSIG`` on Linux): torchrun starts ranks in sessions of
+their own, so killing torchrun alone would otherwise leave them training.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import warnings
 
@@ -25,6 +31,24 @@ warnings.filterwarnings("ignore", category=FutureWarning, module=r"(torch|megatr
 from mcp_context.pretrain.launch import check_recipe_for_training, launched_world_size, resolve_run_dir  # noqa: E402
 from mcp_context.recipes import RecipeError, load_recipe  # noqa: E402
 
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_launcher() -> bool:
+    """Under torchrun on Linux, have the kernel SIGKILL this process when its launcher dies; return
+    whether it was set. (A run killed at any moment resumes from its last complete checkpoint.)"""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+
+
+def _error(message: str, status: int) -> int:
+    if os.environ.get("RANK", "0") == "0":  # every rank finds the same error; say it once
+        print(f"error: {message}", file=sys.stderr)
+    return status
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mcp_context.pretrain", description=__doc__.splitlines()[0])
@@ -32,20 +56,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", default=None,
                         help="directory for metrics.jsonl, recipe.yaml and checkpoints/ (default: the parent of "
                              "checkpoint.save, e.g. runs/tiny_cpu)")
+    start = parser.add_mutually_exclusive_group()
+    start.add_argument("--resume-from", default=None, metavar="CHECKPOINT",
+                       help="resume from this checkpoint directory (RUN_DIR/checkpoints/iter_NNNNNNN) instead of "
+                            "the one 'latest' names, e.g. the newest intact one when the latest is damaged")
+    start.add_argument("--restart", action="store_true",
+                       help="start at step 0, deleting the run directory's checkpoints and metrics.jsonl")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
     args = parser.parse_args(argv)
+    die_with_launcher()
     try:
         cfg = load_recipe(args.recipe, args.overrides)
         run_dir = resolve_run_dir(cfg, args.run_dir)
         check_recipe_for_training(cfg, launched_world_size())
     except (RecipeError, FileNotFoundError) as err:
-        if os.environ.get("RANK", "0") == "0":  # every rank finds the same error; say it once
-            print(f"error: {err}", file=sys.stderr)
-        return 2
+        return _error(str(err), 2)
 
-    from mcp_context.pretrain.loop import train
+    from mcp_context.pretrain.checkpoint import CheckpointError
+    from mcp_context.pretrain.loop import TrainingDiverged, train
+    from mcp_context.pretrain.metrics import MetricsFileError
 
-    result = train(cfg, run_dir, progress=True)
+    try:
+        result = train(cfg, run_dir, progress=True, resume_from=args.resume_from, restart=args.restart)
+    except (CheckpointError, MetricsFileError) as err:
+        return _error(str(err), 2)
+    except TrainingDiverged as err:
+        return _error(str(err), 1)
     if os.environ.get("RANK", "0") != "0":
         return 0
     if result.records:

@@ -27,13 +27,16 @@ def resolve_run_dir(cfg: RecipeConfig, run_dir: Optional[str]) -> Path:
 
     ``run_dir`` given: checkpoints go to ``run_dir/checkpoints``. Otherwise the recipe decides: the
     parent of ``checkpoint.save`` (``runs/tiny_cpu`` for the tiny recipe), or ``runs/<name>`` without
-    checkpoints when ``checkpoint.save`` is null.
+    checkpoints when ``checkpoint.save`` is null (``name`` must then be a plain name: ``RecipeError`` otherwise).
     """
     if run_dir is not None:
         cfg.checkpoint.save = str(Path(run_dir) / CHECKPOINTS_SUBDIR)
         return Path(run_dir)
     if cfg.checkpoint.save is not None:
         return Path(cfg.checkpoint.save).parent
+    if not cfg.name or "/" in cfg.name or "\\" in cfg.name or cfg.name in (".", ".."):
+        raise RecipeError(f"name={cfg.name!r} would place the run outside runs/ (runs/<name>); use a plain name "
+                          f"without path separators or '..', or give --run-dir")
     return Path("runs") / cfg.name
 
 
@@ -43,10 +46,8 @@ def check_recipe_for_training(cfg: RecipeConfig, world_size: int) -> None:
     Checks that the recipe's ``train.world_size`` equals the launch, runs ``validate_recipe`` at the
     launched world size, then checks what the loop needs: positive intervals, one pipeline stage, an LR schedule megatron-core's
     scheduler can run from the recipe's fields, a
-    ``checkpoint.load`` that holds a checkpoint, and, on a machine without CUDA, fp32 parameters and the plain (not distributed) optimizer.
+    ``checkpoint.load`` that holds a checkpoint, and, on the CPU (``train.device``), fp32 parameters and the plain (not distributed) optimizer.
     """
-    import torch
-
     t, m, o = cfg.train, cfg.model, cfg.optimizer
     if t.world_size is not None and t.world_size != world_size:
         raise RecipeError(
@@ -84,10 +85,12 @@ def check_recipe_for_training(cfg: RecipeConfig, world_size: int) -> None:
                 f"checkpoint.load={cfg.checkpoint.load!r} holds no '{LATEST_FILENAME}' file naming a checkpoint; "
                 f"give the checkpoints directory of a run (RUN_DIR/checkpoints), or null to start afresh"
             )
-    if not torch.cuda.is_available():
+    from mcp_context.pretrain.build import train_device
+
+    if train_device(cfg).type == "cpu":  # train.device=cuda without CUDA raises here
         if m.bf16 or m.params_dtype != "float32":
             raise RecipeError(
-                f"model.bf16={m.bf16}, model.params_dtype={m.params_dtype!r}: on a machine without CUDA "
+                f"model.bf16={m.bf16}, model.params_dtype={m.params_dtype!r}: on the CPU (train.device) "
                 f"mcp_context.pretrain trains in fp32 (megatron-core's mixed-precision optimizer needs CUDA); "
                 f"set model.bf16=false model.params_dtype=float32"
             )

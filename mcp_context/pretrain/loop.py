@@ -6,9 +6,13 @@ megatron-core's ``finalize_model_grads`` sums the gradients over the DP x CP ran
 by the global number of valid tokens (per-token loss), then the optimizer clips and steps and the
 scheduler moves the learning rate. The reported loss is the mean over every valid token of the
 global batch, the same number on every rank, so it does not depend on the CP or DP size.
+
+A step whose loss or gradient norm is not finite stops the run (``TrainingDiverged``, on every rank)
+before its record or any checkpoint is written, and no checkpoint is saved with non-finite weights.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,10 +23,10 @@ import torch.distributed as dist
 
 from mcp_context.pretrain import build
 from mcp_context.pretrain.batches import MicroBatchSampler, step_batches
-from mcp_context.pretrain.checkpoint import (latest_checkpoint, load_checkpoint, remove_interrupted_saves,
-                                             save_checkpoint)
+from mcp_context.pretrain.checkpoint import (checkpoint_to_resume, load_checkpoint, remove_interrupted_saves,
+                                             remove_run_history, save_checkpoint)
 from mcp_context.pretrain.launch import METRICS_FILENAME
-from mcp_context.pretrain.metrics import MetricsLog
+from mcp_context.pretrain.metrics import MetricsLog, read_metrics_lines
 from mcp_context.recipes import RecipeConfig, save_recipe
 
 
@@ -40,23 +44,22 @@ class TrainResult:
     """The newest complete checkpoint (None when checkpoint.save is null)."""
 
 
-def _to_device(batch: dict) -> dict:
-    if not torch.cuda.is_available():
-        return batch
-    return {key: value.cuda(non_blocking=True) for key, value in batch.items()}
+class TrainingDiverged(FloatingPointError):
+    """A step's loss or gradient norm, or the weights about to be saved, are not finite; raised on every rank."""
 
 
-def _forward_loss_sum(model, micro_batch: dict, cp_group) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward_loss_sum(model, micro_batch: dict, cp_group, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of the per-token losses over this CP rank's valid tokens of ``micro_batch``, and their count."""
     from mcp_context.megatron import slice_batch_for_cp
 
-    local = slice_batch_for_cp(_to_device(micro_batch), cp_group)
+    micro_batch = {key: value.to(device, non_blocking=True) for key, value in micro_batch.items()}
+    local = slice_batch_for_cp(micro_batch, cp_group)
     per_token = model(local["tokens"], local["position_ids"], local.get("attention_mask"), labels=local["labels"])
     mask = local["loss_mask"].float()
     return (per_token.float() * mask).sum(), mask.sum()
 
 
-def train_step(model, optimizer, scheduler, micro_batches: list[dict]) -> dict:
+def train_step(model, optimizer, scheduler, micro_batches: list[dict], device: torch.device) -> dict:
     """One optimizer step on this rank's micro-batches; returns loss, lr and grad norm (same on every rank)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
@@ -64,10 +67,10 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict]) -> dict:
     cp_group = parallel_state.get_context_parallel_group()
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    loss_sum = torch.zeros((), dtype=torch.float32, device=_device())
-    num_tokens = torch.zeros((), dtype=torch.float32, device=_device())
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    num_tokens = torch.zeros((), dtype=torch.float32, device=device)
     for micro_batch in micro_batches:
-        local_sum, local_tokens = _forward_loss_sum(model, micro_batch, cp_group)
+        local_sum, local_tokens = _forward_loss_sum(model, micro_batch, cp_group, device)
         local_sum.backward()  # per-token loss: divided by the global token count in finalize_model_grads
         loss_sum += local_sum.detach()
         num_tokens += local_tokens
@@ -82,29 +85,45 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict]) -> dict:
     return {"loss": (loss_sum / num_tokens.clamp(min=1)).item(), "lr": lr, "grad_norm": float(grad_norm)}
 
 
+def _check_finite(record: dict, cfg: RecipeConfig, checkpoint: Optional[Path]) -> None:
+    """Raise ``TrainingDiverged`` when the step's loss or gradient norm is not finite (the same on every rank)."""
+    if math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"]):
+        return
+    raise TrainingDiverged(
+        f"step {record['step']}: loss {record['loss']}, gradient norm {record['grad_norm']} (learning rate "
+        f"{record['lr']:g}) are not all finite; stopped before writing this step "
+        f"(newest checkpoint: {checkpoint or 'none'}). Likely cause: optimizer.lr={cfg.optimizer.lr:g} is too high "
+        f"for this model (lower it or lengthen train.lr_warmup_iters, and start afresh with --restart), "
+        f"or bad data")
+
+
+def _weights_finite(model) -> bool:
+    """Whether every rank's parameters are all finite (a collective)."""
+    finite = torch.tensor([all(bool(torch.isfinite(p).all()) for p in model.parameters())], dtype=torch.int32,
+                          device=next(model.parameters()).device)
+    dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    return bool(finite.item())
+
+
 @torch.no_grad()
-def evaluate(model, dataset, cfg: RecipeConfig) -> float:
+def evaluate(model, dataset, cfg: RecipeConfig, device: torch.device) -> float:
     """Mean loss over every valid token of the first ``train.eval_iters`` global batches of ``dataset``
     (the same samples at every evaluation, so the numbers compare across steps and layouts)."""
     from megatron.core import parallel_state
 
     cp_group = parallel_state.get_context_parallel_group()
     sampler = _sampler(cfg, 0, cfg.train.eval_iters)
-    totals = torch.zeros(2, dtype=torch.float32, device=_device())
+    totals = torch.zeros(2, dtype=torch.float32, device=device)
     model.eval()
     try:
-        for micro_batches in step_batches(dataset, sampler, cfg.data.num_workers):
+        for micro_batches in step_batches(dataset, sampler, cfg.data.num_workers, device.type == "cuda"):
             for micro_batch in micro_batches:
-                local_sum, local_tokens = _forward_loss_sum(model, micro_batch, cp_group)
+                local_sum, local_tokens = _forward_loss_sum(model, micro_batch, cp_group, device)
                 totals += torch.stack([local_sum, local_tokens])
     finally:
         model.train()
     dist.all_reduce(totals, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     return (totals[0] / totals[1].clamp(min=1)).item()
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _sampler(cfg: RecipeConfig, first_step: int, last_step: int) -> MicroBatchSampler:
@@ -133,55 +152,73 @@ def _prepare_data(cfg: RecipeConfig):
     return tokenizer, train_ds, valid_ds
 
 
-def train(cfg: RecipeConfig, run_dir: Path, progress: bool = False) -> TrainResult:
+def train(cfg: RecipeConfig, run_dir: Path, progress: bool = False, resume_from: Optional[Path] = None,
+          restart: bool = False) -> TrainResult:
     """Train the recipe on every rank of the default process group (started here if needed).
 
-    Resumes from ``checkpoint.load``, else from ``checkpoint.save`` when it holds a ``latest``
-    checkpoint. Writes ``run_dir/recipe.yaml``, ``run_dir/metrics.jsonl`` and checkpoints every
-    ``checkpoint.save_interval`` steps and at the end. Call ``launch.check_recipe_for_training`` first.
+    Starts from ``checkpoint.checkpoint_to_resume(cfg, resume_from, restart)``: ``resume_from``, else
+    the ``latest`` of ``checkpoint.load`` or ``checkpoint.save``, else step 0; ``restart`` deletes the
+    run's checkpoints and metrics first. Writes ``run_dir/recipe.yaml``, ``run_dir/metrics.jsonl``
+    and checkpoints every ``checkpoint.save_interval`` steps and at the end. Call
+    ``launch.check_recipe_for_training`` first. Raises ``checkpoint.CheckpointError`` (before any
+    process group starts), ``metrics.MetricsFileError`` (likewise) and ``TrainingDiverged``.
     """
     from megatron.core import parallel_state
 
-    owns_process_group = build.init_process_group()
-    build.apply_megatron_patches()
+    checkpoint = checkpoint_to_resume(cfg, resume_from, restart)
+    if not restart and (run_dir / METRICS_FILENAME).exists():
+        read_metrics_lines(run_dir / METRICS_FILENAME)  # a malformed line fails here, on every rank alike
+    device = build.train_device(cfg)
+    owns_process_group = build.init_process_group(device)
+    build.apply_megatron_patches(device)
     build.init_model_parallel(cfg)
     metrics = None
     try:
         tokenizer, train_ds, valid_ds = _prepare_data(cfg)
-        model = build.build_model(cfg, tokenizer.vocab_size)
+        model = build.build_model(cfg, tokenizer.vocab_size, device)
         optimizer, scheduler = build.build_optimizer(cfg, model)
         rank0 = dist.get_rank() == 0
+        notes = []
         if rank0:
+            if restart:
+                notes += [f"removed {path} (--restart)" for path in
+                          remove_run_history(cfg.checkpoint.save, run_dir / METRICS_FILENAME)]
+            if cfg.checkpoint.save is not None:
+                notes += [f"removed {path} (a save that was interrupted)"
+                          for path in remove_interrupted_saves(cfg.checkpoint.save)]
             save_recipe(cfg, run_dir)
 
-        first_step, checkpoint = 0, None
-        resume_dir = cfg.checkpoint.load or cfg.checkpoint.save
-        if resume_dir is not None:
-            checkpoint = latest_checkpoint(resume_dir)
+        first_step = 0
         if checkpoint is not None:
             first_step = load_checkpoint(checkpoint, model, optimizer, scheduler, cfg)
         metrics = MetricsLog(run_dir / METRICS_FILENAME, first_step, cfg.train.steps, enabled=rank0,
                              progress=progress, refresh_interval=cfg.logging.log_interval)
+        for note in notes + metrics.notes:
+            metrics.note(note)
         if checkpoint is not None:
             metrics.note(f"resumed from {checkpoint} at step {first_step}")
-        if rank0 and cfg.checkpoint.save is not None:
-            for leftover in remove_interrupted_saves(cfg.checkpoint.save):
-                metrics.note(f"removed {leftover} (a save that was interrupted)")
 
         t, c = cfg.train, cfg.checkpoint
         tokens_per_step = t.global_batch_size * cfg.model.seq_length
         records = []
-        batches = step_batches(train_ds, _sampler(cfg, first_step, t.steps), cfg.data.num_workers)
+        batches = step_batches(train_ds, _sampler(cfg, first_step, t.steps), cfg.data.num_workers,
+                               device.type == "cuda")
         start = time.perf_counter()
         for step, micro_batches in enumerate(batches, start=first_step + 1):  # step time includes loading
-            record = {"step": step, **train_step(model, optimizer, scheduler, micro_batches)}
+            record = {"step": step, **train_step(model, optimizer, scheduler, micro_batches, device)}
+            _check_finite(record, cfg, checkpoint)
             elapsed = time.perf_counter() - start
             record.update(tokens_per_s=tokens_per_step / elapsed, step_time_s=elapsed)
             if valid_ds is not None and t.eval_iters > 0 and step % t.eval_interval == 0:
-                record["val_loss"] = evaluate(model, valid_ds, cfg)
+                record["val_loss"] = evaluate(model, valid_ds, cfg, device)
             records.append(record)
             metrics.log(record)
             if c.save is not None and (step % c.save_interval == 0 or step == t.steps):
+                if not _weights_finite(model):
+                    raise TrainingDiverged(
+                        f"step {step}: the weights are not finite after the update (learning rate {record['lr']:g}); "
+                        f"not saved (newest checkpoint: {checkpoint or 'none'}). Likely cause: "
+                        f"optimizer.lr={cfg.optimizer.lr:g} is too high: lower it and start afresh with --restart")
                 checkpoint = save_checkpoint(c.save, step, model, optimizer, scheduler, cfg)
             start = time.perf_counter()
         return TrainResult(run_dir, run_dir / METRICS_FILENAME, first_step, records, checkpoint)

@@ -2,9 +2,11 @@
 
 Each line holds at least ``step``, ``loss`` (mean over every valid token of the step's global batch,
 the same on every rank), ``lr``, ``grad_norm`` (before clipping), ``tokens_per_s`` and
-``step_time_s``; evaluation steps add ``val_loss``. Written by rank 0 only, flushed every step. A
-resumed run first drops the lines of steps after its checkpoint (rewritten under a temporary name),
-so the file always describes one continuous run.
+``step_time_s``; evaluation steps add ``val_loss``. Written by rank 0 only, one ``write`` of the
+whole line and its newline per step, flushed: the newline marks a complete record, so a line that a
+crash cut short (no newline) is recognised as torn. A resumed run first drops a torn last line and
+the lines of steps after its checkpoint (rewritten under a temporary name), so the file always
+describes one continuous run.
 """
 from __future__ import annotations
 
@@ -15,17 +17,44 @@ from pathlib import Path
 from mcp_context.atomic import write_atomic
 
 
+class MetricsFileError(ValueError):
+    """A ``metrics.jsonl`` line that is complete but not a step record; the message names file:line."""
+
+
+def read_metrics_lines(path: os.PathLike | str) -> tuple[list[dict], bytes]:
+    """The complete records of a ``metrics.jsonl`` file, in order, and the torn last line (b"" if none).
+
+    A record is complete when its newline was written; the text after the last newline is what a
+    crash cut short. A complete line that is not a JSON object with a ``step`` raises
+    ``MetricsFileError`` naming ``path:line``.
+    """
+    data = Path(path).read_bytes()
+    complete, _, torn = data.rpartition(b"\n")
+    records = []
+    for number, line in enumerate(complete.split(b"\n") if complete else [], start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as err:
+            raise MetricsFileError(f"{path}:{number}: not a JSON record ({err}); delete or repair that line") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise MetricsFileError(f"{path}:{number}: a record without an integer 'step'; delete or repair that line")
+        records.append(record)
+    return records, torn
+
+
 def read_metrics(path: os.PathLike | str) -> list[dict]:
-    """The records of a ``metrics.jsonl`` file, in order."""
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The complete records of a ``metrics.jsonl`` file, in order (a torn last line left out)."""
+    return read_metrics_lines(path)[0]
 
 
 class MetricsLog:
     """Appends step records to ``path`` and shows them on a tqdm bar (``enabled`` on rank 0 only).
 
     The bar advances every step; its loss and tokens/s are refreshed every ``refresh_interval`` steps
-    (the recipe's ``logging.log_interval``) and at evaluations.
+    (the recipe's ``logging.log_interval``) and at evaluations. ``notes``: what opening the file
+    found (a torn last line dropped), for the caller to show.
     """
 
     def __init__(self, path: os.PathLike | str, first_step: int, total_steps: int, enabled: bool,
@@ -33,15 +62,19 @@ class MetricsLog:
         self.path = Path(path)
         self.enabled = enabled
         self.refresh_interval = refresh_interval
+        self.notes: list[str] = []
         self._file = None
         self._bar = None
         if not enabled:
             return
         if self.path.exists():
-            kept = [r for r in read_metrics(self.path) if r["step"] <= first_step]
+            records, torn = read_metrics_lines(self.path)
+            if torn:
+                self.notes.append(f"dropped the torn last line of {self.path} ({len(torn)} bytes a crash cut short)")
+            kept = [r for r in records if r["step"] <= first_step]
             write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept).encode("utf-8"))
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = open(self.path, "ab")
         if progress:
             from tqdm import tqdm
 
@@ -51,7 +84,7 @@ class MetricsLog:
         """Write one step's record and advance the bar."""
         if not self.enabled:
             return
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write((json.dumps(record) + "\n").encode("utf-8"))
         self._file.flush()
         if self._bar is None:
             return

@@ -202,6 +202,8 @@ class TrainConfig:
     """Validation batches per run."""
     seed: int = 1234
     """Seed of the model initialisation and dropout."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where mcp_context.pretrain trains: cpu (gloo), cuda (NCCL, a GPU per rank); auto: cuda when available."""
 
 
 @dataclass
