@@ -118,7 +118,8 @@ def test_user_jsonl_with_its_own_trained_tokenizer(tmp_path):
                              "data.json_key=content", "data.tokenizer_vocab_size=512", "data.split=80,20,0",
                              "model.seq_length=64", "train.steps=5", "train.eval_interval=5"])
     tokenizer, prefixes = prepare_data(cfg)
-    assert Path(tokenizer.path) == tmp_path / "cache" / "mine_sp512.model"  # trained from the user's corpus
+    trained = Path(tokenizer.path)  # trained from the user's corpus, keyed by its path and bytes
+    assert trained.parent == tmp_path / "cache" and trained.name.startswith("mine_") and trained.name.endswith("_sp512.model")
     assert tokenizer.vocab_size == 512
     for doc in docs:
         assert tokenizer.detokenize(tokenizer.tokenize(doc)) == doc  # lossless, non-ASCII included
@@ -127,11 +128,12 @@ def test_user_jsonl_with_its_own_trained_tokenizer(tmp_path):
     _check_samples(train, tokenizer, "\n".join(docs), 64)
     _check_samples(valid, tokenizer, "\n".join(docs), 64)
 
-    # The corpus changes under the same name: force retrains the tokenizer and re-tokenises.
-    old_tokenizer = tokenizer
+    # The corpus changes under the same name: a new key, so a new tokenizer and new tokens, unforced.
+    old_tokenizer, old_prefix = tokenizer, prefixes[0]
     docs = [d.upper() for d in docs]
     corpus.write_text("".join(json.dumps({"id": i, "content": d}) + "\n" for i, d in enumerate(docs)))
-    tokenizer, prefixes = prepare_data(cfg, force=True)
+    tokenizer, prefixes = prepare_data(cfg)
+    assert tokenizer.path != old_tokenizer.path and prefixes[0] != old_prefix
     assert _sequences(prefixes[0]) == [tokenizer.tokenize(d) + [tokenizer.eod] for d in docs]
     assert all(tokenizer.detokenize(tokenizer.tokenize(d)) == d for d in docs)
     upper_text = "".join(docs)

@@ -17,6 +17,7 @@ import warnings
 # megatron-core (imported by the validators) warns once per fused kernel it lacks; not news on CPU.
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).* not installed")
 
+from mcp_context.data.corpus import CorpusError  # noqa: E402
 from mcp_context.recipes import RecipeError, load_recipe, validate_recipe  # noqa: E402
 
 
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         from mcp_context.data import prepare_data
 
         tokenizer, prefixes = prepare_data(cfg, force=args.force)
-    except (RecipeError, FileNotFoundError, KeyError) as err:
+    except (RecipeError, FileNotFoundError, KeyError, CorpusError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"tokenizer: {tokenizer.path} ({tokenizer.vocab_size} pieces, end-of-document id {tokenizer.eod})")

@@ -2,15 +2,19 @@
 
 Owns reading documents (one string per document) from the bundled Shakespeare scenes or a user file,
 and the naming of the files derived from them (tokenised prefix, trained tokenizer) under the
-recipe's ``data.cache_dir``. Imports nothing heavy, so the recipe CLI can use it.
+recipe's ``data.cache_dir``: each name carries a key hashing the resolved paths and the bytes of the
+corpus and the tokenizer, so a different or edited file never reuses a cache. Imports nothing heavy, so the recipe CLI can use it.
 """
 from __future__ import annotations
 
+import functools
 import gzip
+import hashlib
 import json
 import re
+import zlib
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Iterator, Union
+from typing import TYPE_CHECKING, Iterator, Optional, Union
 
 if TYPE_CHECKING:  # the recipe package imports this module: no import cycle at run time
     from mcp_context.recipes.config import DataConfig
@@ -32,10 +36,29 @@ def corpus_path(data: DataConfig) -> Path:
     return path
 
 
-def _open_text(path: Path) -> IO[str]:
-    if path.suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, "r", encoding="utf-8")
+class CorpusError(ValueError):
+    """A corpus file that cannot be read as documents: the message names the file and line."""
+
+
+def _binary_lines(path: Path) -> Iterator[bytes]:
+    """The lines of ``path`` (gunzipped for .gz) as bytes; a damaged file raises ``CorpusError``."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            yield from f
+    except (EOFError, gzip.BadGzipFile, zlib.error) as err:
+        raise CorpusError(f"{path}: damaged compressed file ({err}); give an intact .gz, or the plain file") from None
+
+
+def _decode(raw: bytes, path: Path, line_no: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line_no += raw[: err.start].count(b"\n")
+        raise CorpusError(
+            f"{path}:{line_no}: not UTF-8 text ({err.reason} at byte {err.start} of the line); "
+            f"convert the corpus to UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+        ) from None
 
 
 def _is_jsonl(path: Path) -> bool:
@@ -45,25 +68,42 @@ def _is_jsonl(path: Path) -> bool:
 def read_documents(path: Union[str, Path], json_key: str = "text") -> Iterator[str]:
     """Yield the documents of a .jsonl file (``json_key`` of each line) or a .txt file (one document).
 
-    Both may be gzip-compressed. Empty documents are skipped.
+    Both may be gzip-compressed. Empty documents are skipped. Text that is not UTF-8, a line that
+    is not a JSON object, or a record whose text is missing or not a string raises ``CorpusError``
+    (missing key: ``KeyError``) naming ``file:line``.
     """
     path = Path(path)
-    with _open_text(path) as f:
-        if not _is_jsonl(path):
-            text = f.read()
-            if text.strip():
-                yield text
-            return
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    if not _is_jsonl(path):
+        text = _decode(b"".join(_binary_lines(path)), path, 1)
+        if text.strip():
+            yield text
+        return
+    for line_no, raw_line in enumerate(_binary_lines(path), 1):
+        line = _decode(raw_line, path, line_no).rstrip("\r\n")
+        if not line.strip():
+            continue
+        try:
             record = json.loads(line)
-            if json_key not in record:
-                raise KeyError(
-                    f"{path}:{line_no} has no key {json_key!r} (keys: {sorted(record)}); set data.json_key"
-                )
-            if record[json_key].strip():
-                yield record[json_key]
+        except json.JSONDecodeError as err:
+            raise CorpusError(
+                f"{path}:{line_no}: not valid JSON ({err.msg}, column {err.colno}); each line of a .jsonl "
+                f'corpus is one JSON object such as {{"{json_key}": "..."}}'
+            ) from None
+        if not isinstance(record, dict):
+            raise CorpusError(
+                f"{path}:{line_no}: a JSON {type(record).__name__}, not an object; each line of a .jsonl "
+                f'corpus is one JSON object such as {{"{json_key}": "..."}}'
+            )
+        if json_key not in record:
+            raise KeyError(f"{path}:{line_no} has no key {json_key!r} (keys: {sorted(record)}); set data.json_key")
+        text = record[json_key]
+        if not isinstance(text, str):
+            raise CorpusError(
+                f"{path}:{line_no}: {json_key!r} holds a JSON {type(text).__name__}, not text; set data.json_key "
+                f"to the key that holds each document's text"
+            )
+        if text.strip():
+            yield text
 
 
 def _slug(text: str) -> str:
@@ -78,9 +118,48 @@ def corpus_stem(data: DataConfig) -> str:
     return _slug(name)
 
 
+@functools.lru_cache(maxsize=64)
+def _file_digest(path: str, size: int, mtime_ns: int) -> str:
+    """sha256 of a file's bytes; memoised per (path, size, mtime) so one process hashes a corpus once."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def content_digest(path: Path) -> str:
+    """sha256 of a file's bytes, or of a directory's files (their relative names and bytes)."""
+    if not path.is_dir():
+        st = path.stat()
+        return _file_digest(str(path), st.st_size, st.st_mtime_ns)
+    digest = hashlib.sha256()
+    for file in sorted(f for f in path.rglob("*") if f.is_file()):
+        digest.update(f"{file.relative_to(path)}\0{content_digest(file)}\0".encode())
+    return digest.hexdigest()
+
+
+def _key(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
+
+
+def corpus_key(data: DataConfig) -> str:
+    """Identity of the recipe's documents: the resolved corpus path, its bytes and (JSONL) the key
+    read from each record. Part of every file name derived from the corpus, so two corpora with one
+    file name, or an edited corpus, never share a cache."""
+    path = corpus_path(data).resolve()
+    return _key(str(path), content_digest(path), data.json_key if _is_jsonl(path) else "")
+
+
+def tokenizer_trained_from_corpus(data: DataConfig) -> bool:
+    """True when the recipe names no tokenizer and its corpus is the user's own: a SentencePiece
+    model is then trained from the corpus and cached (``trained_tokenizer_path``)."""
+    return data.tokenizer_model is None and data.corpus != "bundled"
+
+
 def trained_tokenizer_path(data: DataConfig) -> Path:
-    """Where a SentencePiece model trained from ``data.corpus`` is cached."""
-    return Path(data.cache_dir) / f"{corpus_stem(data)}_sp{data.tokenizer_vocab_size}.model"
+    """Where a SentencePiece model trained from ``data.corpus`` is cached (keyed by the corpus)."""
+    return Path(data.cache_dir) / f"{corpus_stem(data)}_{corpus_key(data)}_sp{data.tokenizer_vocab_size}.model"
 
 
 def tokenizer_model_path(data: DataConfig) -> str:
@@ -93,12 +172,43 @@ def tokenizer_model_path(data: DataConfig) -> str:
     return str(trained_tokenizer_path(data))
 
 
+def tokenizer_key(data: DataConfig) -> str:
+    """Identity of the recipe's tokenizer: the resolved path and bytes of its file or directory. A
+    model still to be trained from the corpus is named by its path, which carries the corpus key
+    and vocabulary size (training is deterministic); a name that is no local path, by the name."""
+    name = tokenizer_model_path(data)
+    path = Path(name).expanduser()
+    if tokenizer_trained_from_corpus(data) or not path.exists():
+        return _key(data.tokenizer_type, name)
+    path = path.resolve()
+    return _key(data.tokenizer_type, str(path), content_digest(path))
+
+
 def tokenized_prefix(data: DataConfig) -> str:
-    """Path prefix (no .bin/.idx) of the corpus tokenised with the recipe's tokenizer."""
+    """Path prefix (no .bin/.idx) of the corpus tokenised with the recipe's tokenizer:
+    ``cache_dir/<corpus>_<tokenizer>_<key>_text_document``, the key hashing ``corpus_key`` and
+    ``tokenizer_key`` (the names alone are for people)."""
     tokenizer = _slug(Path(tokenizer_model_path(data)).name.removesuffix(".model"))
-    return str(Path(data.cache_dir) / f"{corpus_stem(data)}_{tokenizer}_text_document")
+    key = _key(corpus_key(data), tokenizer_key(data))
+    return str(Path(data.cache_dir) / f"{corpus_stem(data)}_{tokenizer}_{key}_text_document")
 
 
 def data_prefixes(data: DataConfig) -> list[str]:
     """``data.data_path`` when given, else the tokenised corpus prefix."""
     return list(data.data_path) if data.data_path else [tokenized_prefix(data)]
+
+
+def split_document_counts(split: str, n_docs: int) -> list[Optional[int]]:
+    """Documents in the train, valid and test splits of ``n_docs`` documents, computed as
+    megatron-core does (normalised weights, cumulative book-ends, each rounded); None for a split of
+    zero weight, which megatron-core skips. A 0 for a split of positive weight is the case its
+    dataset builder loops on forever."""
+    from mcp_context.recipes.config import split_weights  # here: the recipe package imports this module
+
+    weights = split_weights(split)
+    total = sum(weights)
+    ends = [0.0]
+    for w in weights:
+        ends.append(ends[-1] + w / total)
+    return [None if end <= begin else int(round(end * n_docs)) - int(round(begin * n_docs))
+            for begin, end in zip(ends[:-1], ends[1:])]

@@ -15,7 +15,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.tokenizers import MegatronTokenizerBase
 
-from mcp_context.data.corpus import data_prefixes
+from mcp_context.data.corpus import data_prefixes, split_document_counts
 from mcp_context.recipes.config import RecipeConfig
 
 
@@ -53,13 +53,9 @@ def _drop_empty_splits(config: GPTDatasetConfig, prefixes: Sequence[str]) -> Non
     boundaries stay Megatron-LM's (the test split is dropped from the matrix, not from the weights).
     """
     for prefix in prefixes:
-        dataset = IndexedDataset(prefix)
-        n_docs = len(dataset.sequence_lengths)
-        for i, name in enumerate(("train", "valid", "test")):
-            bounds = config.split_matrix[i]
-            if bounds is None:
-                continue
-            if int(round(bounds[1] * n_docs)) - int(round(bounds[0] * n_docs)) > 0:
+        n_docs = len(IndexedDataset(prefix).sequence_lengths)
+        for i, (name, count) in enumerate(zip(("train", "valid", "test"), split_document_counts(config.split, n_docs))):
+            if count != 0:
                 continue
             if name == "test":
                 config.split_matrix[i] = None
@@ -67,6 +63,7 @@ def _drop_empty_splits(config: GPTDatasetConfig, prefixes: Sequence[str]) -> Non
             raise ValueError(
                 f"data.split={config.split!r} leaves the {name} split of {prefix} ({n_docs} documents) with "
                 f"no document; raise the {name} weight, or use a corpus with more (shorter) documents"
+                + (", or data.split=100,0,0 to train without validation" if name == "valid" else "")
             )
 
 

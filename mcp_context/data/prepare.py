@@ -54,8 +54,9 @@ def prepare_data(cfg: RecipeConfig, force: bool = False) -> tuple[MegatronTokeni
 
     With ``data.data_path`` the given prefixes are checked and used as they are; otherwise the corpus
     is tokenised into ``data.cache_dir`` unless a complete copy is already there. The cache is keyed
-    by file names, not contents: after editing a corpus, pass ``force`` (which also retrains a
-    tokenizer trained from that corpus).
+    by the resolved paths and contents of corpus and tokenizer (``tokenized_prefix``), so an edited
+    corpus is tokenised afresh; ``force`` rebuilds anyway (and retrains a tokenizer trained from the
+    corpus).
     """
     data = cfg.data
     tokenizer = load_tokenizer(data, retrain=force)

@@ -15,7 +15,7 @@ from typing import Iterable, Sequence, Union
 
 from megatron.core.tokenizers import MegatronTokenizerBase
 
-from mcp_context.data.corpus import corpus_path, read_documents, tokenizer_model_path
+from mcp_context.data.corpus import corpus_path, read_documents, tokenizer_model_path, tokenizer_trained_from_corpus
 from mcp_context.atomic import write_atomic
 from mcp_context.recipes.config import DataConfig
 
@@ -177,7 +177,6 @@ def load_tokenizer(data: DataConfig, retrain: bool = False) -> MegatronTokenizer
     path = tokenizer_model_path(data)
     if data.tokenizer_type == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(path)
-    trained_here = data.tokenizer_model is None and data.corpus != "bundled"
-    if trained_here and (retrain or not Path(path).is_file()):
+    if tokenizer_trained_from_corpus(data) and (retrain or not Path(path).is_file()):
         train_tokenizer(read_documents(corpus_path(data), data.json_key), path, data.tokenizer_vocab_size)
     return SentencePieceTokenizer(path)

@@ -19,6 +19,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -433,6 +434,35 @@ def _set_field(obj: Any, path: Sequence[str], value: Any, prefix: str = "") -> N
     setattr(obj, key, _coerce(value, annotation, dotted))
 
 
+class _RecipeYamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last one
+    silently, so a recipe could say ``steps: 10`` and train ``steps: 1000`` further down)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first_line: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, typing.Hashable) and key in first_line:
+                raise RecipeError(
+                    f"recipe {key_node.start_mark.name}: key {key!r} at line {line} repeats the key at line "
+                    f"{first_line[key]} of the same section; keep one of them"
+                )
+            if isinstance(key, typing.Hashable):
+                first_line[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _read_yaml(path: Union[str, os.PathLike]) -> Any:
+    """The YAML document of a recipe file (duplicate keys refused, naming the file and lines)."""
+    loader = _RecipeYamlLoader(Path(path).read_text(encoding="utf-8"))
+    loader.name = str(path)  # marks (and so our messages) name the file
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Split ``"model.context_parallel_size=8"`` into (["model", "context_parallel_size"], 8).
 
@@ -460,9 +490,8 @@ def load_recipe(path: Union[str, os.PathLike, None] = None, overrides: Sequence[
     """
     cfg = RecipeConfig()
     if path is not None:
-        text = Path(path).read_text(encoding="utf-8")
         try:
-            data = yaml.safe_load(text) or {}
+            data = _read_yaml(path) or {}
         except yaml.YAMLError as err:
             raise RecipeError(f"recipe {path} is not valid YAML: {err}") from None
         if not isinstance(data, Mapping):
@@ -503,27 +532,17 @@ def _resolve_world_size(cfg: RecipeConfig, world_size: Optional[int]) -> Optiona
 
 
 def validate_recipe(cfg: RecipeConfig, world_size: Optional[int] = None) -> None:
-    """Check that the recipe describes a runnable layout; raise ``RecipeError`` naming the key.
+    """Check that the recipe describes a runnable job; raise ``RecipeError`` naming the key.
 
+    Runs every recipe check: a plain ``name``, each numeric field inside its ``RANGES`` entry, the
+    layout, batch, schedule and data checks, and checkpoint/log directories that are not files.
     ``world_size`` (else the WORLD_SIZE variable, else ``train.world_size``) enables the
-    data-parallel checks; a launch size that differs from ``train.world_size`` is an error. Pure
-    function: safe to call before any process group starts.
+    data-parallel checks; a launch size that differs from ``train.world_size`` is an error. No
+    process group, and no file access beyond a stat of the output directories: safe to call first.
     """
-    m, t = cfg.model, cfg.train
-    for key in (
-        "num_layers",
-        "hidden_size",
-        "num_attention_heads",
-        "seq_length",
-        "tensor_model_parallel_size",
-        "pipeline_model_parallel_size",
-        "context_parallel_size",
-    ):
-        if getattr(m, key) < 1:
-            raise RecipeError(f"model.{key}={getattr(m, key)} must be a positive integer")
-    for key in ("steps", "global_batch_size", "micro_batch_size"):
-        if getattr(t, key) < 1:
-            raise RecipeError(f"train.{key}={getattr(t, key)} must be a positive integer")
+    m = cfg.model
+    _validate_name(cfg.name)
+    _validate_ranges(cfg)
 
     # The CP checks shared with the Megatron integration: one check, one message. Imported here
     # because mcp_context.megatron imports megatron-core (seconds), which loading a recipe does not need.
@@ -556,6 +575,7 @@ def validate_recipe(cfg: RecipeConfig, world_size: Optional[int] = None) -> None
     _validate_batch(cfg, _resolve_world_size(cfg, world_size))
     _validate_schedule(cfg)
     _validate_data(cfg.data)
+    _validate_paths(cfg)
 
 
 def _validate_tensor_parallel_kv_heads(m: ModelConfig) -> None:
@@ -600,20 +620,17 @@ def _validate_schedule(cfg: RecipeConfig) -> None:
             f"train.lr_warmup_iters={t.lr_warmup_iters} must be between 0 and the decay length "
             f"(train.lr_decay_iters or train.steps = {decay})"
         )
+    if t.lr_decay_style == "WSD":
+        raise RecipeError(
+            "train.lr_decay_style='WSD' needs a WSD decay length, which recipes have no field for; "
+            "use 'cosine', 'linear', 'inverse-square-root' or 'constant'"
+        )
     if not 0 <= o.min_lr <= o.lr:
         raise RecipeError(f"optimizer.min_lr={o.min_lr} must be between 0 and optimizer.lr={o.lr}")
 
 
 def _validate_data(d: DataConfig) -> None:
-    parts = d.split.split(",")
-    try:
-        weights = [float(p) for p in parts]
-    except ValueError:
-        weights = []
-    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise RecipeError(
-            f"data.split={d.split!r} must be up to three non-negative train,valid,test weights, e.g. '949,50,1'"
-        )
+    split_weights(d.split)
     if d.tokenizer_type == "HuggingFaceTokenizer" and d.tokenizer_model is None:
         raise RecipeError(
             "data.tokenizer_type='HuggingFaceTokenizer' needs data.tokenizer_model (a tokenizer directory)"
@@ -624,3 +641,155 @@ def _validate_data(d: DataConfig) -> None:
             "does not apply yet (under a causal mask type it ignores attention_mask, as TEDotProductAttention "
             "does, so documents would silently attend across boundaries); set it to false"
         )
+
+
+def split_weights(split: str) -> list[float]:
+    """The train, valid, test weights of a ``data.split`` string (Megatron's ``--split``), padded
+    with zeros to three; raise ``RecipeError`` unless they are up to three finite non-negative
+    numbers with a positive sum."""
+    try:
+        weights = [float(p) for p in split.split(",")]
+    except ValueError:
+        weights = []
+    if (not 1 <= len(weights) <= 3 or not all(math.isfinite(w) and w >= 0 for w in weights)
+            or sum(weights) <= 0):
+        raise RecipeError(
+            f"data.split={split!r} must be up to three non-negative train,valid,test weights (finite numbers "
+            f"with a positive sum), e.g. '949,50,1'"
+        )
+    return weights + [0.0] * (3 - len(weights))
+
+
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def _validate_name(name: str) -> None:
+    """``runs/<name>`` is derived from the name, so it must stay one plain directory name."""
+    if not _PLAIN_NAME.fullmatch(name) or ".." in name:
+        plain = re.sub(r"[^A-Za-z0-9._-]+", "_", name).replace("..", "_").strip("._-") or "my_recipe"
+        raise RecipeError(
+            f"name={name!r} must be a plain name (letters, digits, '.', '_', '-'; no path separator, no '..'), "
+            f"since the run directory runs/<name> is derived from it; e.g. name: {plain}"
+        )
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric recipe field may take: ``lo``/``hi`` bounds (None: unbounded), each
+    closed unless marked open. Floats must also be finite; ``why`` explains a bound that is not obvious."""
+
+    lo: Optional[float] = None
+    hi: Optional[float] = None
+    lo_open: bool = False
+    hi_open: bool = False
+    why: str = ""
+
+    def __contains__(self, value: float) -> bool:
+        if not math.isfinite(value):
+            return False
+        if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
+            return False
+        return self.hi is None or (value < self.hi if self.hi_open else value <= self.hi)
+
+    def describe(self, key: str, integer: bool) -> str:
+        """What the field must be, e.g. ``a finite number with 0 <= optimizer.adam_beta1 < 1``."""
+        if integer and self.hi is None and self.lo in (0, 1) and not self.lo_open:
+            what = "a positive integer" if self.lo == 1 else "a non-negative integer"
+        else:
+            lo = "" if self.lo is None else f"{_number(self.lo)} {'<' if self.lo_open else '<='} "
+            hi = "" if self.hi is None else f" {'<' if self.hi_open else '<='} {_number(self.hi)}"
+            if self.hi is None:
+                lo, hi = "", f" {'>' if self.lo_open else '>='} {_number(self.lo)}"
+            what = f"{'an integer' if integer else 'a finite number'} with {lo}{key}{hi}"
+        return what + (f" ({self.why})" if self.why else "")
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+_POSITIVE = Range(1)
+_NON_NEGATIVE = Range(0)
+_PROBABILITY = Range(0, 1, hi_open=True, why="a dropout probability")
+_BETA = Range(0, 1, hi_open=True, why="an exponential-average decay")
+_POSITIVE_REAL = Range(0, lo_open=True)
+_SEED = Range(0, 2**32 - 1, why="numpy seeds are 32-bit")
+
+RANGES: dict[str, Range] = {
+    "model.num_layers": _POSITIVE,
+    "model.hidden_size": _POSITIVE,
+    "model.ffn_hidden_size": _POSITIVE,
+    "model.num_attention_heads": _POSITIVE,
+    "model.num_query_groups": _POSITIVE,
+    "model.kv_channels": _POSITIVE,
+    "model.seq_length": _POSITIVE,
+    "model.max_position_embeddings": _POSITIVE,
+    "model.vocab_size": _POSITIVE,
+    "model.make_vocab_size_divisible_by": _POSITIVE,
+    "model.rotary_base": _POSITIVE,
+    "model.rotary_percent": Range(0, 1, lo_open=True, why="the fraction of each head that RoPE rotates"),
+    "model.rope_scaling_factor": _POSITIVE_REAL,
+    "model.layernorm_epsilon": Range(0, 1, lo_open=True, hi_open=True),
+    "model.attention_dropout": _PROBABILITY,
+    "model.hidden_dropout": _PROBABILITY,
+    "model.init_method_std": _POSITIVE_REAL,
+    "model.tensor_model_parallel_size": _POSITIVE,
+    "model.pipeline_model_parallel_size": _POSITIVE,
+    "model.virtual_pipeline_model_parallel_size": _POSITIVE,
+    "model.context_parallel_size": _POSITIVE,
+    "model.hierarchical_context_parallel_sizes": _POSITIVE,
+    "model.recompute_num_layers": _POSITIVE,
+    "data.tokenizer_vocab_size": Range(
+        262, why="SentencePiece needs the 4 special ids, the newline piece and 256 byte-fallback pieces, plus one"),
+    "data.seed": _SEED,
+    "data.num_workers": _NON_NEGATIVE,
+    "train.steps": Range(1, 10**8, why="10**8 steps is far beyond any run, and a larger count makes the "
+                                       "sample index build effectively forever"),
+    "train.global_batch_size": _POSITIVE,
+    "train.micro_batch_size": _POSITIVE,
+    "train.world_size": _POSITIVE,
+    "train.lr_warmup_iters": _NON_NEGATIVE,
+    "train.lr_decay_iters": _POSITIVE,
+    "train.eval_interval": _POSITIVE,
+    "train.eval_iters": Range(0, why="0 disables evaluation"),
+    "train.seed": _SEED,
+    "optimizer.lr": _POSITIVE_REAL,
+    "optimizer.min_lr": Range(0),
+    "optimizer.weight_decay": Range(0),
+    "optimizer.adam_beta1": _BETA,
+    "optimizer.adam_beta2": _BETA,
+    "optimizer.adam_eps": Range(0, 1, lo_open=True, hi_open=True),
+    "optimizer.clip_grad": Range(0, why="0 disables clipping"),
+    "checkpoint.save_interval": _POSITIVE,
+    "logging.log_interval": _POSITIVE,
+}
+"""Allowed range of every numeric recipe field (a list field: of each item), by dotted key."""
+
+
+def _validate_ranges(cfg: RecipeConfig) -> None:
+    for dotted, allowed in RANGES.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        items = [(dotted, value)] if not isinstance(value, list) else [
+            (f"{dotted}[{i}]", v) for i, v in enumerate(value)]
+        for name, v in items:
+            if v is not None and v not in allowed:
+                raise RecipeError(f"{name}={v!r} must be {allowed.describe(name, isinstance(v, int))}")
+
+
+def _validate_paths(cfg: RecipeConfig) -> None:
+    """Directories the run writes or reads must not be files (the only file-system access here:
+    a stat of each path and its parents)."""
+    for key in ("checkpoint.save", "checkpoint.load", "logging.tensorboard_dir"):
+        section, field_name = key.split(".")
+        value = getattr(getattr(cfg, section), field_name)
+        if value is None:
+            continue
+        path = Path(value).expanduser()
+        existing = next((p for p in (path, *path.parents) if p.exists()), None)
+        if existing is not None and not existing.is_dir():
+            where = "is" if existing == path else f"is inside {existing}, which is"
+            raise RecipeError(
+                f"{key}={value!r} {where} an existing file, not a directory; give a directory path "
+                f"(created when missing), or null"
+            )

@@ -1,0 +1,148 @@
+"""Recipe checks that ``recipes validate`` used to miss: every numeric field has a range, the
+launcher's recipe checks run in ``validate`` too, YAML keys are unique, a name is a plain name, and
+the commands of docs/recipes.md run as written.
+"""
+from __future__ import annotations
+
+import dataclasses
+import shlex
+import typing
+from pathlib import Path
+
+import pytest
+
+from mcp_context.recipes import RecipeConfig, RecipeError, load_recipe, validate_recipe
+from mcp_context.recipes.__main__ import main as recipes_cli
+from mcp_context.recipes.config import RANGES
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Each value the issue lists (and its neighbours), with the range the message must state.
+OUT_OF_RANGE = [
+    ("model.hidden_dropout=1.5", "model.hidden_dropout=1.5 must be a finite number with 0 <= model.hidden_dropout < 1"),
+    ("model.attention_dropout=-0.1", "model.attention_dropout=-0.1 must be a finite number with 0 <= model.attention_dropout < 1"),
+    ("model.kv_channels=0", "model.kv_channels=0 must be a positive integer"),
+    ("model.kv_channels=-8", "model.kv_channels=-8 must be a positive integer"),
+    ("model.num_query_groups=0", "model.num_query_groups=0 must be a positive integer"),
+    ("model.make_vocab_size_divisible_by=0", "model.make_vocab_size_divisible_by=0 must be a positive integer"),
+    ("model.layernorm_epsilon=-1e-5", "model.layernorm_epsilon=-1e-05 must be a finite number with 0 < model.layernorm_epsilon < 1"),
+    ("model.rotary_percent=0", "model.rotary_percent=0.0 must be a finite number with 0 < model.rotary_percent <= 1"),
+    ("model.hierarchical_context_parallel_sizes=[0, 4]",
+     "model.hierarchical_context_parallel_sizes[0]=0 must be a positive integer"),
+    ("optimizer.adam_eps=-1e-8", "optimizer.adam_eps=-1e-08 must be a finite number with 0 < optimizer.adam_eps < 1"),
+    ("optimizer.clip_grad=-1", "optimizer.clip_grad=-1.0 must be a finite number with optimizer.clip_grad >= 0"),
+    ("optimizer.weight_decay=-0.1", "optimizer.weight_decay=-0.1 must be a finite number with optimizer.weight_decay >= 0"),
+    ("optimizer.adam_beta1=2", "optimizer.adam_beta1=2.0 must be a finite number with 0 <= optimizer.adam_beta1 < 1"),
+    ("optimizer.adam_beta2=1.0", "optimizer.adam_beta2=1.0 must be a finite number with 0 <= optimizer.adam_beta2 < 1"),
+    ("optimizer.lr=inf", "optimizer.lr=inf must be a finite number with optimizer.lr > 0"),
+    ("optimizer.lr=.nan", "optimizer.lr=nan must be a finite number with optimizer.lr > 0"),
+    ("optimizer.lr=0", "optimizer.lr=0.0 must be a finite number with optimizer.lr > 0"),
+    ("data.split=nan,1,1", "data.split='nan,1,1' must be up to three non-negative train,valid,test weights (finite"),
+    ("data.split=inf,1,1", "data.split='inf,1,1' must be up to three non-negative train,valid,test weights (finite"),
+    ("data.seed=-1", "data.seed=-1 must be an integer with 0 <= data.seed <= 4294967295"),
+    ("data.tokenizer_vocab_size=100", "data.tokenizer_vocab_size=100 must be an integer with data.tokenizer_vocab_size >= 262"),
+    (f"train.steps={10**30}", f"train.steps={10**30} must be an integer with 1 <= train.steps <= 100000000"),
+    ("train.eval_iters=-1", "train.eval_iters=-1 must be a non-negative integer"),
+    ("train.eval_interval=0", "train.eval_interval=0 must be a positive integer"),
+    ("train.lr_warmup_iters=-1", "train.lr_warmup_iters=-1 must be a non-negative integer"),
+    ("checkpoint.save_interval=0", "checkpoint.save_interval=0 must be a positive integer"),
+    ("logging.log_interval=0", "logging.log_interval=0 must be a positive integer"),
+]
+
+
+@pytest.mark.parametrize("override, message", OUT_OF_RANGE, ids=[o for o, _ in OUT_OF_RANGE])
+def test_validate_refuses_out_of_range_values_naming_key_value_and_range(capsys, override, message):
+    with pytest.raises(RecipeError) as err:
+        validate_recipe(load_recipe(None, [override]))
+    assert message in str(err.value)
+    assert recipes_cli(["validate", "-", override]) == 2  # the command line says the same
+    assert message in capsys.readouterr().err
+
+
+def _numeric_fields(cls: type, prefix: str = "") -> list[str]:
+    keys = []
+    for name, annotation in typing.get_type_hints(cls).items():
+        if dataclasses.is_dataclass(annotation):
+            keys += _numeric_fields(annotation, f"{name}.")
+            continue
+        args = typing.get_args(annotation) or (annotation,)
+        inner = [a for arg in args for a in (typing.get_args(arg) or (arg,))]
+        if any(a in (int, float) for a in inner):
+            keys.append(prefix + name)
+    return keys
+
+
+def test_every_numeric_field_has_a_range():
+    assert sorted(_numeric_fields(RecipeConfig)) == sorted(RANGES)
+
+
+def test_the_shipped_defaults_sit_inside_every_range():
+    for path in sorted((REPO / "recipes").glob("*.yaml")):
+        validate_recipe(load_recipe(path))
+
+
+def test_checkpoint_paths_that_are_files_are_refused(tmp_path):
+    a_file = tmp_path / "not_a_dir"
+    a_file.write_text("x")
+    with pytest.raises(RecipeError, match=rf"checkpoint.save='{a_file}' is an existing file, not a directory"):
+        validate_recipe(load_recipe(None, [f"checkpoint.save={a_file}"]))
+    with pytest.raises(RecipeError, match=rf"checkpoint.load='{a_file}/ckpt' is inside {a_file}, which is an existing file"):
+        validate_recipe(load_recipe(None, [f"checkpoint.load={a_file}/ckpt"]))
+    validate_recipe(load_recipe(None, [f"checkpoint.save={tmp_path}/new/checkpoints"]))  # missing dirs are fine
+
+
+@pytest.mark.parametrize("override, key", [
+    ("train.eval_iters=-1", "train.eval_iters"),
+    ("checkpoint.save_interval=0", "checkpoint.save_interval"),
+    ("train.lr_decay_style=WSD", "train.lr_decay_style"),
+    ("checkpoint.save=/dev/null", "checkpoint.save"),
+])
+def test_what_the_launcher_refuses_validate_refuses(override, key):
+    """``recipes validate`` and the pretrain launcher run the same recipe checks."""
+    from mcp_context.pretrain.launch import check_recipe_for_training
+
+    cfg = load_recipe(None, [override])
+    with pytest.raises(RecipeError) as by_validate:
+        validate_recipe(cfg, world_size=4)
+    with pytest.raises(RecipeError) as by_launcher:
+        check_recipe_for_training(cfg, world_size=4)
+    assert str(by_validate.value) == str(by_launcher.value) and key in str(by_validate.value)
+
+
+def test_duplicate_yaml_keys_are_refused_naming_key_and_lines(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("train:\n  steps: 10\n  micro_batch_size: 2\n  steps: 1000\n")
+    with pytest.raises(RecipeError, match=rf"recipe {path}: key 'steps' at line 4 repeats the key at line 2"):
+        load_recipe(path)
+    path.write_text("model:\n  num_layers: 2\nmodel:\n  num_layers: 4\n")
+    with pytest.raises(RecipeError, match=r"key 'model' at line 3 repeats the key at line 1"):
+        load_recipe(path)
+    path.write_text("model:\n  num_layers: 2\ntrain:\n  steps: 10\n")  # the same key in two sections is fine
+    assert load_recipe(path).train.steps == 10
+
+
+@pytest.mark.parametrize("name", ["../escape", "a/b", "/abs", "x..y", ".hidden", "", "two words"])
+def test_recipe_name_must_be_a_plain_name(name):
+    with pytest.raises(RecipeError, match=r"name=.* must be a plain name .* runs/<name> is derived from it"):
+        validate_recipe(load_recipe(None, [f"name={name!r}" if name else "name=''"]))
+
+
+def test_recipe_name_accepts_plain_names():
+    for name in ("tiny_cpu", "llama3.1-8b_128k", "Run2"):
+        validate_recipe(load_recipe(None, [f"name={name}"]))
+
+
+def _documented_recipe_commands() -> list[list[str]]:
+    text = (REPO / "docs" / "recipes.md").read_text()
+    block = text.split("## Command line", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    commands = []
+    for line in block.strip().splitlines():
+        argv = shlex.split(line, comments=True)
+        assert argv[:3] == ["python", "-m", "mcp_context.recipes"], line
+        commands.append([str(REPO / a) if a.endswith(".yaml") else a for a in argv[3:]])
+    return commands
+
+
+@pytest.mark.parametrize("argv", _documented_recipe_commands(), ids=lambda a: " ".join(a[:1] + a[2:]))
+def test_documented_recipe_commands_run_as_written(argv, capsys):
+    assert recipes_cli(argv) == 0, capsys.readouterr().err
