@@ -42,10 +42,8 @@ def check_recipe_for_training(cfg: RecipeConfig, world_size: int) -> None:
 
     Checks that the recipe's ``train.world_size`` equals the launch, runs ``validate_recipe`` at the
     launched world size, then checks what the loop needs: one pipeline stage, a
-    ``checkpoint.load`` that holds a checkpoint, and, on a machine without CUDA, fp32 parameters and the plain (not distributed) optimizer.
+    ``checkpoint.load`` that holds a checkpoint, and, on the CPU (``train.device``), fp32 parameters and the plain (not distributed) optimizer.
     """
-    import torch
-
     t, m, o = cfg.train, cfg.model, cfg.optimizer
     if t.world_size is not None and t.world_size != world_size:
         raise RecipeError(
@@ -73,10 +71,12 @@ def check_recipe_for_training(cfg: RecipeConfig, world_size: int) -> None:
                 f"checkpoint.load={cfg.checkpoint.load!r} holds no '{LATEST_FILENAME}' file naming a checkpoint; "
                 f"give the checkpoints directory of a run (RUN_DIR/checkpoints), or null to start afresh"
             )
-    if not torch.cuda.is_available():
+    from mcp_context.pretrain.build import train_device
+
+    if train_device(cfg).type == "cpu":  # train.device=cuda without CUDA raises here
         if m.bf16 or m.params_dtype != "float32":
             raise RecipeError(
-                f"model.bf16={m.bf16}, model.params_dtype={m.params_dtype!r}: on a machine without CUDA "
+                f"model.bf16={m.bf16}, model.params_dtype={m.params_dtype!r}: on the CPU (train.device) "
                 f"mcp_context.pretrain trains in fp32 (megatron-core's mixed-precision optimizer needs CUDA); "
                 f"set model.bf16=false model.params_dtype=float32"
             )
