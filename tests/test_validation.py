@@ -1,4 +1,8 @@
-"""Every input the engine cannot serve is refused with a message naming the value and the fix."""
+"""Every input the engine cannot serve is refused with a message naming the value and the fix.
+
+Each case has exactly one defect: the engine checks its configuration (comm, layout, groups, mask,
+scale) when it is built and the shards when it is called, so a call with two defects reports the
+configuration's first."""
 import re
 
 import torch
@@ -22,6 +26,11 @@ CASES = {
     "dtype": r"q, k, v must share one dtype, got torch.float32, torch.float64, torch.float32; cast them first",
     "device": r"q, k, v must be on one device, got cpu, meta, cpu",
     "rank4": r"q must be \[s_local, b, heads, head_dim\] \(sbhd\), got shape \(2, 8, 4\)",
+    "empty": r"q has an empty dimension, shape \(0, 2, 8, 4\): every CP rank needs at least one token",
+    "scale_negative": r"softmax_scale=-0.5 must be a positive finite number .*pass None for the default",
+    "scale_nan": r"softmax_scale=nan must be a positive finite number",
+    "backend": r"backend='cudnn' is not known; choose one of auto, math, torch, torch:cpu_flash, torch:cudnn",
+    "named_op": r"backend='torch:flash' does not serve torch.float32 on cpu here: runs on cuda only",
 }
 
 
@@ -42,12 +51,17 @@ def _errors(rank, world):
         "comm": lambda: context_parallel_attention(t(), t(), t(), flat, comm="ring"),
         "layout": lambda: context_parallel_attention(t(), t(), t(), flat, layout="zig"),
         "a2a+p2p_flat": lambda: context_parallel_attention(t(), t(), t(), flat, comm="a2a+p2p"),
-        "shape": lambda: context_parallel_attention(t(s=3), t(s=3, d=8), t(s=3, d=8), flat),
-        "kv_shape": lambda: context_parallel_attention(t(), t(), t(h=4), flat),
-        "gqa": lambda: context_parallel_attention(t(), t(h=3), t(h=3), flat),
-        "dtype": lambda: context_parallel_attention(t(), t(dtype=torch.float64), t(), flat),
-        "device": lambda: context_parallel_attention(t(), t(device="meta"), t(), flat),
-        "rank4": lambda: context_parallel_attention(t()[0], t(), t(), flat),
+        "shape": lambda: context_parallel_attention(t(s=3), t(s=3, d=8), t(s=3, d=8), flat, comm="p2p"),
+        "kv_shape": lambda: context_parallel_attention(t(), t(), t(h=4), flat, comm="p2p"),
+        "gqa": lambda: context_parallel_attention(t(), t(h=3), t(h=3), flat, comm="p2p"),
+        "dtype": lambda: context_parallel_attention(t(), t(dtype=torch.float64), t(), flat, comm="p2p"),
+        "device": lambda: context_parallel_attention(t(), t(device="meta"), t(), flat, comm="p2p"),
+        "rank4": lambda: context_parallel_attention(t()[0], t(), t(), flat, comm="p2p"),
+        "empty": lambda: context_parallel_attention(t(s=0), t(s=0), t(s=0), flat, comm="p2p"),
+        "scale_negative": lambda: context_parallel_attention(t(), t(), t(), flat, comm="p2p", softmax_scale=-0.5),
+        "scale_nan": lambda: context_parallel_attention(t(), t(), t(), flat, comm="p2p", softmax_scale=float("nan")),
+        "backend": lambda: context_parallel_attention(t(), t(), t(), flat, comm="p2p", backend="cudnn"),
+        "named_op": lambda: context_parallel_attention(t(), t(), t(), flat, comm="p2p", backend="torch:flash"),
     }
     messages = {}
     for name, call in calls.items():
@@ -56,6 +70,11 @@ def _errors(rank, world):
             messages[name] = None
         except ValueError as err:
             messages[name] = str(err)
+    try:
+        context_parallel_attention(t(), t(), t(), flat, comm="p2p", causal="False")
+        messages["causal"] = None
+    except TypeError as err:
+        messages["causal"] = str(err)
     return messages
 
 
@@ -64,6 +83,32 @@ def test_each_bad_input_is_refused_with_a_message_that_names_the_fix():
     for name, pattern in CASES.items():
         assert messages[name] is not None, f"{name}: no error raised"
         assert re.search(pattern, messages[name]), (name, messages[name])
+    assert messages["causal"] == "causal='False' must be a bool (True for causal attention, False for full), not str"
+
+
+def _disagreeing(rank, world, what):
+    from mcp_context import build_hcp_groups, context_parallel_attention
+
+    s = 4 if rank != 1 or what != "shape" else 6
+    dtype = torch.float64 if rank == 1 and what == "dtype" else torch.float32
+    causal = not (rank == 1 and what == "config")
+    q = torch.zeros(s, 2, 8, 4, dtype=dtype)
+    try:
+        context_parallel_attention(q, q, q, build_hcp_groups([world]), comm="p2p", causal=causal)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_ranks_that_disagree_on_shape_dtype_or_config_all_raise_the_same_error():
+    """Before any collective, the CP ranks compare shapes, dtypes and configuration: every rank raises
+    the same error naming each rank's inputs (no abort inside gloo, no rank returning a result)."""
+    for what, detail in (("shape", r"CP rank 1: q \[6, 2, 8, 4\] float32"), ("dtype", r"CP rank 1: q \[4, 2, 8, 4\] "
+                                                                                     r"float64"),
+                         ("config", r"CP rank 1: q \[4, 2, 8, 4\] float32, .* \(configuration differs\)")):
+        errors = run_distributed(4, _disagreeing, what)
+        assert errors[0] is not None and all(e == errors[0] for e in errors), (what, errors)
+        assert errors[0].startswith("CP ranks disagree on the attention inputs") and re.search(detail, errors[0])
 
 
 def test_allgather_is_an_alias_of_all_gather():

@@ -1,4 +1,4 @@
 """Algorithms: the ring executor, how shards rotate, and the named communication schemes."""
-from .schemes import COMM_ALIASES, COMM_TYPES, a2a_degree, context_parallel_forward
+from .schemes import COMM_ALIASES, COMM_TYPES, Scheme, a2a_degree, resolve_scheme
 
-__all__ = ["COMM_ALIASES", "COMM_TYPES", "a2a_degree", "context_parallel_forward"]
+__all__ = ["COMM_ALIASES", "COMM_TYPES", "Scheme", "a2a_degree", "resolve_scheme"]

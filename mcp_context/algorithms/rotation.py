@@ -1,12 +1,15 @@
 """How key/value shards reach a ring member, step by step, and how their gradients get home.
 
 - ``RingRotation`` (p2p): the shard moves one member forward per step; the next transfer is posted
-  before the current block is computed (double buffering). In backward the dK/dV accumulator of a
-  shard travels with it and arrives home after the last step.
-- ``LocalRotation`` (all-gather, or a ring of one): every shard is already here in one buffer; a
-  step is a slice. Gradients accumulate into one buffer (the caller's all-gather reduce-scatters it).
+  before the current block is computed (double buffering). K and V travel as one packed message. In
+  backward the dK/dV accumulator of a shard travels with it and arrives home after the last step.
+- ``LocalRotation`` (all-gather, a ring of one, or one member of a ring simulated on one device):
+  every shard is already here; a step is a slice of K and V (views, no copy), and gradients are
+  accumulated straight into slices of one buffer (the caller's all-gather reduce-scatters it).
 
-Both yield ``(step, kv)`` with ``kv [2, b, h_kv, n, d]`` (keys and values packed, one message).
+``blocks(k, v)`` yields ``(step, k_block, v_block)`` with ``[b, h_kv, n, d]`` blocks;
+``gradients(k, dtype)`` gives the object that hands out each step's ``[2, b, h_kv, n, d]`` dK/dV
+accumulator (``buffer``), takes it back (``done``) and returns the shard's ``(dk, dv)`` (``result``).
 """
 from __future__ import annotations
 
@@ -22,29 +25,34 @@ class RingRotation:
     def __init__(self, kv_exchange: RingExchange, dkv_exchange: RingExchange, ring_size: int):
         self.kv_exchange, self.dkv_exchange, self.ring_size = kv_exchange, dkv_exchange, ring_size
 
-    def blocks(self, kv: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+    def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        kv = torch.stack([k, v])  # one message per step: [2, b, h_kv, n, d]
         for step in range(self.ring_size):
             pending = self.kv_exchange.start(kv, step) if step + 1 < self.ring_size else None
-            yield step, kv
+            yield step, kv[0], kv[1]
             if pending is not None:
                 t0 = timeline.now()
                 kv = pending.wait()
                 timeline.record("kv_wait", step + 1, t0)
 
-    def gradients(self, kv: torch.Tensor, dtype: torch.dtype) -> "RingGradients":
-        return RingGradients(self.dkv_exchange)
+    def gradients(self, k: torch.Tensor, dtype: torch.dtype) -> "RingGradients":
+        return RingGradients(self.dkv_exchange, (2,) + tuple(k.shape), dtype, k.device)
 
 
 class RingGradients:
-    """dK/dV of the shard held at each step: add this member's part, pass the sum on; the last send
-    of every member lands each accumulator at its owner."""
+    """dK/dV of the shard held at each step: this member's part goes into a fresh buffer while the
+    previous member's sum is in flight, then the two are added and passed on; the last send of every
+    member lands each accumulator at its owner."""
 
-    def __init__(self, exchange: RingExchange):
-        self.exchange = exchange
+    def __init__(self, exchange: RingExchange, shape: tuple, dtype: torch.dtype, device: torch.device):
+        self.exchange, self.shape, self.dtype, self.device = exchange, shape, dtype, device
         self.pending: Optional[PendingExchange] = None
         self.step = -1
 
-    def add(self, step: int, dkv: torch.Tensor) -> None:
+    def buffer(self, step: int) -> torch.Tensor:
+        return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+
+    def done(self, step: int, dkv: torch.Tensor) -> None:
         if self.pending is not None:
             t0 = timeline.now()
             received = self.pending.wait()
@@ -52,36 +60,43 @@ class RingGradients:
             dkv = received.add_(dkv)
         self.pending, self.step = self.exchange.start(dkv, step), step
 
-    def result(self) -> torch.Tensor:
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         t0 = timeline.now()
         received = self.pending.wait()
         timeline.record("dkv_wait", self.step + 1, t0)
-        return received
+        return received[0], received[1]
 
 
 class LocalRotation:
+    """Member ``member`` of a ring of ``ring_size`` whose K/V rows (every member's shard, in member
+    order) are all on this device."""
+
     def __init__(self, member: int, ring_size: int):
         self.member, self.ring_size = member, ring_size
 
-    def _rows(self, kv: torch.Tensor, step: int) -> slice:
-        n = kv.shape[3] // self.ring_size
+    def rows(self, total: int, step: int) -> slice:
+        n = total // self.ring_size
         src = (self.member - step) % self.ring_size
         return slice(src * n, (src + 1) * n)
 
-    def blocks(self, kv: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+    def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         for step in range(self.ring_size):
-            yield step, kv[:, :, :, self._rows(kv, step)]
+            rows = self.rows(k.shape[2], step)
+            yield step, k[:, :, rows], v[:, :, rows]
 
-    def gradients(self, kv: torch.Tensor, dtype: torch.dtype) -> "LocalGradients":
-        return LocalGradients(self, kv.new_zeros(kv.shape, dtype=dtype))
+    def gradients(self, k: torch.Tensor, dtype: torch.dtype) -> "LocalGradients":
+        return LocalGradients(self, k.new_zeros((2,) + tuple(k.shape), dtype=dtype))
 
 
 class LocalGradients:
-    def __init__(self, rotation: LocalRotation, buffer: torch.Tensor):
-        self.rotation, self.buffer = rotation, buffer
+    def __init__(self, rotation: LocalRotation, dkv: torch.Tensor):
+        self.rotation, self.dkv = rotation, dkv
 
-    def add(self, step: int, dkv: torch.Tensor) -> None:
-        self.buffer[:, :, :, self.rotation._rows(self.buffer, step)] += dkv
+    def buffer(self, step: int) -> torch.Tensor:
+        return self.dkv[:, :, :, self.rotation.rows(self.dkv.shape[3], step)]
 
-    def result(self) -> torch.Tensor:
-        return self.buffer
+    def done(self, step: int, dkv: torch.Tensor) -> None:
+        """Nothing to do: ``buffer`` handed out a view of the shard's own accumulator."""
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.dkv[0], self.dkv[1]

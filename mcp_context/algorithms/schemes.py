@@ -16,12 +16,18 @@ schedule code. The ring spans all outer levels flattened (member ``m`` = groups 
 it is driven with point-to-point sends to global ranks inside the CP group, so no extra process
 group is needed for any depth. Autograd: the all-to-alls and the all-gather are autograd-aware
 primitives and the ring is one ``autograd.Function``, so their composition is differentiable.
+
+``resolve_scheme`` works out once, for one shard shape, everything a call needs (this member's
+schedule row, ring peers, all-to-all pieces, the plan); ``Scheme.run`` is the per-call part.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import Optional
 
 import torch
+from torch.distributed import ProcessGroup
 
 from ..comm import HCPGroups, RingExchange, gather_seq, heads_to_seq, seq_to_heads
 from ..kernels import Kernel
@@ -45,7 +51,7 @@ def _schedule(layout: str, cp_size: int, seq_len: int, causal: bool, inner: int)
 
 
 @lru_cache(maxsize=256)
-def _member_pieces(layout: str, cp_size: int, seq_len: int, inner: int, member: int) -> tuple:
+def _member_pieces(layout: str, cp_size: int, seq_len: int, inner: int, member: int) -> Optional[tuple]:
     """``(start, count)`` row pieces of the all-to-all output, in the order that sorts them by
     position, and the inverse order; ``None`` when the output is already in position order."""
     ranks = [layout_spans(layout, cp_size, r, seq_len) for r in range(member * inner, (member + 1) * inner)]
@@ -64,44 +70,66 @@ def _take(x: torch.Tensor, pieces) -> torch.Tensor:
     return torch.cat([x[start:start + count] for start, count in pieces])
 
 
-def context_parallel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: HCPGroups, comm: str,
-                             layout: str, causal: bool, kernel: Kernel, scale: float, return_lse: bool,
-                             dropout_p: float = 0.0, dropout_seed: int = 0):
-    """Run scheme ``comm`` on validated local shards; returns ``out`` (and ``lse [s, b, h]``).
+@dataclass(frozen=True)
+class Scheme:
+    """One CP rank's resolved execution of ``comm`` for shards of one shape."""
 
-    Dropout masks are drawn per (seed, CP rank, ring step, task): deterministic for a given seed and
-    layout, different on every rank and step."""
+    cp_rank: int
+    inner: int                              # all-to-all degree (1: no all-to-all)
+    a2a_group: Optional[ProcessGroup]
+    kv_repeat: int                          # KV heads copied this often before the all-to-all
+    pieces: Optional[tuple]                 # all-to-all output rows -> position order, and back
+    gather_group: Optional[ProcessGroup]    # all_gather: K/V gathered over this group first
+    plan: RingPlan
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool, dropout_seed: int = 0):
+        """Attention over validated local shards ``[s, b, h(_kv), d]``; ``out`` (and ``lse [s, b, h]``).
+
+        Dropout masks are drawn per (seed, CP rank, ring step, task): deterministic for a given seed
+        and layout, different on every rank and step."""
+        plan = self.plan if self.plan.dropout_p == 0 else self.plan.with_dropout_seed(hash((dropout_seed,
+                                                                                             self.cp_rank)))
+        if self.inner > 1:
+            if self.kv_repeat > 1:  # fewer KV heads than ranks: each rank needs its own copy of its head
+                k, v = (x.repeat_interleave(self.kv_repeat, dim=2) for x in (k, v))
+            q, k, v = (seq_to_heads(x, self.a2a_group) for x in (q, k, v))
+            if self.pieces is not None:
+                q, k, v = (_take(x, self.pieces[0]) for x in (q, k, v))
+        if self.gather_group is not None:
+            k, v = gather_seq(k, self.gather_group), gather_seq(v, self.gather_group)
+        out, lse = RingAttention.apply(q, k, v, plan)
+        lse = lse.permute(2, 0, 1)  # [s, b, h]
+        if self.inner > 1:
+            if self.pieces is not None:
+                out, lse = _take(out, self.pieces[1]), _take(lse, self.pieces[1])
+            out = heads_to_seq(out, self.a2a_group)
+            if return_lse:
+                lse = heads_to_seq(lse.unsqueeze(-1).contiguous(), self.a2a_group).squeeze(-1)
+        return (out, lse) if return_lse else out
+
+
+def resolve_scheme(groups: HCPGroups, comm: str, layout: str, causal: bool, s_local: int, kv_heads: int,
+                   kernel: Kernel, scale: float, dropout_p: float = 0.0) -> Scheme:
+    """Everything this CP rank needs to run ``comm`` on ``[s_local, b, h, d]`` shards, worked out once."""
     cp_size, cp_rank = groups.cp_size, groups.cp_rank
-    seq_len = q.shape[0] * cp_size
+    seq_len = s_local * cp_size
     inner = a2a_degree(comm, groups)
     member, ring_size = cp_rank // inner, cp_size // inner
-    schedule = _schedule(layout, cp_size, seq_len, causal, inner)
-    pieces = None
+    tasks = _schedule(layout, cp_size, seq_len, causal, inner).tasks[member]
+    a2a_group = pieces = gather_group = None
     if inner > 1:
         a2a_group = groups.cp_group if comm == "a2a" else groups.levels[0]
-        if k.shape[2] < inner:  # fewer KV heads than ranks: each rank needs its own copy of its head
-            k, v = (x.repeat_interleave(inner // k.shape[2], dim=2) for x in (k, v))
-        q, k, v = (seq_to_heads(x, a2a_group) for x in (q, k, v))
         pieces = _member_pieces(layout, cp_size, seq_len, inner, member)
-        if pieces is not None:
-            q, k, v = (_take(x, pieces[0]) for x in (q, k, v))
     if ring_size == 1:
         rotation = LocalRotation(0, 1)
     elif comm == "all_gather":
-        k, v = gather_seq(k, groups.cp_group), gather_seq(v, groups.cp_group)
+        gather_group = groups.cp_group
         rotation = LocalRotation(member, ring_size)
     else:
         cp_ranks = groups.cp_global_ranks
         peers = [cp_ranks[cp_rank % inner + inner * m] for m in range(ring_size)]
         rotation = RingRotation(RingExchange(peers, member, groups.cp_group, "ring_kv"),
                                 RingExchange(peers, member, groups.cp_group, "ring_dkv"), ring_size)
-    plan = RingPlan(schedule.tasks[member], rotation, kernel, scale, dropout_p, hash((dropout_seed, cp_rank)))
-    out, lse = RingAttention.apply(q, k, v, plan)
-    lse = lse.permute(2, 0, 1)  # [s, b, h]
-    if inner > 1:
-        if pieces is not None:
-            out, lse = _take(out, pieces[1]), _take(lse, pieces[1])
-        out = heads_to_seq(out, a2a_group)
-        if return_lse:
-            lse = heads_to_seq(lse.unsqueeze(-1).contiguous(), a2a_group).squeeze(-1)
-    return (out, lse) if return_lse else out
+    plan = RingPlan.build(tasks, rotation, kernel, scale, s_local * inner, dropout_p)
+    kv_repeat = inner // kv_heads if kv_heads < inner else 1
+    return Scheme(cp_rank, inner, a2a_group, kv_repeat, pieces, gather_group, plan)

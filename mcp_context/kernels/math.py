@@ -6,11 +6,11 @@ probabilities from the final ``lse`` instead of saving them: memory stays O(bloc
 """
 from __future__ import annotations
 
-import torch
-
 from typing import Optional
 
-from . import Dropout, accum_dtype, finite_lse_for_backward
+import torch
+
+from .base import FLOAT_DTYPES, Capabilities, Dropout, accum_dtype, finite_lse_for_backward
 
 
 def _grouped(q: torch.Tensor, h_kv: int) -> torch.Tensor:
@@ -31,6 +31,8 @@ def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, dtype:
 
 class MathKernel:
     name = "math"
+    capabilities = Capabilities(devices=frozenset({"cpu", "cuda", "meta"}), dtypes=frozenset(FLOAT_DTYPES),
+                                native_gqa=True, dropout=True)
 
     def forward(self, q, k, v, causal, scale, dropout: Optional[Dropout] = None):
         dtype = accum_dtype(q.dtype)
@@ -47,7 +49,7 @@ class MathKernel:
         dtype = accum_dtype(q.dtype)
         h_kv = k.shape[1]
         s = _scores(q, k, causal, scale, dtype)
-        lse_g = finite_lse_for_backward(_grouped(lse.unsqueeze(-1), h_kv).to(dtype))
+        lse_g = _grouped(lse.unsqueeze(-1), h_kv).to(dtype)
         p = torch.exp(s - lse_g)
         do = _grouped(dout, h_kv).to(dtype)
         delta = (do * _grouped(out, h_kv).to(dtype)).sum(-1, keepdim=True)

@@ -1,10 +1,20 @@
 """Fused block attention through PyTorch's SDPA aten ops that return a real log-sum-exp.
 
-CPU: ``_scaled_dot_product_flash_attention_for_cpu`` (GQA native). CUDA: flash, cuDNN and
-memory-efficient ops, tried in that order (they need equal head counts, so KV heads are repeated
-*locally*, after communication, and their gradients summed back). Which op serves a (device, dtype)
-is decided by a probe that runs forward and backward on a tiny GQA causal block and compares with
-the math kernel; an op that is missing, raises, or disagrees is not used.
+One ``FusedOp`` per aten op pair, each called exactly as its schema asks (checked against torch 2.11
+on an H100 and torch 2.13 on CPU; ``tests/test_kernels.py`` runs every CUDA call on ``meta`` tensors
+so a wrong argument list fails on any machine):
+
+- ``cpu_flash``: ``_scaled_dot_product_flash_attention_for_cpu`` (fp64/fp32/bf16/fp16, GQA native).
+- ``cudnn``: ``_scaled_dot_product_cudnn_attention`` (bf16/fp16, GQA native; lse ``[b, h, s, 1]``;
+  backward with ``attn_bias=None``, ``cum_seq=None`` and int64 scalar philox tensors).
+- ``flash``: ``_scaled_dot_product_flash_attention`` (bf16/fp16, GQA native; backward with
+  ``cum_seq=None`` — empty tensors would make it a varlen call — and uint64 philox tensors).
+- ``efficient``: ``_scaled_dot_product_efficient_attention`` (needs equal head counts: K/V heads are
+  repeated locally, after communication, and their gradients summed back in fp32).
+
+Every op reads ``[b, h, s, d]`` views of the executor's ``[s, b, h, d]`` storage (a permute, no
+copy); only a last dimension that is not contiguous is copied (the CPU op silently misreads it).
+Whether an op serves a device and dtype is the registry's probe's call, never a version string.
 """
 from __future__ import annotations
 
@@ -13,9 +23,15 @@ from typing import Callable, Optional
 
 import torch
 
-from .math import MathKernel
+from .base import Capabilities, Dropout, accum_dtype
 
 aten = torch.ops.aten
+_HALF = frozenset({torch.bfloat16, torch.float16})
+
+
+def _dense_last(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with a unit stride in the last dimension (what every fused op assumes)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _repeat_kv(x: torch.Tensor, h: int) -> torch.Tensor:
@@ -23,12 +39,16 @@ def _repeat_kv(x: torch.Tensor, h: int) -> torch.Tensor:
 
 
 def _sum_kv_groups(dx: torch.Tensor, h_kv: int) -> torch.Tensor:
+    """Sum the gradients of the query heads that share a KV head, in fp32 (fp64 for fp64)."""
     b, h, s, d = dx.shape
-    return dx if h == h_kv else dx.reshape(b, h_kv, h // h_kv, s, d).sum(2)
+    if h == h_kv:
+        return dx
+    acc = torch.float64 if dx.dtype == torch.float64 else torch.float32
+    return dx.reshape(b, h_kv, h // h_kv, s, d).sum(2, dtype=acc)
 
 
 def _cpu_forward(q, k, v, causal, scale):
-    return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)[:2]
 
 
 def _cpu_backward(dout, q, k, v, out, lse, causal, scale):
@@ -36,106 +56,93 @@ def _cpu_backward(dout, q, k, v, out, lse, causal, scale):
                                                                      scale=scale)
 
 
-def _no_rng(device: torch.device) -> torch.Tensor:
-    return torch.zeros(2, dtype=torch.int64, device=device)
-
-
 def _flash_forward(q, k, v, causal, scale):
-    out, lse, *_ = aten._scaled_dot_product_flash_attention(q, _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1]),
-                                                            0.0, causal, False, scale=scale)
+    out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
     return out, lse
 
 
 def _flash_backward(dout, q, k, v, out, lse, causal, scale):
-    h, sq, sk = q.shape[1], q.shape[2], k.shape[2]
-    none = torch.empty(0, dtype=torch.int32, device=q.device)
-    dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-        dout, q, _repeat_kv(k, h), _repeat_kv(v, h), out, lse, none, none, sq, sk, 0.0, causal,
-        _no_rng(q.device), _no_rng(q.device), scale=scale)
-    return dq, _sum_kv_groups(dk, k.shape[1]), _sum_kv_groups(dv, k.shape[1])
+    seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    offset = torch.zeros((), dtype=torch.uint64, device=q.device)
+    return aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal, seed, offset,
+        scale=scale)
 
 
 def _cudnn_forward(q, k, v, causal, scale):
-    out, lse, *_ = aten._scaled_dot_product_cudnn_attention(q, _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1]),
-                                                            None, True, 0.0, causal, False, scale=scale)
+    out, lse, *_ = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
     return out, lse.reshape(q.shape[:3])
 
 
 def _cudnn_backward(dout, q, k, v, out, lse, causal, scale):
-    h, sq, sk = q.shape[1], q.shape[2], k.shape[2]
-    none = torch.empty(0, dtype=torch.int32, device=q.device)
-    dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
-        dout, q, _repeat_kv(k, h), _repeat_kv(v, h), out, lse.unsqueeze(-1).contiguous(), _no_rng(q.device),
-        _no_rng(q.device), torch.empty(0, device=q.device), none, none, sq, sk, 0.0, causal, scale=scale)
-    return dq, _sum_kv_groups(dk, k.shape[1]), _sum_kv_groups(dv, k.shape[1])
+    seed = torch.zeros((), dtype=torch.int64, device=q.device)
+    offset = torch.zeros((), dtype=torch.int64, device=q.device)
+    return aten._scaled_dot_product_cudnn_attention_backward(
+        dout, q, k, v, out, lse.unsqueeze(-1).contiguous(), seed, offset, None, None, None, q.shape[2], k.shape[2],
+        0.0, causal, scale=scale)
 
 
 def _efficient_forward(q, k, v, causal, scale):
-    out, lse, *_ = aten._scaled_dot_product_efficient_attention(
-        q, _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1]), None, True, 0.0, causal, scale=scale)
-    return out, lse[..., : q.shape[2]]  # the op pads its LSE to a multiple of 32 rows
+    out, lse, *_ = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+    return out, lse[..., : q.shape[2]]  # some builds pad the LSE to a multiple of 32 rows
 
 
 def _efficient_backward(dout, q, k, v, out, lse, causal, scale):
-    h, sq = q.shape[1], q.shape[2]
-    padded = torch.nn.functional.pad(lse, (0, -sq % 32))
+    seed = torch.zeros((), dtype=torch.int64, device=q.device)
+    offset = torch.zeros((), dtype=torch.int64, device=q.device)
     dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, _repeat_kv(k, h), _repeat_kv(v, h), torch.empty(0, device=q.device), out, padded,
-        _no_rng(q.device), _no_rng(q.device), 0.0, [True, True, True, False], causal, scale=scale)
-    return dq, _sum_kv_groups(dk, k.shape[1]), _sum_kv_groups(dv, k.shape[1])
+        dout, q, k, v, None, out, lse.contiguous(), seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
+    return dq, dk, dv
 
 
-_OPS: dict[str, list[tuple[str, Callable, Callable]]] = {
-    "cpu": [("cpu_flash", _cpu_forward, _cpu_backward)],
-    "cuda": [("flash", _flash_forward, _flash_backward), ("cudnn", _cudnn_forward, _cudnn_backward),
-             ("efficient", _efficient_forward, _efficient_backward)],
-}
-_PROBED: dict[tuple[str, torch.dtype], Optional["TorchKernel"]] = {}
-
-
-@dataclass
-class TorchKernel:
-    """One fused aten op pair; ``name`` says which (``torch:cpu_flash``, ``torch:flash``, ...)."""
+@dataclass(frozen=True)
+class FusedOp:
+    """One aten forward/backward pair and what it declares it supports."""
 
     name: str
-    _forward: Callable
-    _backward: Callable
+    capabilities: Capabilities
+    forward: Callable
+    backward: Callable
 
-    def forward(self, q, k, v, causal, scale, dropout=None):
-        assert dropout is None, "get_kernel never gives a fused kernel for dropout"
-        return self._forward(q, k, v, causal, scale)
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale, dropout=None):
-        from . import finite_lse_for_backward
+FUSED_OPS: dict[str, FusedOp] = {op.name: op for op in (
+    FusedOp("cpu_flash", Capabilities(frozenset({"cpu"}), _HALF | {torch.float64, torch.float32}, native_gqa=True),
+            _cpu_forward, _cpu_backward),
+    FusedOp("cudnn", Capabilities(frozenset({"cuda"}), _HALF, native_gqa=True), _cudnn_forward, _cudnn_backward),
+    FusedOp("flash", Capabilities(frozenset({"cuda"}), _HALF, native_gqa=True), _flash_forward, _flash_backward),
+    FusedOp("efficient", Capabilities(frozenset({"cuda"}), _HALF | {torch.float32}, native_gqa=False),
+            _efficient_forward, _efficient_backward),
+)}
 
-        lse = finite_lse_for_backward(lse).to(torch.float64 if q.dtype == torch.float64 else torch.float32)
-        return self._backward(dout.to(q.dtype), q, k, v, out.to(q.dtype), lse, causal, scale)
 
-    @staticmethod
-    def probe(device: torch.device, dtype: torch.dtype) -> Optional["TorchKernel"]:
-        """The first fused op that runs and agrees with the math kernel here, or None."""
-        key = (device.type, dtype)
-        if key not in _PROBED:
-            _PROBED[key] = next((kern for name, fwd, bwd in _OPS.get(device.type, [])
-                                 if _agrees(kern := TorchKernel(f"torch:{name}", fwd, bwd), device, dtype)), None)
-        return _PROBED[key]
+class TorchKernel:
+    """A ``FusedOp`` as a block kernel; ``name`` says which (``torch:cpu_flash``, ``torch:cudnn``, ...)."""
+
+    def __init__(self, op: FusedOp):
+        self.op, self.name, self.capabilities = op, f"torch:{op.name}", op.capabilities
+
+    def __repr__(self) -> str:
+        return f"TorchKernel({self.name})"
+
+    def forward(self, q, k, v, causal, scale, dropout: Optional[Dropout] = None):
+        if dropout is not None:
+            raise ValueError(f"{self.name} cannot replay a per-block dropout mask; use the math kernel")
+        h = q.shape[1]
+        if not self.capabilities.native_gqa:
+            k, v = _repeat_kv(k, h), _repeat_kv(v, h)
+        return self.op.forward(_dense_last(q), _dense_last(k), _dense_last(v), causal, scale)
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale, dropout: Optional[Dropout] = None):
+        if dropout is not None:
+            raise ValueError(f"{self.name} cannot replay a per-block dropout mask; use the math kernel")
+        h, h_kv = q.shape[1], k.shape[1]
+        if not self.capabilities.native_gqa:
+            k, v = _repeat_kv(k, h), _repeat_kv(v, h)
+        dq, dk, dv = self.op.backward(_dense_last(dout.to(q.dtype)), _dense_last(q), _dense_last(k), _dense_last(v),
+                                      _dense_last(out.to(q.dtype)), lse.to(accum_dtype(q.dtype)), causal, scale)
+        return dq, _sum_kv_groups(dk, h_kv), _sum_kv_groups(dv, h_kv)
 
 
 def cpu_flash_kernel() -> TorchKernel:
     """The CPU fused op as a kernel, without probing (the planner's dry run uses it on meta tensors)."""
-    return TorchKernel("torch:cpu_flash", _cpu_forward, _cpu_backward)
-
-
-def _agrees(kernel: TorchKernel, device: torch.device, dtype: torch.dtype) -> bool:
-    gen = torch.Generator().manual_seed(0)
-    q, k, v, dout = (torch.randn(1, h, 40, 16, generator=gen).to(device, dtype) for h in (4, 2, 2, 4))
-    tol = 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
-    try:
-        got = kernel.forward(q, k, v, True, 0.25)
-        ref = MathKernel().forward(q, k, v, True, 0.25)
-        grads = kernel.backward(dout, q, k, v, *ref, True, 0.25)
-        ref_grads = MathKernel().backward(dout, q, k, v, *ref, True, 0.25)
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-    pairs = list(zip(got, ref)) + list(zip(grads, ref_grads))
-    return all(a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=tol, rtol=tol) for a, b in pairs)
+    return TorchKernel(FUSED_OPS["cpu_flash"])

@@ -4,7 +4,8 @@ Same constructor and forward as megatron-core's ``DotProductAttention``, so a la
 with no other change. It reads ``context_parallel_size``, ``hierarchical_context_parallel_sizes`` and
 ``cp_comm_type`` from the ``TransformerConfig``, the groups from ``pg_collection`` (newer cores) or
 ``model_comm_pgs`` (older cores) or ``parallel_state``, and runs ``context_parallel_attention`` on the
-zigzag layout that megatron-core's batch and RoPE slicing use. Sliding windows (``window_size``) are
+zigzag layout that megatron-core's batch and RoPE slicing use, through one engine per mask and
+train/eval mode that resolves schedule, peers and kernel on the first call and is reused after. Sliding windows (``window_size``) are
 refused at build time rather than silently ignored.
 
 With ``attn_mask_type=causal`` the ``attention_mask`` argument is ignored, as in
@@ -21,7 +22,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 
-from ..api import context_parallel_attention, normalize_comm
+from ..engine import ContextParallelAttention, normalize_comm
 from ..comm import HCPGroups
 from .config import HCPConfigError, normalize_cp_comm_type, validate_cp_config
 
@@ -67,6 +68,7 @@ class HCPDotProductAttention(MegatronModule):
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.pg_collection = pg_collection if pg_collection is not None else model_comm_pgs
         self.groups = _hcp_groups(self.pg_collection)
+        self._engines: dict[tuple[bool, bool], ContextParallelAttention] = {}  # per (causal, dropout)
         if self.groups.cp_size != config.context_parallel_size:
             raise HCPConfigError(f"TransformerConfig.context_parallel_size={config.context_parallel_size}, but the "
                                  f"context-parallel process group has {self.groups.cp_size} ranks; initialise "
@@ -89,12 +91,20 @@ class HCPDotProductAttention(MegatronModule):
         else:
             raise NotImplementedError(f"attn_mask_type={mask_type.name} with an explicit attention_mask is not "
                                       f"supported by HCPDotProductAttention; use causal or no_mask")
-        out = context_parallel_attention(
-            query, key, value, self.groups, causal=causal, layout=LAYOUT, comm=self.cp_comm_type,
-            softmax_scale=self.softmax_scale, dropout_p=self.dropout_p if self.training else 0.0,
-            dropout_seed=self._dropout_seed(query.device) if self.training and self.dropout_p > 0 else None)
+        dropout = self.training and self.dropout_p > 0
+        out = self._engine(causal, dropout)(query, key, value,
+                                            dropout_seed=self._dropout_seed(query.device) if dropout else None)
         s, b, h, d = out.shape
         return out.reshape(s, b, h * d)
+
+    def _engine(self, causal: bool, dropout: bool) -> ContextParallelAttention:
+        """The engine for this mask and train/eval mode, built on first use and kept for the layer's life."""
+        key = (causal, dropout)
+        if key not in self._engines:
+            self._engines[key] = ContextParallelAttention(
+                self.groups, causal=causal, layout=LAYOUT, comm=self.cp_comm_type, softmax_scale=self.softmax_scale,
+                dropout_p=self.dropout_p if dropout else 0.0)
+        return self._engines[key]
 
     @staticmethod
     def _dropout_seed(device: torch.device) -> int:

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 
 from ..algorithms import a2a_degree
-from ..api import check_heads
+from ..engine import check_heads
 from ..layouts import LAYOUTS, check_seq_len
 
 

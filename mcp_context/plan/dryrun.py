@@ -1,7 +1,7 @@
 """Bytes and memory of one attention layer, taken from the real engine run on meta tensors.
 
 The planner does not carry its own byte formulas: for a candidate layout it runs the engine's
-``context_parallel_forward`` forward and backward, once per CP rank, on ``meta`` tensors (shapes and
+scheme (``resolve_scheme(...).run``) forward and backward, once per CP rank, on ``meta`` tensors (shapes and
 dtypes, no data) under torch's in-process *fake* process group of the CP size (every collective and
 point-to-point op returns at once). The comm layer counts what it sends exactly as in a real run
 (``comm_stats``), ``StorageBytes`` follows every storage the engine allocates (peak and what stays
@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..algorithms import context_parallel_forward
+from ..algorithms import resolve_scheme
 from ..comm import build_hcp_groups, comm_stats
 from ..kernels.torch_sdpa import cpu_flash_kernel
 
@@ -187,8 +187,9 @@ def dry_run_rank(comm: str, sizes: Sequence[int], layout: str, causal: bool, sha
             with tracker:
                 q, k, v = (torch.empty(s_local, shape.batch, h, shape.head_dim, device="meta", dtype=shape.dtype,
                                        requires_grad=True) for h in (shape.heads, shape.kv_heads, shape.kv_heads))
-                out = context_parallel_forward(q, k, v, groups, comm, layout, causal, cpu_flash_kernel(),
-                                               shape.head_dim ** -0.5, False)
+                scheme = resolve_scheme(groups, comm, layout, causal, s_local, shape.kv_heads, cpu_flash_kernel(),
+                                        shape.head_dim ** -0.5)
+                out = scheme.run(q, k, v, False)
                 saved = tracker.current
                 forward, calls_forward = dict(comm_stats.bytes_sent), dict(calls)
                 out.backward(torch.empty_like(out))

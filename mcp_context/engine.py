@@ -1,0 +1,180 @@
+"""``ContextParallelAttention``: one engine per attention configuration, resolved once, called per step.
+
+The engine validates its configuration when built (comm, layout, groups, mask, scale, dropout,
+backend) and, the first time it sees a shard shape, resolves everything a call needs — the kernel
+(probed for that device, dtype and head dim), this member's schedule row, ring peers and all-to-all
+pieces — so a training step only runs it. The Megatron core attention holds one per layer;
+``context_parallel_attention`` is the functional form.
+
+Before anything collective, every call checks that all CP ranks agree on the shapes, dtypes and
+configuration (one all-gather of a few integers): ranks that disagree all raise the same error
+instead of aborting inside the communication library or returning a result on one rank. It is on
+by default for gloo groups, where it costs under 1 % of a layer (see ``docs/design.md``); on NCCL it
+would add a host synchronisation per layer, so it runs there only with ``check_ranks=True`` or
+``MCP_CONTEXT_CHECK_RANKS=1``.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from .algorithms import COMM_ALIASES, COMM_TYPES, Scheme, a2a_degree, resolve_scheme
+from .comm import HCPGroups
+from .kernels import BACKENDS, get_kernel
+from .layouts import LAYOUTS, check_layout, check_seq_len
+
+_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def normalize_comm(comm: str) -> str:
+    """Canonical ``cp_comm_type`` name (``allgather`` -> ``all_gather``); ValueError for unknown names."""
+    comm = COMM_ALIASES.get(comm, comm)
+    if comm not in COMM_TYPES:
+        raise ValueError(f"comm={comm!r} is not a known cp_comm_type; choose one of "
+                         f"{', '.join(COMM_TYPES)} (alias: allgather)")
+    return comm
+
+
+def check_heads(h: int, h_kv: int, degree: int, comm: str) -> None:
+    """Raise a ValueError unless ``h`` query and ``h_kv`` key/value heads split over an all-to-all of ``degree``."""
+    if h % degree:
+        raise ValueError(f"query heads h={h} are not divisible by the all-to-all degree {degree} "
+                         f"(comm={comm!r}); use a degree that divides {h}, or comm='p2p'")
+    if h_kv >= degree and h_kv % degree:
+        raise ValueError(f"key/value heads h_kv={h_kv} are not divisible by the all-to-all degree {degree} "
+                         f"(comm={comm!r}); use a degree that divides {h_kv}")
+    if h_kv < degree and degree % h_kv:
+        raise ValueError(f"key/value heads h_kv={h_kv} cannot be replicated evenly over the all-to-all degree "
+                         f"{degree} (comm={comm!r}); use a degree that is a multiple of {h_kv}")
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor [s_local, b, heads, head_dim], got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(f"{name} must be [s_local, b, heads, head_dim] (sbhd), got shape {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+        if 0 in x.shape:
+            raise ValueError(f"{name} has an empty dimension, shape {tuple(x.shape)}: every CP rank needs at least "
+                             f"one token, one sequence, one head and head_dim >= 1; use fewer CP ranks or a "
+                             f"longer sequence")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if (q.shape[0], q.shape[1], q.shape[3]) != (k.shape[0], k.shape[1], k.shape[3]):
+        raise ValueError(f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree in s_local, batch and "
+                         f"head_dim (dims 0, 1, 3)")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"query heads h={q.shape[2]} are not a multiple of key/value heads h_kv={k.shape[2]}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them first")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+
+
+def _code(values: tuple, x) -> int:
+    return values.index(x) if x in values else len(values)
+
+
+def _tensor_row(x) -> list[int]:
+    """A tensor's rank, shape (4 slots), dtype code and device-type code; -1s for a non-tensor."""
+    if not isinstance(x, torch.Tensor):
+        return [-1] * 7
+    shape = list(x.shape[:4]) + [-1] * (4 - min(x.dim(), 4))
+    return [x.dim(), *shape, _code(_DTYPES, x.dtype), _code(("cpu", "cuda", "meta"), x.device.type)]
+
+
+def _describe(row: list[int]) -> str:
+    parts = []
+    for i, name in enumerate(("q", "k", "v")):
+        ndim, *shape = row[i * 7:i * 7 + 5]
+        dtype = _DTYPES[row[i * 7 + 5]] if row[i * 7 + 5] < len(_DTYPES) else "non-float"
+        parts.append(f"{name} {list(shape[:max(ndim, 0)])} {str(dtype).replace('torch.', '')}")
+    return ", ".join(parts)
+
+
+class ContextParallelAttention:
+    """Exact attention over a sequence sharded across the CP ranks of ``groups``, resolved once.
+
+    ``engine(q, k, v)`` takes this rank's shards ``q [s_local, b, h, d]``, ``k, v [s_local, b, h_kv, d]``
+    under ``layout`` and returns ``[s_local, b, h, d]`` in q's dtype, differentiable in q, k, v. See
+    ``context_parallel_attention`` for the arguments.
+    """
+
+    def __init__(self, groups: Union[HCPGroups, ProcessGroup, None], causal: bool = True, layout: str = "zigzag",
+                 comm: str = "a2a+p2p", softmax_scale: Optional[float] = None, backend: str = "auto",
+                 dropout_p: float = 0.0, check_ranks: Optional[bool] = None):
+        self.comm = normalize_comm(comm)
+        check_layout(layout)
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal={causal!r} must be a bool (True for causal attention, False for full), "
+                            f"not {type(causal).__name__}")
+        if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and not isinstance(
+                softmax_scale, bool) and math.isfinite(softmax_scale) and softmax_scale > 0):
+            raise ValueError(f"softmax_scale={softmax_scale!r} must be a positive finite number (default: "
+                             f"1/sqrt(head_dim)); pass None for the default")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} is not known; choose one of {', '.join(BACKENDS)}")
+        if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
+            raise ValueError(f"dropout_p={dropout_p} must be in [0, 1)")
+        if not isinstance(groups, HCPGroups):
+            groups = HCPGroups.flat(groups)
+        if self.comm == "a2a+p2p" and len(groups.sizes) < 2:
+            raise ValueError(f"comm='a2a+p2p' needs hierarchical groups of at least two levels, got "
+                             f"hierarchical_context_parallel_sizes={list(groups.sizes)}; build them with "
+                             f"build_hcp_groups([inner, outer]) or use comm='a2a' or 'p2p'")
+        self.groups, self.causal, self.layout = groups, causal, layout
+        self.softmax_scale, self.backend, self.dropout_p = softmax_scale, backend, float(dropout_p)
+        if check_ranks is None:
+            check_ranks = (os.environ.get("MCP_CONTEXT_CHECK_RANKS", "") == "1"
+                           or dist.get_backend(groups.cp_group) == "gloo")
+        self.check_ranks = check_ranks and groups.cp_size > 1
+        self._config = (int(causal), LAYOUTS.index(layout), COMM_TYPES.index(self.comm), BACKENDS.index(backend),
+                        int(self.dropout_p > 0))
+        self._schemes: dict[tuple, Scheme] = {}
+
+    def _check_agreement(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """All CP ranks raise the same ValueError when their inputs or configurations differ."""
+        row = _tensor_row(q) + _tensor_row(k) + _tensor_row(v) + list(self._config)
+        mine = torch.tensor(row, dtype=torch.int64)
+        if dist.get_backend(self.groups.cp_group) == "nccl":
+            mine = mine.cuda()
+        rows = mine.new_empty(self.groups.cp_size * len(row))
+        dist.all_gather_into_tensor(rows, mine, group=self.groups.cp_group)
+        rows_list = rows.view(self.groups.cp_size, len(row)).tolist()
+        if any(r != rows_list[0] for r in rows_list):
+            differ = [f"CP rank {i}: {_describe(r)}" + (" (configuration differs)" if r[21:] != rows_list[0][21:]
+                                                         else "") for i, r in enumerate(rows_list)]
+            raise ValueError("CP ranks disagree on the attention inputs (" + "; ".join(differ) + "); every CP rank "
+                             "must pass shards of one shape and dtype, with the same causal/layout/comm/backend")
+
+    def scheme(self, q: torch.Tensor, k: torch.Tensor) -> Scheme:
+        """The resolved scheme for shards shaped like ``q`` and ``k`` (built on first use)."""
+        key = (q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.dtype, q.device)
+        scheme = self._schemes.get(key)
+        if scheme is None:
+            cp_size = self.groups.cp_size
+            check_seq_len(q.shape[0] * cp_size, cp_size, self.layout)
+            check_heads(q.shape[2], k.shape[2], a2a_degree(self.comm, self.groups), self.comm)
+            kernel = get_kernel(self.backend, q.device, q.dtype, dropout=self.dropout_p > 0, head_dim=q.shape[3])
+            scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
+            scheme = resolve_scheme(self.groups, self.comm, self.layout, self.causal, q.shape[0], k.shape[2], kernel,
+                                    scale, self.dropout_p)
+            self._schemes[key] = scheme
+        return scheme
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool = False,
+                 dropout_seed: Optional[int] = None):
+        if self.check_ranks:
+            self._check_agreement(q, k, v)
+        _check_qkv(q, k, v)
+        scheme = self.scheme(q, k)
+        if self.dropout_p > 0 and dropout_seed is None:
+            dropout_seed = int(torch.randint(0, 2**62, (1,)).item())
+        return scheme.run(q, k, v, return_lse, dropout_seed or 0)

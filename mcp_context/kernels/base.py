@@ -1,0 +1,90 @@
+"""What every block-attention backend is and declares: the ``Kernel`` protocol and ``Capabilities``.
+
+A kernel computes one block on one device, ``(q, k, v, causal) -> (out, lse)`` on ``[b, h, s, d]``
+tensors (``h`` query heads, ``h_kv`` key/value heads with ``h % h_kv == 0``), and the block's
+gradients from the *final* merged ``(out, lse)`` of the whole attention, as flash-attention does, so
+nothing O(s^2) is kept. The schedule only ever asks for two block masks: ``full`` (every key
+visible) and ``causal`` on a square block (query ``i`` sees keys ``0..i``, where top-left and
+bottom-right alignment agree).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import torch
+
+BLOCK_MASKS = ("full", "causal")
+FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend supports; the registry filters on it before probing.
+
+    ``native_gqa``: takes fewer key/value heads than query heads without repeating them (its dK/dV
+    come back with ``h_kv`` heads). ``masks``: the block masks it computes itself. ``dropout``: it
+    can replay a seeded dropout mask per block (the fused ops draw their own masks, so they cannot).
+    """
+
+    devices: frozenset[str]
+    dtypes: frozenset[torch.dtype]
+    native_gqa: bool
+    masks: frozenset[str] = frozenset(BLOCK_MASKS)
+    dropout: bool = False
+
+    def refusal(self, device: torch.device, dtype: torch.dtype, dropout: bool) -> Optional[str]:
+        """Why this backend cannot serve ``(device, dtype, dropout)``, or None if it may."""
+        if device.type not in self.devices:
+            return f"runs on {'/'.join(sorted(self.devices))} only, not {device.type}"
+        if dtype not in self.dtypes:
+            names = ", ".join(str(d).replace("torch.", "") for d in FLOAT_DTYPES if d in self.dtypes)
+            return f"supports {names} only, not {str(dtype).replace('torch.', '')}"
+        if dropout and not self.dropout:
+            return "cannot replay a per-block dropout mask (use dropout 0 or the math kernel)"
+        return None
+
+
+@dataclass(frozen=True)
+class Dropout:
+    """Attention dropout for one block: probability ``p``; the keep-mask is drawn from ``seed``, so the
+    backward (and activation recomputation) regenerates exactly the forward's mask."""
+
+    p: float
+    seed: int
+
+    def keep_scaled(self, shape: torch.Size, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """``mask / (1 - p)`` with ``mask ~ Bernoulli(1 - p)`` of ``shape``."""
+        gen = torch.Generator(device=device).manual_seed(self.seed)
+        keep = torch.rand(shape, generator=gen, device=device) >= self.p
+        return keep.to(dtype) / (1.0 - self.p)
+
+
+class Kernel(Protocol):
+    """What the ring executor needs from a block-attention backend."""
+
+    name: str
+    capabilities: Capabilities
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                dropout: Optional[Dropout] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``out [b, h, sq, d]`` and ``lse [b, h, sq]`` (fp32, or fp64 for fp64 input).
+
+        With dropout, ``out`` uses the dropped probabilities and ``lse`` the undropped scores, so
+        blocks merge exactly as without dropout."""
+
+    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
+                 dropout: Optional[Dropout] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Return ``dq, dk, dv`` for this block given the final merged ``out`` (q's dtype) and
+        ``lse`` (the accumulator dtype, ``-inf`` already replaced by ``finite_lse_for_backward``)."""
+
+
+def accum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype partial results are merged and accumulated in: fp32, or fp64 for fp64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def finite_lse_for_backward(lse: torch.Tensor) -> torch.Tensor:
+    """Turn ``-inf`` (fully masked rows) into ``+inf`` so ``exp(score - lse)`` is 0, never NaN."""
+    return lse.masked_fill(lse == float("-inf"), float("inf"))
