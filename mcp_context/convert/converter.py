@@ -16,7 +16,8 @@ from typing import Any, Optional
 
 import torch
 
-from mcp_context.convert.hf_io import DEFAULT_MAX_SHARD_BYTES, HFCheckpointReader, HFCheckpointWriter, MissingTensorError
+from mcp_context.convert.hf_io import (DEFAULT_MAX_SHARD_BYTES, HFCheckpointReader, HFCheckpointWriter, MissingTensorError,
+                                        read_json_object)
 from mcp_context.convert.mapping import (EXTRA_STATE_MODULES, LAYER_KEY_PREFIX, TensorMap, hf_tensors, layer_indices,
                                          tensor_maps)
 from mcp_context.convert.mcore_io import EXTRA_DIR, McoreCheckpointReader, TensorChunk, save_chunks
@@ -126,11 +127,15 @@ def hf_to_mcore(hf_dir: str | os.PathLike, mcore_dir: str | os.PathLike,
 def _architecture_of(reader: McoreCheckpointReader, hf_config: Optional[dict]) -> LlamaArchitecture:
     if hf_config is not None:
         return architecture_from_hf_config(hf_config)
-    record = reader.extra_file(ARCH_RECORD)
-    if record is None:
+    record = reader.dir / ARCH_RECORD
+    if not record.is_file():
         raise FileNotFoundError(f"{reader.dir} has no {ARCH_RECORD} (it was not written by this converter); "
                                 f"pass the Hugging Face config.json of the model (--hf-config)")
-    return LlamaArchitecture.from_dict(json.loads(record))
+    data = read_json_object(record, "the architecture record hf-to-mcore wrote")
+    try:
+        return LlamaArchitecture.from_dict(data)
+    except ValueError as exc:
+        raise ValueError(f"{record}: {exc}") from None
 
 
 def check_mcore_tensors(reader: McoreCheckpointReader, arch: LlamaArchitecture) -> None:

@@ -1,21 +1,26 @@
 """Streaming reader and writer of Hugging Face safetensors checkpoints (single file or sharded + index).
 
-Owns the safetensors byte format: a little-endian u64 header length, a JSON header
-(``{name: {dtype, shape, data_offsets}}``), then raw tensor bytes. Tensors are read one at a time
-with plain ``seek`` + ``readinto`` (no pickle, no mmap that would keep pages of the whole file
-resident) and written straight to their planned offsets, so memory stays near one tensor.
+Reading goes through the ``safetensors`` library (the format's maintained reference), which checks a
+file completely before anything is read: header size, JSON, dtype names, every tensor's byte range
+against its shape and dtype, and that the ranges tile the data exactly (no negative, overlapping or
+out-of-file offsets, no gaps, no trailing bytes). A tensor is read by opening its file, taking the
+tensor (a view of the file's pages, loaded on first touch) and closing it, so the pages of one
+tensor at most are resident. Writing is ours: the shards are planned and their headers written up
+front, then each tensor's bytes go straight to their offset, so memory stays near one tensor.
 Everything is written under a temporary directory that is renamed into place at the end.
 It knows nothing about Llama names (``mapping``) or configs (``model_config``).
 """
+
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
@@ -43,45 +48,60 @@ class MissingTensorError(KeyError):
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """Where one tensor lives: ``path``, absolute byte range ``[begin, end)``, dtype and shape."""
+    """One tensor of a checkpoint: the file that holds it, its dtype and shape."""
 
     name: str
     path: Path
     dtype: torch.dtype
     shape: tuple[int, ...]
-    begin: int
-    end: int
+
+
+def read_json_object(path: Path, what: str) -> dict:
+    """The JSON object in ``path``; a missing file, non-UTF-8 text, invalid JSON or a non-object is an
+    error naming the file and ``what`` it should hold."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} not found; it should be {what}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not UTF-8 text ({exc}); it should be {what}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc}); it should be {what}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object; it should be {what}")
+    return data
+
+
+@contextlib.contextmanager
+def open_safetensors(path: Path) -> Iterator[Any]:
+    """``safetensors.safe_open(path)``, which validates the whole file first; the library's errors (and
+    OS errors) become one ``ValueError`` naming the file."""
+    try:
+        from safetensors import SafetensorError, safe_open
+    except ImportError:
+        raise ModuleNotFoundError("reading Hugging Face checkpoints needs the safetensors package; "
+                                  "install it with: pip install safetensors") from None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"{path} is not a valid safetensors file ({exc}); the file is damaged or was not "
+                         f"written by a safetensors writer: re-download or re-export it") from None
 
 
 def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
-    """Parse the header of one ``.safetensors`` file and validate every tensor's byte range."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"{path} is not a safetensors file (shorter than 8 bytes)")
-        (header_len,) = struct.unpack("<Q", raw)
-        if 8 + header_len > size:
-            raise ValueError(f"{path} is not a safetensors file (header length {header_len} > file size)")
-        header = json.loads(f.read(header_len))
-    data_start = 8 + header_len
+    """Name -> :class:`TensorInfo` of every tensor in one ``.safetensors`` file (after the library's checks)."""
     infos = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        if entry["dtype"] not in DTYPE_FROM_SAFETENSORS:
-            raise ValueError(f"tensor {name!r} in {path} has dtype {entry['dtype']!r}, which this reader does "
-                             f"not support (supported: {sorted(DTYPE_FROM_SAFETENSORS)})")
-        dtype = DTYPE_FROM_SAFETENSORS[entry["dtype"]]
-        shape = tuple(int(s) for s in entry["shape"])
-        begin, end = (data_start + int(o) for o in entry["data_offsets"])
-        numel = 1
-        for s in shape:
-            numel *= s
-        if end - begin != numel * dtype.itemsize or end > size:
-            raise ValueError(f"tensor {name!r} in {path}: byte range [{begin}, {end}) does not hold "
-                             f"{entry['dtype']}{list(shape)} inside a {size}-byte file; the file is corrupt")
-        infos[name] = TensorInfo(name, path, dtype, shape, begin, end)
+    with open_safetensors(path) as f:
+        for name in f.keys():
+            piece = f.get_slice(name)
+            dtype_name = piece.get_dtype()
+            if dtype_name not in DTYPE_FROM_SAFETENSORS:
+                raise ValueError(f"tensor {name!r} in {path} has dtype {dtype_name!r}, which this converter "
+                                 f"does not support (supported: {sorted(DTYPE_FROM_SAFETENSORS)})")
+            infos[name] = TensorInfo(name, path, DTYPE_FROM_SAFETENSORS[dtype_name], tuple(piece.get_shape()))
     return infos
 
 
@@ -94,10 +114,10 @@ class HFCheckpointReader:
         if not config_path.is_file():
             raise FileNotFoundError(f"{config_path} not found; pass a Hugging Face model directory "
                                     f"(with config.json and *.safetensors)")
-        self.config: dict = json.loads(config_path.read_text())
+        self.config: dict = read_json_object(config_path, "the model's Hugging Face config")
         index_path = self.dir / SAFETENSORS_INDEX
         if index_path.is_file():
-            weight_map = json.loads(index_path.read_text())["weight_map"]
+            weight_map = _weight_map(index_path)
             files = sorted(set(weight_map.values()))
         elif (self.dir / SINGLE_FILE).is_file():
             weight_map, files = None, [SINGLE_FILE]
@@ -125,16 +145,32 @@ class HFCheckpointReader:
         return self._infos[name]
 
     def read(self, name: str) -> torch.Tensor:
-        """Load one tensor (a fresh CPU tensor; nothing else of the file stays in memory)."""
+        """One tensor, backed by its file's pages until it is freed (the file is closed on return, so
+        nothing else of the file stays mapped)."""
         info = self.info(name)
-        if info.end == info.begin:
-            return torch.empty(info.shape, dtype=info.dtype)
-        buf = bytearray(info.end - info.begin)
-        with open(info.path, "rb") as f:
-            f.seek(info.begin)
-            if f.readinto(buf) != len(buf):
-                raise ValueError(f"tensor {name!r}: {info.path} ended before byte {info.end}; the file is truncated")
-        return torch.frombuffer(buf, dtype=torch.uint8).view(info.dtype).reshape(info.shape)
+        with open_safetensors(info.path) as f:  # validated again: the file may have changed since
+            tensor = f.get_tensor(name) if name in f.keys() else None
+        if tensor is None or tensor.dtype != info.dtype or tuple(tensor.shape) != info.shape:
+            raise ValueError(f"{info.path} changed while being read: tensor {name!r} is no longer "
+                             f"{info.dtype}{list(info.shape)}; convert again from a checkpoint nothing writes to")
+        return tensor
+
+
+def _weight_map(index_path: Path) -> dict[str, str]:
+    """The index's ``weight_map`` (tensor name -> shard file name in the same directory), checked."""
+    index = read_json_object(index_path, "a safetensors index ({'weight_map': {tensor name: shard file}})")
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{index_path} has no 'weight_map' object mapping tensor names to shard file names; "
+                         f"the index is damaged: re-download it")
+    for file in sorted(set(weight_map.values())):
+        if file in ("", ".", "..") or Path(file).name != file:
+            raise ValueError(f"{index_path} maps tensors to {file!r}, which is not a file name in "
+                             f"{index_path.parent}; shards must sit next to the index")
+        if not (index_path.parent / file).is_file():
+            raise FileNotFoundError(f"{index_path} maps tensors to {file}, which is not in {index_path.parent}; "
+                                    f"the download is incomplete")
+    return weight_map
 
 
 def _encode_header(entries: dict) -> bytes:
@@ -173,7 +209,7 @@ class HFCheckpointWriter:
             shards[-1].append((name, tuple(shape), dtype, nbytes))
             shard_bytes += nbytes
         n = len(shards)
-        self._plan: dict[str, TensorInfo] = {}
+        self._plan: dict[str, tuple[TensorInfo, int]] = {}  # name -> (tensor, its first byte in the file)
         self._weight_map: dict[str, str] = {}
         self._total = 0
         for i, shard in enumerate(shards):
@@ -192,7 +228,7 @@ class HFCheckpointWriter:
                 f.truncate(len(header) + offset)
             for name, shape, dtype, nbytes in shard:
                 begin = len(header) + entries[name]["data_offsets"][0]
-                self._plan[name] = TensorInfo(name, path, dtype, shape, begin, begin + nbytes)
+                self._plan[name] = (TensorInfo(name, path, dtype, shape), begin)
                 self._weight_map[name] = file
             self._total += offset
         self._written: set[str] = set()
@@ -201,13 +237,13 @@ class HFCheckpointWriter:
         """Write ``tensor`` as ``name``; its dtype and shape must be the planned ones."""
         if name not in self._plan:
             raise MissingTensorError(f"tensor {name!r} was not planned for {self.out_dir}")
-        info = self._plan[name]
+        info, begin = self._plan[name]
         if tensor.dtype != info.dtype or tuple(tensor.shape) != info.shape:
             raise ValueError(f"tensor {name!r} is {tensor.dtype}{list(tensor.shape)} but "
                              f"{info.dtype}{list(info.shape)} was planned")
         with open(info.path, "r+b") as f:
-            f.seek(info.begin)
-            if info.end > info.begin:
+            f.seek(begin)
+            if tensor.numel():
                 f.write(memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
         self._written.add(name)
 

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from mcp_context.convert.hf_io import MissingTensorError
+from mcp_context.convert.hf_io import MissingTensorError, read_json_object
 from mcp_context.convert.staging import prepare_staging_dir
 from mcp_context.safe_pickle import SafeFileSystemReader
 
@@ -242,7 +242,7 @@ class McoreCheckpointReader:
         if not config_path.is_file():
             raise FileNotFoundError(f"{config_path} not found; pass a megatron-core dist_checkpointing "
                                     f"directory (the one holding metadata.json and .metadata)")
-        backend = json.loads(config_path.read_text()).get("sharded_backend")
+        backend = read_json_object(config_path, "megatron-core's checkpoint config").get("sharded_backend")
         if backend != "torch_dist":
             raise ValueError(f"{self.dir} uses sharded_backend={backend!r}; only 'torch_dist' is supported "
                              f"(re-save it with megatron-core's torch_dist strategy)")
@@ -274,9 +274,16 @@ class McoreCheckpointReader:
         if len(offsets) != len(shape) or any(o < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape)):
             raise ValueError(f"chunk offsets={list(offsets)} sizes={list(sizes)} is outside {key} of shape {list(shape)}")
         dest = torch.empty(sizes, dtype=self.dtype(key))
-        with _dcp_errors_unwrapped():
-            dcp.load({key: dest}, storage_reader=self._reader, planner=_ChunkLoadPlanner({key: offsets}),
-                     no_dist=True)
+        try:
+            with _dcp_errors_unwrapped():
+                dcp.load({key: dest}, storage_reader=self._reader, planner=_ChunkLoadPlanner({key: offsets}),
+                         no_dist=True)
+        except Exception as exc:  # whatever torch.load or the file system raise on a damaged or missing file
+            files = sorted({info.relative_path for index, info in self._reader.read_metadata().storage_data.items()
+                            if index.fqn == key})
+            raise ValueError(f"cannot read tensor {key!r} of {self.dir} from {', '.join(files)} "
+                             f"({type(exc).__name__}: {str(exc)[:200]}); the checkpoint is damaged or "
+                             f"incomplete: copy it again or convert from another copy") from exc
         return dest
 
     def read_layer(self, key: str, layer: int) -> torch.Tensor:

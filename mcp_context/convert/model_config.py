@@ -52,16 +52,37 @@ class LlamaArchitecture:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "LlamaArchitecture":
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - fields)
-        if unknown:
-            raise ValueError(f"architecture record has unknown fields {unknown}; it was written by a "
-                             f"different version of mcp_context.convert")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(fields))
+        missing = sorted(n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING)
+        if unknown or missing:
+            raise ValueError(f"architecture record has unknown fields {unknown} and lacks fields {missing}; it "
+                             f"was written by a different version of mcp_context.convert")
         return cls(**data)
 
 
 def _refuse(field: str, value: Any, why: str) -> UnsupportedArchitectureError:
     return UnsupportedArchitectureError(f"config.json field {field}={value!r}: {why}")
+
+
+def _positive_int(cfg: dict[str, Any], field: str, default: Optional[int] = None) -> int:
+    """``cfg[field]`` as an integer >= 1; absent or null means ``default`` (required when None)."""
+    value = cfg.get(field)
+    if value is None and default is not None:
+        return default
+    if value is None and field not in cfg:
+        raise ValueError(f"config.json has no field {field}; a Llama-family config needs it (an integer >= 1)")
+    integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not integral or value < 1:
+        raise ValueError(f"config.json field {field}={value!r}: must be an integer >= 1; fix config.json")
+    return int(value)
+
+
+def _positive_float(value: Any, field: str) -> float:
+    """``value`` (of config field ``field``) as a finite number > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"config.json field {field}={value!r}: must be a finite number > 0; fix config.json")
+    return float(value)
 
 
 def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, Optional[float]]:
@@ -70,7 +91,7 @@ def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, Optional[float]]:
     params = dict(cfg.get("rope_parameters") or {})
     legacy = cfg.get("rope_scaling") or {}
     params = {**legacy, **params}
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    theta = _positive_float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)), "rope_theta")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return theta, None
@@ -79,11 +100,11 @@ def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, Optional[float]]:
                       "megatron-core 0.16 GPTModel represents only plain RoPE and Llama-3 scaling "
                       "('default' or 'llama3'); convert a model without this RoPE variant")
     for name, expected in MCORE_LLAMA3_ROPE_CONSTANTS.items():
-        if float(params.get(name, expected)) != expected:
+        if params.get(name, expected) != expected:
             raise _refuse(f"rope_scaling.{name}", params[name],
                           f"megatron-core 0.16 hard-codes {name}={expected} for Llama-3 RoPE scaling "
                           f"(only 'factor' is configurable), so this model cannot be represented")
-    return theta, float(params["factor"])
+    return theta, _positive_float(params.get("factor"), "rope_scaling.factor")
 
 
 def architecture_from_hf_config(cfg: dict[str, Any]) -> LlamaArchitecture:
@@ -104,30 +125,31 @@ def architecture_from_hf_config(cfg: dict[str, Any]) -> LlamaArchitecture:
             raise _refuse(flag, cfg[flag], "biases on all projections are not a Llama-family layout; "
                           "megatron-core places them only through add_bias_linear, which also adds "
                           "biases HF does not have")
-    if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
         raise _refuse("partial_rotary_factor", cfg["partial_rotary_factor"], "only full RoPE is supported")
     if model_type == "qwen2" and cfg.get("use_sliding_window", False):
         raise _refuse("use_sliding_window", True,
                       "Qwen2 per-layer sliding windows (max_window_layers) have no megatron-core "
                       "equivalent; set it to false if the model was trained without them")
-    heads = int(cfg["num_attention_heads"])
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    heads = _positive_int(cfg, "num_attention_heads")
+    kv_heads = _positive_int(cfg, "num_key_value_heads", default=heads)
     if heads % kv_heads:
         raise _refuse("num_key_value_heads", kv_heads, f"must divide num_attention_heads={heads}")
-    hidden = int(cfg["hidden_size"])
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    hidden = _positive_int(cfg, "hidden_size")
+    head_dim = _positive_int(cfg, "head_dim", default=max(hidden // heads, 1))
     theta, factor = _rope_from_hf(cfg)
-    if not math.isfinite(theta) or theta <= 0:
-        raise _refuse("rope_theta", theta, "must be a positive finite number")
-    sliding_window = cfg.get("sliding_window") if model_type == "mistral" else None
+    tied = cfg.get("tie_word_embeddings", False)
+    if not isinstance(tied, bool):
+        raise ValueError(f"config.json field tie_word_embeddings={tied!r}: must be true or false; fix config.json")
+    sliding_window = _positive_int(cfg, "sliding_window", default=0) if model_type == "mistral" else 0
     return LlamaArchitecture(
-        model_type=model_type, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
+        model_type=model_type, vocab_size=_positive_int(cfg, "vocab_size"), hidden_size=hidden,
+        intermediate_size=_positive_int(cfg, "intermediate_size"), num_layers=_positive_int(cfg, "num_hidden_layers"),
         num_attention_heads=heads, num_query_groups=kv_heads, head_dim=head_dim,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)), rope_scaling_factor=factor,
-        qkv_bias=model_type == "qwen2", tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        sliding_window=None if sliding_window is None else int(sliding_window),
+        rms_norm_eps=_positive_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps"), rope_theta=theta,
+        max_position_embeddings=_positive_int(cfg, "max_position_embeddings", default=4096),
+        rope_scaling_factor=factor, qkv_bias=model_type == "qwen2", tie_word_embeddings=tied,
+        sliding_window=sliding_window or None,
     )
 
 

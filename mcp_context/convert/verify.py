@@ -1,8 +1,12 @@
 """Logit parity between a Hugging Face checkpoint and its Megatron-Core conversion.
 
-Owns loading each side for inference in fp32 on one process (the Megatron side through
-megatron-core's own ``dist_checkpointing.load``, as training would load it) and comparing their
-logits on one prompt. It does not convert anything (``converter``).
+Owns checking that the two sides hold the same model (every tensor present with the shape the HF
+config implies, on both sides), loading each side for inference in fp32 on one process (the
+Megatron side through megatron-core's own ``dist_checkpointing.load``, as training would load it,
+with ``safe_pickle``'s load strategies), comparing their logits on one prompt and, when they
+differ, naming the tensors that differ. The Megatron side may be a conversion or a training
+checkpoint (its optimizer state, RNG and scheduler entries are not read). It does not convert
+anything (``converter``).
 """
 from __future__ import annotations
 
@@ -13,6 +17,10 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from mcp_context.convert.converter import check_hf_tensors, check_mcore_tensors
+from mcp_context.convert.hf_io import HFCheckpointReader, MissingTensorError
+from mcp_context.convert.mapping import layer_indices, tensor_maps
+from mcp_context.convert.mcore_io import McoreCheckpointReader
 from mcp_context.convert.model_config import LlamaArchitecture, build_gpt_model
 
 
@@ -48,13 +56,19 @@ def single_process_megatron(seed: int = 0) -> Iterator[None]:
 def load_mcore_model(mcore_dir: str | os.PathLike, arch: LlamaArchitecture, layer_spec: Any = None,
                      **config_overrides: Any) -> torch.nn.Module:
     """Build the ``GPTModel`` for ``arch`` on the current parallel state and load ``mcore_dir`` into it
-    with megatron-core's ``dist_checkpointing.load`` (which unpickles the checkpoint's ``.metadata``:
-    use it on checkpoints you trust)."""
+    with megatron-core's ``dist_checkpointing.load`` (through ``safe_pickle``'s strategies, which run
+    no code from the checkpoint). Only the model's own entries are taken: a training checkpoint's
+    common state (optimizer groups, scheduler, step, layout) comes back from ``load`` too."""
     from megatron.core import dist_checkpointing
 
+    from mcp_context.safe_pickle import mcore_load_strategies
+
     model = build_gpt_model(arch, layer_spec, **config_overrides)
-    state = dist_checkpointing.load(model.sharded_state_dict(), str(mcore_dir))
-    model.load_state_dict(state)
+    sharded = model.sharded_state_dict()
+    sharded_strategy, common_strategy = mcore_load_strategies()
+    state = dist_checkpointing.load(sharded, str(mcore_dir), sharded_strategy=sharded_strategy,
+                                    common_strategy=common_strategy)
+    model.load_state_dict({key: state[key] for key in sharded})
     return model.eval()
 
 
@@ -97,3 +111,26 @@ def max_logit_difference(hf_dir: str | os.PathLike, mcore_dir: str | os.PathLike
     with single_process_megatron():
         ours = mcore_logits(load_mcore_model(mcore_dir, arch), token_ids)
     return (ours - reference).abs().max().item()
+
+
+def check_same_model(hf: HFCheckpointReader, mcore: McoreCheckpointReader, arch: LlamaArchitecture) -> None:
+    """Raise a ``ValueError`` naming the tensor unless both checkpoints hold exactly the tensors of
+    ``arch`` (the HF config's model) with its shapes."""
+    for check, reader in ((check_hf_tensors, hf), (check_mcore_tensors, mcore)):
+        try:
+            check(reader, arch)
+        except (MissingTensorError, ValueError) as exc:
+            raise ValueError(f"--hf {hf.dir} and --mcore {mcore.dir} do not hold the same model: {exc}") from None
+
+
+def differing_tensors(hf: HFCheckpointReader, mcore: McoreCheckpointReader, arch: LlamaArchitecture) -> list[str]:
+    """HF names of the tensors whose dtype or bits differ between the two sides (one layer at a time)."""
+    differ = []
+    for tmap in tensor_maps(arch):
+        for layer in layer_indices(tmap, arch):
+            fused = mcore.read_layer(tmap.mcore_key, layer) if tmap.per_layer else mcore.read(tmap.mcore_key)
+            for name, ours in zip(tmap.hf_names_for(layer), tmap.split(fused)):
+                theirs = hf.read(name)
+                if ours.dtype != theirs.dtype or not torch.equal(ours, theirs):
+                    differ.append(name)
+    return differ
