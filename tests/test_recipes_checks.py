@@ -13,7 +13,7 @@ import pytest
 
 from mcp_context.recipes import RecipeConfig, RecipeError, load_recipe, validate_recipe
 from mcp_context.recipes.__main__ import main as recipes_cli
-from mcp_context.recipes.config import RANGES
+from mcp_context.recipes import RANGES
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -14,10 +14,10 @@ import json
 import re
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Optional, Union
+from typing import Iterator, Optional, Union
 
-if TYPE_CHECKING:  # the recipe package imports this module: no import cycle at run time
-    from mcp_context.recipes.config import DataConfig
+from mcp_context.recipes.checks import split_weights
+from mcp_context.recipes.schema import DataConfig
 
 BUNDLED_DIR = Path(__file__).resolve().parent / "corpus"
 BUNDLED_CORPUS = BUNDLED_DIR / "shakespeare_scenes.jsonl.gz"
@@ -203,8 +203,6 @@ def split_document_counts(split: str, n_docs: int) -> list[Optional[int]]:
     megatron-core does (normalised weights, cumulative book-ends, each rounded); None for a split of
     zero weight, which megatron-core skips. A 0 for a split of positive weight is the case its
     dataset builder loops on forever."""
-    from mcp_context.recipes.config import split_weights  # here: the recipe package imports this module
-
     weights = split_weights(split)
     total = sum(weights)
     ends = [0.0]

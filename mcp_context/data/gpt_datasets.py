@@ -16,7 +16,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.tokenizers import MegatronTokenizerBase
 
 from mcp_context.data.corpus import data_prefixes, split_document_counts
-from mcp_context.recipes.config import RecipeConfig
+from mcp_context.recipes.schema import RecipeConfig
 
 
 def default_sample_counts(cfg: RecipeConfig) -> tuple[int, int, int]:

@@ -16,7 +16,7 @@ from megatron.core.tokenizers import MegatronTokenizerBase
 
 from mcp_context.data.corpus import corpus_path, read_documents, tokenized_prefix
 from mcp_context.data.tokenizer import load_tokenizer
-from mcp_context.recipes.config import RecipeConfig, RecipeError
+from mcp_context.recipes.schema import RecipeConfig, RecipeError
 
 
 def write_indexed_dataset(documents: Iterable[str], tokenizer: MegatronTokenizerBase, prefix: str) -> int:

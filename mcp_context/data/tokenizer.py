@@ -17,7 +17,7 @@ from megatron.core.tokenizers import MegatronTokenizerBase
 
 from mcp_context.data.corpus import corpus_path, read_documents, tokenizer_model_path, tokenizer_trained_from_corpus
 from mcp_context.atomic import write_atomic
-from mcp_context.recipes.config import DataConfig
+from mcp_context.recipes.schema import DataConfig
 
 # Special ids of trained models: unk 0, bos 1, eos 2 (also the end-of-document token), pad 3.
 _UNK_ID, _BOS_ID, _EOS_ID, _PAD_ID = 0, 1, 2, 3

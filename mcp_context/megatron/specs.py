@@ -6,9 +6,11 @@ own, so parameter names and checkpoints are unchanged. The TE flavour takes TE's
 norms and either our attention or TE's own ``TEDotProductAttention`` (for the cp_comm_type values TE
 supports).
 
-Megatron-LM's ``pretrain_gpt.py --spec mcp_context.megatron.specs NAME`` imports ``NAME`` and uses it
-as a spec without calling it, so module-level objects exist too: ``hcp_local_spec`` (always) and
-``hcp_te_spec`` / ``hcp_te_attention_spec`` (built on first access; a clear error without TE).
+Megatron-LM's ``pretrain_gpt.py --spec mcp_context.megatron.specs NAME`` reads ``NAME`` from the
+module's namespace (megatron-core's ``spec_utils.import_module``: ``vars(module)[NAME]``) and uses it
+as a spec without calling it, so every name in ``SPEC_NAMES`` is a plain module attribute:
+``hcp_local_spec`` always; ``hcp_te_spec`` / ``hcp_te_attention_spec`` built at import when
+Transformer Engine is importable, else an ``UnavailableSpec`` whose use raises a clear error.
 """
 from __future__ import annotations
 
@@ -21,14 +23,6 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from .core_attention import HCPDotProductAttention
 
 CORE_ATTENTIONS = ("hcp", "te")
-
-
-def _te_available() -> bool:
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def get_gpt_layer_hcp_spec(num_experts: Optional[int] = None, moe_grouped_gemm: bool = False,
@@ -45,7 +39,7 @@ def get_gpt_layer_hcp_spec(num_experts: Optional[int] = None, moe_grouped_gemm: 
     if core_attention == "te" and not use_te:
         raise ValueError("core_attention='te' (TEDotProductAttention) needs use_te=True")
     if use_te:
-        if not _te_available():
+        if _te_import_error() is not None:
             raise RuntimeError("get_gpt_layer_hcp_spec(use_te=True) needs Transformer Engine, which is not "
                                "importable here; install mcp_context[te] on a CUDA machine, or use the local "
                                "flavour (use_te=False, spec name hcp_local_spec)")
@@ -63,16 +57,61 @@ def get_gpt_layer_hcp_spec(num_experts: Optional[int] = None, moe_grouped_gemm: 
     return spec
 
 
+class UnavailableSpec(ModuleSpec):
+    """A spec name that exists without Transformer Engine but cannot be built: any use (reading
+    ``module``/``submodules``/``params``, or building it) raises a ``RuntimeError`` that says what to
+    install or which spec to use instead.
+
+    megatron-core's ``spec_utils.import_module`` (behind Megatron-LM's ``--spec MODULE NAME``) reads
+    ``vars(module)[NAME]``, so every documented name must be a real module attribute, not a lazy one.
+    """
+
+    def __init__(self, name: str, reason: str):  # no ModuleSpec fields: each access raises
+        object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_reason", reason)
+
+    def _unavailable(self):
+        raise RuntimeError(
+            f"layer spec {__name__}.{self._name} needs Transformer Engine, which is not importable here "
+            f"({self._reason}); install mcp_context[te] on a CUDA machine, or use "
+            f"--spec {__name__} hcp_local_spec with --transformer-impl local"
+        )
+
+    module = property(_unavailable)
+    submodules = property(_unavailable)
+    params = property(_unavailable)
+    metainfo = property(_unavailable)
+
+    def __repr__(self) -> str:
+        return f"UnavailableSpec({self._name!r}: needs Transformer Engine)"
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    __hash__ = object.__hash__
+
+
+def _te_import_error() -> Optional[str]:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except ImportError as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
 hcp_local_spec = get_gpt_layer_hcp_spec()
+"""Local (torch) layers, our attention: any device."""
 
-_LAZY = {"hcp_te_spec": dict(use_te=True), "hcp_te_attention_spec": dict(use_te=True, core_attention="te")}
+_TE_SPECS = {"hcp_te_spec": dict(use_te=True), "hcp_te_attention_spec": dict(use_te=True, core_attention="te")}
+_TE_MISSING = _te_import_error()
+if _TE_MISSING is None:
+    hcp_te_spec = get_gpt_layer_hcp_spec(**_TE_SPECS["hcp_te_spec"])
+    """Transformer Engine linears and norms, our attention."""
+    hcp_te_attention_spec = get_gpt_layer_hcp_spec(**_TE_SPECS["hcp_te_attention_spec"])
+    """Transformer Engine linears and norms, and TE's own TEDotProductAttention."""
+else:
+    hcp_te_spec = UnavailableSpec("hcp_te_spec", _TE_MISSING)
+    hcp_te_attention_spec = UnavailableSpec("hcp_te_attention_spec", _TE_MISSING)
 
-
-def __getattr__(name: str) -> ModuleSpec:
-    """Build the TE specs on first access, so importing this module never needs TE."""
-    if name in _LAZY:
-        spec = get_gpt_layer_hcp_spec(**_LAZY[name])
-        globals()[name] = spec
-        return spec
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}; layer specs here: hcp_local_spec, "
-                         f"{', '.join(_LAZY)}")
+SPEC_NAMES = ("hcp_local_spec", *_TE_SPECS)
+"""Every module-level spec, as Megatron-LM's ``--spec mcp_context.megatron.specs NAME`` names it."""

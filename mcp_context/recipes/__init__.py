@@ -1,11 +1,15 @@
-"""NeMo-style training recipes: typed YAML configs, dotted overrides, validation, Megatron-LM flags.
+"""NeMo-style training recipes: typed YAML configs, dotted overrides, validation.
 
-``load_recipe(path, overrides)`` reads a recipe; ``validate_recipe(cfg)`` checks its layout before any
-process group starts; ``save_recipe(cfg, dir)`` writes the resolved recipe next to a checkpoint;
-``to_megatron_args(cfg)`` gives the equivalent ``pretrain_gpt.py`` flags. CLI:
-``python -m mcp_context.recipes {show,validate,to-megatron-args} FILE [key=value ...]``.
+``load_recipe(path, overrides)`` reads a recipe (``reader``); ``validate_recipe(cfg)`` checks that it
+is a runnable job before any process group starts (``checks``); ``save_recipe(cfg, dir)`` writes the
+resolved recipe next to a checkpoint. The schema, one dataclass per section, is ``schema``. CLI:
+``python -m mcp_context.recipes {show,validate,to-megatron-args} FILE [key=value ...]``; the
+Megatron-LM translation itself is ``mcp_context.megatron_lm`` (it needs ``mcp_context.data``, which
+builds on this package).
 """
-from mcp_context.recipes.config import (
+from mcp_context.recipes.checks import RANGES, validate_recipe
+from mcp_context.recipes.reader import RESOLVED_RECIPE_FILENAME, load_recipe, save_recipe
+from mcp_context.recipes.schema import (
     CheckpointConfig,
     DataConfig,
     LoggingConfig,
@@ -14,11 +18,7 @@ from mcp_context.recipes.config import (
     RecipeConfig,
     RecipeError,
     TrainConfig,
-    load_recipe,
-    save_recipe,
-    validate_recipe,
 )
-from mcp_context.recipes.megatron_args import format_megatron_command, to_megatron_args
 
 __all__ = [
     "CheckpointConfig",
@@ -26,12 +26,12 @@ __all__ = [
     "LoggingConfig",
     "ModelConfig",
     "OptimizerConfig",
+    "RANGES",
+    "RESOLVED_RECIPE_FILENAME",
     "RecipeConfig",
     "RecipeError",
     "TrainConfig",
-    "format_megatron_command",
     "load_recipe",
     "save_recipe",
-    "to_megatron_args",
     "validate_recipe",
 ]

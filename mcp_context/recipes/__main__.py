@@ -20,8 +20,8 @@ import yaml
 # megatron-core (imported by the validators) warns once per fused kernel it lacks; not news on CPU.
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).* not installed")
 
-from mcp_context.recipes.config import RecipeError, load_recipe, validate_recipe  # noqa: E402
-from mcp_context.recipes.megatron_args import format_megatron_command  # noqa: E402
+from mcp_context.megatron_lm import format_megatron_command  # noqa: E402
+from mcp_context.recipes import RecipeError, load_recipe, validate_recipe  # noqa: E402
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

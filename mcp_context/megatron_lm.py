@@ -1,9 +1,13 @@
 """Recipe -> Megatron-LM ``pretrain_gpt.py`` command line, for users of Megatron-LM itself.
 
 Owns the mapping from recipe fields to Megatron-LM argument names (``megatron/training/arguments.py``
-spelling) and the printing of a ``torchrun ... pretrain_gpt.py`` command. The layer spec is ours:
-``--spec mcp_context.megatron.specs hcp_local_spec`` (or ``hcp_te_spec``), and the CP flags use
-Transformer Engine's spelling (``all_gather``, not ``allgather``).
+spelling) and the printing of a ``torchrun ... pretrain_gpt.py`` command that runs as printed. The
+layer spec is ours: ``--spec mcp_context.megatron.specs hcp_local_spec`` (or ``hcp_te_spec``), and
+the CP flags use Transformer Engine's spelling (``all_gather``, not ``allgather``).
+
+It sits above both ``mcp_context.recipes`` and ``mcp_context.data`` (it needs the data prefixes and
+document counts), so it is a top-level module next to the entry points rather than part of either:
+recipes <- data <- megatron_lm, no arrow back.
 """
 from __future__ import annotations
 
@@ -11,12 +15,17 @@ import shlex
 from typing import Optional
 
 from mcp_context.algorithms import COMM_ALIASES
-from mcp_context.data.corpus import data_prefixes, tokenizer_model_path
-from mcp_context.recipes.config import RecipeConfig, RecipeError
+from mcp_context.data.corpus import (BUNDLED_CORPUS, corpus_path, data_prefixes, read_documents, split_document_counts,
+                                     tokenizer_model_path)
+from mcp_context.recipes import RecipeConfig, RecipeError
 
 SPEC_MODULE = "mcp_context.megatron.specs"
 SPEC_NAMES = {"local": "hcp_local_spec", "te": "hcp_te_spec"}
 _TRANSFORMER_IMPL = {"local": "local", "te": "transformer_engine"}
+LOCAL_IMPL_FLAGS = ("--no-rope-fusion", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion")
+"""Megatron-LM turns these fusions on by default and they need Transformer Engine (RoPE) or apex
+(layer norm, weight-gradient accumulation); a ``local`` recipe promises neither, so its command
+turns them off (they are optional kernels: the numbers are the same)."""
 
 
 def _activation_flags(cfg: RecipeConfig) -> list[str]:
@@ -91,6 +100,8 @@ def to_megatron_args(cfg: RecipeConfig) -> list[str]:
         add("--sequence-parallel")
     add("--transformer-impl", _TRANSFORMER_IMPL[m.layer_spec])
     add("--spec", SPEC_MODULE, SPEC_NAMES[m.layer_spec])
+    if m.layer_spec == "local":
+        args.extend(LOCAL_IMPL_FLAGS)
     if m.bf16:
         add("--bf16")
     elif m.params_dtype == "float16":
@@ -104,7 +115,7 @@ def to_megatron_args(cfg: RecipeConfig) -> list[str]:
 
     # Data.
     add("--data-path", *data_prefixes(d))
-    add("--split", d.split)
+    add("--split", megatron_split(cfg)[0])
     add("--tokenizer-type", d.tokenizer_type)
     add("--tokenizer-model", tokenizer_model_path(d))
     add("--data-cache-path", d.cache_dir)
@@ -152,6 +163,51 @@ def to_megatron_args(cfg: RecipeConfig) -> list[str]:
     return args
 
 
+def _document_counts(cfg: RecipeConfig) -> Optional[dict[str, int]]:
+    """Documents per data prefix, where they can be known here: from tokenised files that exist, or
+    by reading the bundled corpus (236 scenes); None for data not tokenised yet or not on this machine."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    counts = {}
+    for prefix in data_prefixes(cfg.data):
+        if IndexedDataset.exists(prefix):
+            counts[prefix] = len(IndexedDataset(prefix).sequence_lengths)
+        elif not cfg.data.data_path and corpus_path(cfg.data) == BUNDLED_CORPUS:
+            counts[prefix] = sum(1 for _ in read_documents(BUNDLED_CORPUS, cfg.data.json_key))
+        else:
+            return None
+    return counts
+
+
+def megatron_split(cfg: RecipeConfig) -> tuple[str, Optional[str]]:
+    """The ``--split`` to print and a note on any change. Megatron-LM's dataset builder loops forever
+    on a split of positive weight that holds no document (megatron-core 0.16), so: an empty train or
+    valid split is a ``RecipeError``; an empty test split gets weight 0 (Megatron-LM then builds no
+    test set), with a note saying so. Unknown document counts leave the split as it is."""
+    split = cfg.data.split
+    counts = _document_counts(cfg)
+    if counts is None:
+        return split, None
+    weights = [w.strip() for w in split.split(",")]
+    weights += ["0"] * (3 - len(weights))
+    empty_test = []
+    for prefix, n_docs in counts.items():
+        for name, count in zip(("train", "valid", "test"), split_document_counts(split, n_docs)):
+            if count != 0:
+                continue
+            if name != "test":
+                raise RecipeError(
+                    f"data.split={split!r} leaves the {name} split of {prefix} ({n_docs} documents) with no "
+                    f"document, which Megatron-LM's dataset builder loops on forever; raise the {name} weight"
+                )
+            empty_test.append(f"{prefix} ({n_docs} documents)")
+    if not empty_test:
+        return split, None
+    adjusted = ",".join(weights[:2] + ["0"])
+    return adjusted, (f"data.split={split!r} leaves the test split of {', '.join(empty_test)} empty, which "
+                      f"Megatron-LM's dataset builder loops on forever; printed --split {adjusted} (no test set)")
+
+
 def _launcher(world_size: Optional[int]) -> str:
     if world_size is None:
         return "torchrun --nproc-per-node $GPUS_PER_NODE --nnodes $NNODES"
@@ -166,6 +222,11 @@ def format_megatron_command(cfg: RecipeConfig, prepare_hint: Optional[str] = Non
     comments = [f"# Recipe {cfg.name}: {cfg.description}"]
     if prepare_hint and not cfg.data.data_path:
         comments.append(f"# Tokenise the corpus first: {prepare_hint}")
+    split_note = megatron_split(cfg)[1]
+    if split_note:
+        comments.append(f"# {split_note}")
+    if cfg.model.layer_spec == "local":
+        comments.append(f"# layer_spec local: {' '.join(LOCAL_IMPL_FLAGS)} (those fusions need Transformer Engine or apex)")
     command = [f"{_launcher(cfg.train.world_size)} pretrain_gpt.py"]
     argv = to_megatron_args(cfg)
     starts = [i for i, a in enumerate(argv) if a.startswith("--")] + [len(argv)]

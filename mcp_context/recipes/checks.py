@@ -1,0 +1,296 @@
+"""Recipe checks: is a recipe a runnable job? One function, ``validate_recipe``, that the recipe
+CLI, ``tools/prepare_data.py`` and the pretrain launcher all run before anything starts.
+
+Owns the range of every numeric field (``RANGES``), the plain-name rule, the layout, batch,
+schedule and data checks and the output-directory check. The context-parallel checks are
+``mcp_context.megatron.config.validate_cp_config``, shared with the Megatron integration. No process
+group, and no file access beyond a stat of the output directories.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from mcp_context.recipes.schema import DataConfig, ModelConfig, RecipeConfig, RecipeError
+
+
+def _resolve_world_size(cfg: RecipeConfig, world_size: Optional[int]) -> Optional[int]:
+    """The launcher's world size (argument, else WORLD_SIZE), which must match train.world_size
+    when the recipe plans one; else the planned one; else None."""
+    env = os.environ.get("WORLD_SIZE")
+    launched = world_size if world_size is not None else (int(env) if env else None)
+    planned = cfg.train.world_size
+    if launched is not None and planned is not None and launched != planned:
+        raise RecipeError(
+            f"train.world_size={planned} but the launch has {launched} ranks; set train.world_size={launched} "
+            f"(and check the batch sizes) or launch {planned} ranks"
+        )
+    return launched if launched is not None else planned
+
+
+def validate_recipe(cfg: RecipeConfig, world_size: Optional[int] = None) -> None:
+    """Check that the recipe describes a runnable job; raise ``RecipeError`` naming the key.
+
+    Runs every recipe check: a plain ``name``, each numeric field inside its ``RANGES`` entry, the
+    layout, batch, schedule and data checks, and checkpoint/log directories that are not files.
+    ``world_size`` (else the WORLD_SIZE variable, else ``train.world_size``) enables the
+    data-parallel checks; a launch size that differs from ``train.world_size`` is an error. No
+    process group, and no file access beyond a stat of the output directories: safe to call first.
+    """
+    m = cfg.model
+    _validate_name(cfg.name)
+    _validate_ranges(cfg)
+
+    # The CP checks shared with the Megatron integration: one check, one message. Imported here
+    # because mcp_context.megatron imports megatron-core (seconds), which loading a recipe does not need.
+    from mcp_context.megatron.config import HCPConfigError, validate_cp_config
+
+    try:
+        validate_cp_config(m, seq_length=m.seq_length, prefix="model.")
+    except HCPConfigError as err:
+        raise RecipeError(str(err)) from err
+    _validate_tensor_parallel_kv_heads(m)
+    if m.num_layers % m.pipeline_model_parallel_size:
+        raise RecipeError(
+            f"model.num_layers={m.num_layers} is not divisible by "
+            f"model.pipeline_model_parallel_size={m.pipeline_model_parallel_size}; choose a PP size "
+            f"that divides the layer count"
+        )
+    if m.virtual_pipeline_model_parallel_size is not None:
+        stages = m.pipeline_model_parallel_size * m.virtual_pipeline_model_parallel_size
+        if m.pipeline_model_parallel_size < 2 or m.num_layers % stages:
+            raise RecipeError(
+                f"model.virtual_pipeline_model_parallel_size={m.virtual_pipeline_model_parallel_size} "
+                f"needs model.pipeline_model_parallel_size > 1 and num_layers={m.num_layers} divisible by "
+                f"pipeline * virtual stages = {stages}; set it to null or change the layout"
+            )
+    if m.position_embedding_type == "learned_absolute" and (m.max_position_embeddings or m.seq_length) < m.seq_length:
+        raise RecipeError(
+            f"model.max_position_embeddings={m.max_position_embeddings} is smaller than "
+            f"model.seq_length={m.seq_length}; raise it to at least {m.seq_length}"
+        )
+    _validate_batch(cfg, _resolve_world_size(cfg, world_size))
+    _validate_schedule(cfg)
+    _validate_data(cfg.data)
+    _validate_paths(cfg)
+
+
+def _validate_tensor_parallel_kv_heads(m: ModelConfig) -> None:
+    groups = m.num_query_groups or m.num_attention_heads
+    if groups % m.tensor_model_parallel_size:
+        raise RecipeError(
+            f"model.num_query_groups={groups} is not divisible by "
+            f"model.tensor_model_parallel_size={m.tensor_model_parallel_size}; choose a TP size that divides "
+            f"the number of key/value heads"
+        )
+
+
+def _validate_batch(cfg: RecipeConfig, world_size: Optional[int]) -> None:
+    m, t = cfg.model, cfg.train
+    if t.global_batch_size % t.micro_batch_size:
+        raise RecipeError(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by "
+            f"train.micro_batch_size={t.micro_batch_size}"
+        )
+    if world_size is None:
+        return
+    model_ranks = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
+    if world_size % model_ranks:
+        raise RecipeError(
+            f"world size {world_size} (train.world_size or WORLD_SIZE) is not divisible by "
+            f"tensor * pipeline * context parallel sizes = {model_ranks}; launch a multiple of {model_ranks} ranks"
+        )
+    dp = world_size // model_ranks
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise RecipeError(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by "
+            f"train.micro_batch_size * data-parallel size = {t.micro_batch_size} * {dp}; "
+            f"use a multiple of {t.micro_batch_size * dp}"
+        )
+
+
+def _validate_schedule(cfg: RecipeConfig) -> None:
+    t, o = cfg.train, cfg.optimizer
+    decay = t.lr_decay_iters if t.lr_decay_iters is not None else t.steps
+    if not 0 <= t.lr_warmup_iters <= decay:
+        raise RecipeError(
+            f"train.lr_warmup_iters={t.lr_warmup_iters} must be between 0 and the decay length "
+            f"(train.lr_decay_iters or train.steps = {decay})"
+        )
+    if t.lr_decay_style == "WSD":
+        raise RecipeError(
+            "train.lr_decay_style='WSD' needs a WSD decay length, which recipes have no field for; "
+            "use 'cosine', 'linear', 'inverse-square-root' or 'constant'"
+        )
+    if not 0 <= o.min_lr <= o.lr:
+        raise RecipeError(f"optimizer.min_lr={o.min_lr} must be between 0 and optimizer.lr={o.lr}")
+
+
+def _validate_data(d: DataConfig) -> None:
+    split_weights(d.split)
+    if d.tokenizer_type == "HuggingFaceTokenizer" and d.tokenizer_model is None:
+        raise RecipeError(
+            "data.tokenizer_type='HuggingFaceTokenizer' needs data.tokenizer_model (a tokenizer directory)"
+        )
+    if d.reset_attention_mask:
+        raise RecipeError(
+            "data.reset_attention_mask=true asks for per-document attention masks, which the HCP core attention "
+            "does not apply yet (under a causal mask type it ignores attention_mask, as TEDotProductAttention "
+            "does, so documents would silently attend across boundaries); set it to false"
+        )
+
+
+def split_weights(split: str) -> list[float]:
+    """The train, valid, test weights of a ``data.split`` string (Megatron's ``--split``), padded
+    with zeros to three; raise ``RecipeError`` unless they are up to three finite non-negative
+    numbers with a positive sum."""
+    try:
+        weights = [float(p) for p in split.split(",")]
+    except ValueError:
+        weights = []
+    if (not 1 <= len(weights) <= 3 or not all(math.isfinite(w) and w >= 0 for w in weights)
+            or sum(weights) <= 0):
+        raise RecipeError(
+            f"data.split={split!r} must be up to three non-negative train,valid,test weights (finite numbers "
+            f"with a positive sum), e.g. '949,50,1'"
+        )
+    return weights + [0.0] * (3 - len(weights))
+
+
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def _validate_name(name: str) -> None:
+    """``runs/<name>`` is derived from the name, so it must stay one plain directory name."""
+    if not _PLAIN_NAME.fullmatch(name) or ".." in name:
+        plain = re.sub(r"[^A-Za-z0-9._-]+", "_", name).replace("..", "_").strip("._-") or "my_recipe"
+        raise RecipeError(
+            f"name={name!r} must be a plain name (letters, digits, '.', '_', '-'; no path separator, no '..'), "
+            f"since the run directory runs/<name> is derived from it; e.g. name: {plain}"
+        )
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric recipe field may take: ``lo``/``hi`` bounds (None: unbounded), each
+    closed unless marked open. Floats must also be finite; ``why`` explains a bound that is not obvious."""
+
+    lo: Optional[float] = None
+    hi: Optional[float] = None
+    lo_open: bool = False
+    hi_open: bool = False
+    why: str = ""
+
+    def __contains__(self, value: float) -> bool:
+        if not math.isfinite(value):
+            return False
+        if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
+            return False
+        return self.hi is None or (value < self.hi if self.hi_open else value <= self.hi)
+
+    def describe(self, key: str, integer: bool) -> str:
+        """What the field must be, e.g. ``a finite number with 0 <= optimizer.adam_beta1 < 1``."""
+        if integer and self.hi is None and self.lo in (0, 1) and not self.lo_open:
+            what = "a positive integer" if self.lo == 1 else "a non-negative integer"
+        else:
+            lo = "" if self.lo is None else f"{_number(self.lo)} {'<' if self.lo_open else '<='} "
+            hi = "" if self.hi is None else f" {'<' if self.hi_open else '<='} {_number(self.hi)}"
+            if self.hi is None:
+                lo, hi = "", f" {'>' if self.lo_open else '>='} {_number(self.lo)}"
+            what = f"{'an integer' if integer else 'a finite number'} with {lo}{key}{hi}"
+        return what + (f" ({self.why})" if self.why else "")
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+_POSITIVE = Range(1)
+_NON_NEGATIVE = Range(0)
+_PROBABILITY = Range(0, 1, hi_open=True, why="a dropout probability")
+_BETA = Range(0, 1, hi_open=True, why="an exponential-average decay")
+_POSITIVE_REAL = Range(0, lo_open=True)
+_SEED = Range(0, 2**32 - 1, why="numpy seeds are 32-bit")
+
+RANGES: dict[str, Range] = {
+    "model.num_layers": _POSITIVE,
+    "model.hidden_size": _POSITIVE,
+    "model.ffn_hidden_size": _POSITIVE,
+    "model.num_attention_heads": _POSITIVE,
+    "model.num_query_groups": _POSITIVE,
+    "model.kv_channels": _POSITIVE,
+    "model.seq_length": _POSITIVE,
+    "model.max_position_embeddings": _POSITIVE,
+    "model.vocab_size": _POSITIVE,
+    "model.make_vocab_size_divisible_by": _POSITIVE,
+    "model.rotary_base": _POSITIVE,
+    "model.rotary_percent": Range(0, 1, lo_open=True, why="the fraction of each head that RoPE rotates"),
+    "model.rope_scaling_factor": _POSITIVE_REAL,
+    "model.layernorm_epsilon": Range(0, 1, lo_open=True, hi_open=True),
+    "model.attention_dropout": _PROBABILITY,
+    "model.hidden_dropout": _PROBABILITY,
+    "model.init_method_std": _POSITIVE_REAL,
+    "model.tensor_model_parallel_size": _POSITIVE,
+    "model.pipeline_model_parallel_size": _POSITIVE,
+    "model.virtual_pipeline_model_parallel_size": _POSITIVE,
+    "model.context_parallel_size": _POSITIVE,
+    "model.hierarchical_context_parallel_sizes": _POSITIVE,
+    "model.recompute_num_layers": _POSITIVE,
+    "data.tokenizer_vocab_size": Range(
+        262, why="SentencePiece needs the 4 special ids, the newline piece and 256 byte-fallback pieces, plus one"),
+    "data.seed": _SEED,
+    "data.num_workers": _NON_NEGATIVE,
+    "train.steps": Range(1, 10**8, why="10**8 steps is far beyond any run, and a larger count makes the "
+                                       "sample index build effectively forever"),
+    "train.global_batch_size": _POSITIVE,
+    "train.micro_batch_size": _POSITIVE,
+    "train.world_size": _POSITIVE,
+    "train.lr_warmup_iters": _NON_NEGATIVE,
+    "train.lr_decay_iters": _POSITIVE,
+    "train.eval_interval": _POSITIVE,
+    "train.eval_iters": Range(0, why="0 disables evaluation"),
+    "train.seed": _SEED,
+    "optimizer.lr": _POSITIVE_REAL,
+    "optimizer.min_lr": Range(0),
+    "optimizer.weight_decay": Range(0),
+    "optimizer.adam_beta1": _BETA,
+    "optimizer.adam_beta2": _BETA,
+    "optimizer.adam_eps": Range(0, 1, lo_open=True, hi_open=True),
+    "optimizer.clip_grad": Range(0, why="0 disables clipping"),
+    "checkpoint.save_interval": _POSITIVE,
+    "logging.log_interval": _POSITIVE,
+}
+"""Allowed range of every numeric recipe field (a list field: of each item), by dotted key."""
+
+
+def _validate_ranges(cfg: RecipeConfig) -> None:
+    for dotted, allowed in RANGES.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        items = [(dotted, value)] if not isinstance(value, list) else [
+            (f"{dotted}[{i}]", v) for i, v in enumerate(value)]
+        for name, v in items:
+            if v is not None and v not in allowed:
+                raise RecipeError(f"{name}={v!r} must be {allowed.describe(name, isinstance(v, int))}")
+
+
+def _validate_paths(cfg: RecipeConfig) -> None:
+    """Directories the run writes or reads must not be files (the only file-system access here:
+    a stat of each path and its parents)."""
+    for key in ("checkpoint.save", "checkpoint.load", "logging.tensorboard_dir"):
+        section, field_name = key.split(".")
+        value = getattr(getattr(cfg, section), field_name)
+        if value is None:
+            continue
+        path = Path(value).expanduser()
+        existing = next((p for p in (path, *path.parents) if p.exists()), None)
+        if existing is not None and not existing.is_dir():
+            where = "is" if existing == path else f"is inside {existing}, which is"
+            raise RecipeError(
+                f"{key}={value!r} {where} an existing file, not a directory; give a directory path "
+                f"(created when missing), or null"
+            )

@@ -1,0 +1,319 @@
+"""Recipe schema: one dataclass per section, with defaults and docstrings, and the translation of
+a recipe into megatron-core's keyword arguments.
+
+A recipe is a YAML file with the sections ``model``, ``data``, ``train``, ``optimizer``,
+``checkpoint`` and ``logging`` (NeMo / Megatron-Bridge style). Field names follow megatron-core:
+``ModelConfig`` uses ``TransformerConfig`` / ``ModelParallelConfig`` names (plus the few ``GPTModel``
+arguments a GPT needs), ``OptimizerConfig`` uses ``megatron.core.optimizer.OptimizerConfig`` names.
+The dataclass defaults *are* the tiny CPU recipe (``recipes/tiny_cpu.yaml`` repeats them).
+Reading a recipe is ``reader``'s job, checking one is ``checks``'s.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import List, Literal, Optional
+
+from mcp_context.algorithms import COMM_ALIASES
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be used: the message names the dotted key, its value and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    """The model and its parallel layout, in ``TransformerConfig`` field names."""
+
+    num_layers: int = 2
+    """Number of transformer layers."""
+    hidden_size: int = 64
+    """Width of the residual stream."""
+    ffn_hidden_size: Optional[int] = 128
+    """Width of the MLP; None means 4 * hidden_size (TransformerConfig's default)."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_query_groups: Optional[int] = 2
+    """Key/value heads (grouped-query attention); None means one per query head."""
+    kv_channels: Optional[int] = None
+    """Head dimension; None means hidden_size // num_attention_heads."""
+    seq_length: int = 256
+    """Training sequence length in tokens (GPTModel's ``max_sequence_length``); packed samples are
+    cut to exactly this many tokens (plus one for the shifted labels)."""
+    max_position_embeddings: Optional[int] = None
+    """Position table size for learned embeddings; None means seq_length."""
+    vocab_size: Optional[int] = None
+    """Vocabulary size; None means the tokenizer's, padded to make_vocab_size_divisible_by * TP."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the vocabulary to a multiple of this times tensor_model_parallel_size."""
+    position_embedding_type: Literal["rope", "learned_absolute", "none"] = "rope"
+    """Position encoding (GPTModel argument)."""
+    rotary_base: int = 10000
+    """RoPE base (500000 for Llama-3)."""
+    rotary_percent: float = 1.0
+    """Fraction of the head dimension that RoPE rotates."""
+    rope_scaling: bool = False
+    """Llama-3.1 style RoPE frequency scaling for long context."""
+    rope_scaling_factor: float = 8.0
+    """Scale factor of rope_scaling."""
+    share_embeddings_and_output_weights: bool = False
+    """Tie input embedding and output layer (Llama-3: untied)."""
+    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    """Norm layer type."""
+    layernorm_epsilon: float = 1e-5
+    """Norm epsilon."""
+    gated_linear_unit: bool = True
+    """Gated MLP (with activation_func=silu this is SwiGLU)."""
+    activation_func: Literal["silu", "gelu", "relu", "squared_relu"] = "silu"
+    """MLP activation, by name (mapped to the torch function in to_transformer_config_kwargs)."""
+    add_bias_linear: bool = False
+    """Biases in the linear layers."""
+    add_qkv_bias: bool = False
+    """Bias in the QKV projection only."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+    hidden_dropout: float = 0.0
+    """Dropout on the residual branches."""
+    init_method_std: float = 0.02
+    """Standard deviation of the weight initialisation."""
+    tensor_model_parallel_size: int = 1
+    """TP degree."""
+    pipeline_model_parallel_size: int = 1
+    """PP degree."""
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Interleaved pipeline stages per rank; None for the plain 1F1B schedule."""
+    context_parallel_size: int = 4
+    """CP degree: the sequence is sharded over this many ranks (zigzag layout)."""
+    hierarchical_context_parallel_sizes: Optional[List[int]] = field(default_factory=lambda: [2, 2])
+    """CP levels, inner to outer; their product is context_parallel_size. Level 0 (adjacent CP
+    ranks, one NVLink domain) runs all-to-all, the outer levels run P2P rings. Only with
+    cp_comm_type a2a+p2p."""
+    cp_comm_type: str = "a2a+p2p"
+    """CP algorithm: p2p (ring), a2a (Ulysses), all_gather (alias allgather), a2a+p2p (hierarchical)."""
+    sequence_parallel: bool = False
+    """Shard LayerNorm/dropout activations over the TP group (needs TP > 1)."""
+    bf16: bool = False
+    """bf16 mixed precision."""
+    params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype of the parameters (and of pipeline messages)."""
+    recompute_granularity: Optional[Literal["full", "selective"]] = None
+    """Activation recomputation: None, full or selective."""
+    recompute_method: Optional[Literal["uniform", "block"]] = None
+    """How full recomputation groups layers."""
+    recompute_num_layers: Optional[int] = None
+    """Layers per recomputation group (full recomputation)."""
+    layer_spec: Literal["local", "te"] = "local"
+    """Layer spec of mcp_context.megatron.specs: local (pure PyTorch, any device) or te
+    (Transformer Engine linear/norm layers, GPU only)."""
+
+
+# ModelConfig fields that are GPTModel (or recipe) arguments, not TransformerConfig fields.
+_GPT_MODEL_FIELDS = frozenset(
+    {
+        "seq_length",
+        "max_position_embeddings",
+        "vocab_size",
+        "make_vocab_size_divisible_by",
+        "position_embedding_type",
+        "rotary_base",
+        "rotary_percent",
+        "rope_scaling",
+        "rope_scaling_factor",
+        "share_embeddings_and_output_weights",
+        "layer_spec",
+    }
+)
+
+
+@dataclass
+class DataConfig:
+    """Where the tokens come from and how they are tokenised and packed."""
+
+    corpus: str = "bundled"
+    """Text to tokenise: ``bundled`` (the shipped Shakespeare scenes), or a path to a .txt file
+    (one document) or a .jsonl file (one document per line, text under json_key); .gz allowed."""
+    json_key: str = "text"
+    """Field holding the text in each JSONL record."""
+    data_path: Optional[List[str]] = None
+    """Prefixes of already tokenised megatron-core .bin/.idx files; when set, corpus is not read."""
+    tokenizer_type: Literal["SentencePieceTokenizer", "HuggingFaceTokenizer"] = "SentencePieceTokenizer"
+    """Tokenizer family, in Megatron-LM's ``--tokenizer-type`` spelling."""
+    tokenizer_model: Optional[str] = None
+    """SentencePiece .model file or Hugging Face tokenizer directory/name. None: the bundled model
+    for the bundled corpus, otherwise one trained from the corpus into cache_dir."""
+    tokenizer_vocab_size: int = 4096
+    """Vocabulary size when a SentencePiece model is trained from the corpus."""
+    split: str = "949,50,1"
+    """Train/valid/test weights over documents (Megatron's ``--split``)."""
+    cache_dir: str = "runs/data"
+    """Where tokenised corpora, trained tokenizers and dataset index caches are written."""
+    seed: int = 1234
+    """Seed of the sample shuffling."""
+    num_workers: int = 0
+    """DataLoader worker processes."""
+    create_attention_mask: bool = False
+    """Materialise an [s, s] causal mask per sample; keep False for long context (the CP attention
+    applies the causal mask itself)."""
+    reset_position_ids: bool = False
+    """Restart position ids after each end-of-document token."""
+    reset_attention_mask: bool = False
+    """Block attention across documents (needs create_attention_mask)."""
+    eod_mask_loss: bool = False
+    """Exclude end-of-document tokens from the loss."""
+
+
+@dataclass
+class TrainConfig:
+    """Steps, batch sizes and the learning-rate schedule."""
+
+    steps: int = 50
+    """Optimizer steps (Megatron's ``--train-iters``)."""
+    global_batch_size: int = 8
+    """Samples per optimizer step, over all data-parallel ranks."""
+    micro_batch_size: int = 2
+    """Samples per forward/backward on one rank."""
+    world_size: Optional[int] = 4
+    """Ranks this layout is planned for; checked against WORLD_SIZE at launch. None: take the
+    launcher's WORLD_SIZE."""
+    lr_warmup_iters: int = 5
+    """Linear warm-up steps."""
+    lr_decay_iters: Optional[int] = None
+    """Steps over which the learning rate decays to min_lr; None means steps."""
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = "cosine"
+    """Decay shape after warm-up."""
+    eval_interval: int = 25
+    """Steps between validation runs."""
+    eval_iters: int = 2
+    """Validation batches per run."""
+    seed: int = 1234
+    """Seed of the model initialisation and dropout."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where mcp_context.pretrain trains: cpu (gloo), cuda (NCCL, a GPU per rank); auto: cuda when available."""
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer, in ``megatron.core.optimizer.OptimizerConfig`` field names."""
+
+    optimizer: Literal["adam", "sgd"] = "adam"
+    """adam (AdamW with decoupled weight decay) or sgd."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the decay."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.95
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Gradient norm clip."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over data-parallel ranks."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Where checkpoints go; the resolved recipe is saved next to every one."""
+
+    save: Optional[str] = "runs/tiny_cpu/checkpoints"
+    """Directory to save checkpoints in; None disables saving."""
+    load: Optional[str] = None
+    """Directory to resume from; None starts from scratch."""
+    save_interval: int = 25
+    """Steps between checkpoints."""
+
+
+@dataclass
+class LoggingConfig:
+    """What is logged and where."""
+
+    log_interval: int = 1
+    """Steps between log lines."""
+    tensorboard_dir: Optional[str] = None
+    """TensorBoard event directory; None disables TensorBoard."""
+    wandb_project: Optional[str] = None
+    """Weights & Biases project; None disables it."""
+
+
+@dataclass
+class RecipeConfig:
+    """A whole recipe. The defaults are the tiny CPU recipe (4 CP ranks as 2 x 2, world size 4)."""
+
+    name: str = "tiny_cpu"
+    """Short name of the recipe."""
+    description: str = "Tiny GPT on the bundled corpus: 4 CPU ranks, hierarchical CP [2, 2] (a2a+p2p)."
+    """One line on what the recipe is for and the cluster it assumes."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict:
+        """Plain nested dict of the recipe (what ``save_recipe`` writes)."""
+        return dataclasses.asdict(self)
+
+    def to_transformer_config_kwargs(self) -> dict:
+        """Keyword arguments for ``megatron.core.transformer.TransformerConfig``.
+
+        Names map one to one; ``activation_func`` and ``params_dtype`` become the torch objects,
+        ``pipeline_dtype`` is set to ``params_dtype`` when PP > 1 (TransformerConfig requires it).
+        Runtime-only fields (``use_cpu_initialization``, fusions) are left to the caller.
+        """
+        import torch
+        import torch.nn.functional as F
+
+        kwargs = {
+            f.name: getattr(self.model, f.name)
+            for f in dataclasses.fields(ModelConfig)
+            if f.name not in _GPT_MODEL_FIELDS
+        }
+        activations = {
+            "silu": F.silu,
+            "gelu": F.gelu,
+            "relu": F.relu,
+            "squared_relu": lambda x: torch.pow(F.relu(x), 2),
+        }
+        kwargs["activation_func"] = activations[self.model.activation_func]
+        kwargs["cp_comm_type"] = COMM_ALIASES.get(kwargs["cp_comm_type"], kwargs["cp_comm_type"])  # TE spelling
+        kwargs["params_dtype"] = getattr(torch, self.model.params_dtype)
+        if self.model.hierarchical_context_parallel_sizes is not None:
+            kwargs["hierarchical_context_parallel_sizes"] = list(self.model.hierarchical_context_parallel_sizes)
+        if self.model.pipeline_model_parallel_size > 1:
+            kwargs["pipeline_dtype"] = kwargs["params_dtype"]
+        return kwargs
+
+    def padded_vocab_size(self, tokenizer_vocab_size: int) -> int:
+        """``model.vocab_size`` if set, else the tokenizer's size rounded up to a multiple of
+        ``make_vocab_size_divisible_by * tensor_model_parallel_size`` (Megatron-LM's rule)."""
+        if self.model.vocab_size is not None:
+            return self.model.vocab_size
+        multiple = self.model.make_vocab_size_divisible_by * self.model.tensor_model_parallel_size
+        return int(math.ceil(tokenizer_vocab_size / multiple) * multiple)
+
+    def to_gpt_model_kwargs(self, tokenizer_vocab_size: int) -> dict:
+        """Keyword arguments for ``megatron.core.models.gpt.GPTModel`` besides config and spec."""
+        m = self.model
+        return {
+            "vocab_size": self.padded_vocab_size(tokenizer_vocab_size),
+            "max_sequence_length": m.max_position_embeddings or m.seq_length,
+            "position_embedding_type": m.position_embedding_type,
+            "rotary_base": m.rotary_base,
+            "rotary_percent": m.rotary_percent,
+            "rope_scaling": m.rope_scaling,
+            "rope_scaling_factor": m.rope_scaling_factor,
+            "share_embeddings_and_output_weights": m.share_embeddings_and_output_weights,
+        }
+
+    def to_optimizer_config_kwargs(self) -> dict:
+        """Keyword arguments for ``megatron.core.optimizer.OptimizerConfig``."""
+        kwargs = dataclasses.asdict(self.optimizer)
+        kwargs["bf16"] = self.model.bf16
+        kwargs["params_dtype"] = self.to_transformer_config_kwargs()["params_dtype"]
+        return kwargs

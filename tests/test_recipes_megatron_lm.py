@@ -1,0 +1,100 @@
+"""``to-megatron-args`` prints a command that runs as printed: a local-impl recipe turns off the
+fusions that need Transformer Engine or apex, and a split Megatron-LM's dataset builder would loop
+on is refused (empty train/valid) or adjusted with a note (empty test). Also: the Megatron-LM
+translation sits above ``data``, which sits above ``recipes`` — no import runs back up.
+"""
+from __future__ import annotations
+
+import ast
+import shlex
+from pathlib import Path
+
+import pytest
+
+from mcp_context.megatron_lm import LOCAL_IMPL_FLAGS, format_megatron_command, megatron_split
+from mcp_context.recipes import RecipeError, load_recipe
+from mcp_context.recipes.__main__ import main as recipes_cli
+from tests.test_recipes import _command_argv, _megatron_lm_parser
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "mcp_context"
+
+
+def _parsed(command: str):
+    return _megatron_lm_parser().parse_args(shlex.split(_command_argv(command)))
+
+
+def test_local_recipe_command_runs_without_te_or_apex(capsys):
+    assert recipes_cli(["to-megatron-args", str(REPO / "recipes" / "tiny_cpu.yaml")]) == 0
+    command = capsys.readouterr().out
+    a = _parsed(command)
+    assert a.transformer_impl == "local" and a.spec == ["mcp_context.megatron.specs", "hcp_local_spec"]
+    assert (a.apply_rope_fusion, a.persist_layer_norm, a.gradient_accumulation_fusion) == (False, False, False)
+    # The bundled corpus has 236 scenes: 949,50,1 leaves the test split empty, so the test weight goes.
+    assert a.split == "949,50,0"
+    assert ("# data.split='949,50,1' leaves the test split of" in command and "(236 documents) empty" in command
+            and "printed --split 949,50,0 (no test set)" in command)
+
+
+def test_te_recipe_keeps_megatron_lm_fusions():
+    cfg = load_recipe(REPO / "recipes" / "llama3_8b_128k_hcp.yaml")
+    command = format_megatron_command(cfg)
+    a = _parsed(command)
+    assert a.transformer_impl == "transformer_engine" and a.apply_rope_fusion and a.gradient_accumulation_fusion
+    assert not any(flag in command for flag in LOCAL_IMPL_FLAGS)
+    assert a.split == cfg.data.split == "99,1,0"  # data on the cluster: document counts unknown, split as given
+
+
+@pytest.mark.parametrize("split, name", [("999,1,0", "valid"), ("1,999,0", "train")])
+def test_a_split_with_an_empty_train_or_valid_set_is_refused(split, name, capsys):
+    cfg = load_recipe(None, [f"data.split={split}"])
+    with pytest.raises(RecipeError, match=rf"data.split='{split}' leaves the {name} split of .* \(236 documents\) "
+                                          rf"with no document, which Megatron-LM's dataset builder loops on forever"):
+        megatron_split(cfg)
+    assert recipes_cli(["to-megatron-args", "-", f"data.split={split}"]) == 2
+    assert f"error: data.split='{split}' leaves the {name} split" in capsys.readouterr().err
+
+
+def test_a_split_with_documents_everywhere_is_printed_unchanged():
+    cfg = load_recipe(None, ["data.split=90,8,2"])
+    assert megatron_split(cfg) == ("90,8,2", None)
+    assert _parsed(format_megatron_command(cfg)).split == "90,8,2"
+
+
+# Lower layers first; a module may import only from its own layer or one below.
+LAYERS = [
+    ["mcp_context.atomic"],
+    ["mcp_context.recipes.schema", "mcp_context.recipes.reader", "mcp_context.recipes.checks",
+     "mcp_context.recipes"],
+    ["mcp_context.data"],
+    ["mcp_context.megatron_lm"],
+]
+
+
+def _layer(module: str) -> int:
+    for i, names in enumerate(LAYERS):
+        if any(module == n or module.startswith(n + ".") for n in names):
+            return i
+    return -1
+
+
+def _imports(path: Path) -> set[str]:
+    """Every mcp_context module a file imports, at the top or inside a function, TYPE_CHECKING included."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return {m for m in found if m.startswith("mcp_context")}
+
+
+@pytest.mark.parametrize("path", sorted([*PACKAGE.glob("recipes/*.py"), *PACKAGE.glob("data/*.py"),
+                                         PACKAGE / "megatron_lm.py"]), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_module_imports_one_above_it(path):
+    """``__main__`` files are entry points (nothing imports them), so they sit on top."""
+    if path.name == "__main__.py":
+        return
+    module = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+    above = sorted(m for m in _imports(path) if _layer(m) > _layer(module))
+    assert not above, f"{module} imports {above}, which sit above it"
