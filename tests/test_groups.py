@@ -12,7 +12,7 @@ def _compare(rank, world, tp, sizes):
 
     from mcp_context import HCPGroups, build_hcp_groups
 
-    megatron_patches.apply_all()
+    megatron_patches.apply_all(device="cpu")
     cp = world // tp
     init_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp, hierarchical_context_parallel_sizes=sizes)
     try:
