@@ -42,8 +42,7 @@ import torch.distributed as dist
 from mcp_context import safe_pickle
 from mcp_context.atomic import write_atomic
 from mcp_context.pretrain.build import train_device
-from mcp_context.recipes import RecipeConfig, RecipeError, load_recipe, save_recipe
-from mcp_context.recipes import RESOLVED_RECIPE_FILENAME
+from mcp_context.recipes import RESOLVED_RECIPE_FILENAME, RecipeConfig, RecipeError, load_recipe, save_recipe
 
 LATEST_FILENAME = "latest"
 TMP_SUFFIX = ".tmp"
