@@ -312,3 +312,14 @@ BAD_ARGS = {
 def test_bad_arguments_are_one_line_and_exit_2(capsys, case):
     argv, needle = BAD_ARGS[case]
     assert needle in _cli(capsys, *argv)
+
+
+def test_a_valid_file_with_a_dtype_the_converter_does_not_handle_is_refused_naming_the_tensor(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    (tmp_path / "hf").mkdir()
+    save_file({"model.embed_tokens.weight": torch.zeros(32, 16, dtype=torch.uint16)},
+              str(tmp_path / "hf" / "model.safetensors"))
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(TINY))
+    err = _cli(capsys, "hf-to-mcore", "--hf", str(tmp_path / "hf"), "--mcore", str(tmp_path / "out"))
+    assert "'model.embed_tokens.weight'" in err and "'U16'" in err
