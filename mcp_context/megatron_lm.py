@@ -15,7 +15,7 @@ import shlex
 from typing import Optional
 
 from mcp_context.algorithms import COMM_ALIASES
-from mcp_context.data.corpus import (BUNDLED_CORPUS, corpus_path, data_prefixes, read_documents, split_document_counts,
+from mcp_context.data.corpus import (BUNDLED_CORPUS, corpus_path, data_prefixes, read_documents, empty_test_split,
                                      tokenizer_model_path)
 from mcp_context.recipes import RecipeConfig, RecipeError
 
@@ -190,17 +190,8 @@ def megatron_split(cfg: RecipeConfig) -> tuple[str, Optional[str]]:
         return split, None
     weights = [w.strip() for w in split.split(",")]
     weights += ["0"] * (3 - len(weights))
-    empty_test = []
-    for prefix, n_docs in counts.items():
-        for name, count in zip(("train", "valid", "test"), split_document_counts(split, n_docs)):
-            if count != 0:
-                continue
-            if name != "test":
-                raise RecipeError(
-                    f"data.split={split!r} leaves the {name} split of {prefix} ({n_docs} documents) with no "
-                    f"document, which Megatron-LM's dataset builder loops on forever; raise the {name} weight"
-                )
-            empty_test.append(f"{prefix} ({n_docs} documents)")
+    empty_test = [f"{prefix} ({n_docs} documents)" for prefix, n_docs in counts.items()
+                  if empty_test_split(split, prefix, n_docs)]
     if not empty_test:
         return split, None
     adjusted = ",".join(weights[:2] + ["0"])

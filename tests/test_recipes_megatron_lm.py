@@ -49,7 +49,7 @@ def test_te_recipe_keeps_megatron_lm_fusions():
 def test_a_split_with_an_empty_train_or_valid_set_is_refused(split, name, capsys):
     cfg = load_recipe(None, [f"data.split={split}"])
     with pytest.raises(RecipeError, match=rf"data.split='{split}' leaves the {name} split of .* \(236 documents\) "
-                                          rf"with no document, which Megatron-LM's dataset builder loops on forever"):
+                                          rf"with no document, which megatron-core's dataset builder loops on forever"):
         megatron_split(cfg)
     assert recipes_cli(["to-megatron-args", "-", f"data.split={split}"]) == 2
     assert f"error: data.split='{split}' leaves the {name} split" in capsys.readouterr().err

@@ -17,6 +17,7 @@ _LAZY = {
     "SentencePieceTokenizer": "mcp_context.data.tokenizer",
     "HuggingFaceTokenizer": "mcp_context.data.tokenizer",
     "read_documents": "mcp_context.data.corpus",
+    "CorpusError": "mcp_context.data.corpus",
     "BUNDLED_CORPUS": "mcp_context.data.corpus",
     "BUNDLED_TOKENIZER": "mcp_context.data.corpus",
 }

@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
 
         tokenizer, prefixes = prepare_data(cfg, force=args.force)
     except (RecipeError, FileNotFoundError, KeyError, CorpusError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        message = err.args[0] if isinstance(err, KeyError) else err  # str(KeyError) would add quotes
+        print(f"error: {message}", file=sys.stderr)
         return 2
     print(f"tokenizer: {tokenizer.path} ({tokenizer.vocab_size} pieces, end-of-document id {tokenizer.eod})")
     for prefix in prefixes:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Iterator, Optional, Union
 
 from mcp_context.recipes.checks import split_weights
-from mcp_context.recipes.schema import DataConfig
+from mcp_context.recipes.schema import DataConfig, RecipeError
 
 BUNDLED_DIR = Path(__file__).resolve().parent / "corpus"
 BUNDLED_CORPUS = BUNDLED_DIR / "shakespeare_scenes.jsonl.gz"
@@ -210,3 +210,18 @@ def split_document_counts(split: str, n_docs: int) -> list[Optional[int]]:
         ends.append(ends[-1] + w / total)
     return [None if end <= begin else int(round(end * n_docs)) - int(round(begin * n_docs))
             for begin, end in zip(ends[:-1], ends[1:])]
+
+
+def empty_test_split(split: str, prefix: str, n_docs: int) -> bool:
+    """True when the test split of ``prefix`` (``n_docs`` documents) has positive weight but no
+    document (callers drop it); an empty train or valid split raises ``RecipeError``. megatron-core's
+    dataset builder loops forever on either, so every caller checks here first."""
+    for name, count in zip(("train", "valid", "test"), split_document_counts(split, n_docs)):
+        if count == 0 and name != "test":
+            raise RecipeError(
+                f"data.split={split!r} leaves the {name} split of {prefix} ({n_docs} documents) with no document, "
+                f"which megatron-core's dataset builder loops on forever; raise the {name} weight, or use a "
+                f"corpus with more (shorter) documents"
+                + (", or data.split=100,0,0 to train without validation" if name == "valid" else "")
+            )
+    return split_document_counts(split, n_docs)[2] == 0

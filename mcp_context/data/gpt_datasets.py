@@ -15,7 +15,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.tokenizers import MegatronTokenizerBase
 
-from mcp_context.data.corpus import data_prefixes, split_document_counts
+from mcp_context.data.corpus import data_prefixes, empty_test_split
 from mcp_context.recipes.schema import RecipeConfig
 
 
@@ -53,18 +53,8 @@ def _drop_empty_splits(config: GPTDatasetConfig, prefixes: Sequence[str]) -> Non
     boundaries stay Megatron-LM's (the test split is dropped from the matrix, not from the weights).
     """
     for prefix in prefixes:
-        n_docs = len(IndexedDataset(prefix).sequence_lengths)
-        for i, (name, count) in enumerate(zip(("train", "valid", "test"), split_document_counts(config.split, n_docs))):
-            if count != 0:
-                continue
-            if name == "test":
-                config.split_matrix[i] = None
-                continue
-            raise ValueError(
-                f"data.split={config.split!r} leaves the {name} split of {prefix} ({n_docs} documents) with "
-                f"no document; raise the {name} weight, or use a corpus with more (shorter) documents"
-                + (", or data.split=100,0,0 to train without validation" if name == "valid" else "")
-            )
+        if empty_test_split(config.split, prefix, len(IndexedDataset(prefix).sequence_lengths)):
+            config.split_matrix[2] = None
 
 
 def build_gpt_datasets(
