@@ -1,7 +1,8 @@
 """Command line: ``python -m mcp_context.convert {hf-to-mcore,mcore-to-hf,verify,make-random} ...``.
 
 Owns argument parsing, turning bad arguments and conversion errors (bad or damaged input files,
-unsupported models) into one line on stderr with exit status 2, and reporting peak memory. The work itself is in ``converter``, ``verify`` and ``random_checkpoint``.
+unsupported models) into one line on stderr with exit status 2, and reporting peak memory. The work
+itself is in ``converter``, ``verify`` and ``random_checkpoint``.
 """
 from __future__ import annotations
 
@@ -58,8 +59,8 @@ def peak_rss_mib() -> float:
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m mcp_context.convert",
-                                description="Convert Llama-family checkpoints between Hugging Face "
-                                            "safetensors and megatron-core torch_dist.")
+                description="Convert Llama-family checkpoints between Hugging Face safetensors and "
+                            "megatron-core torch_dist.")
     sub = p.add_subparsers(dest="command", required=True)
     progress = _Parser(add_help=False)
     progress.add_argument("--no-progress", action="store_true", help="hide progress bars")
