@@ -139,7 +139,7 @@ class ContextParallelAttention:
                         int(self.dropout_p > 0))
         self._schemes: dict[tuple, Scheme] = {}
 
-    def _check_agreement(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def check_agreement(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """All CP ranks raise the same ValueError when their inputs or configurations differ."""
         row = _tensor_row(q) + _tensor_row(k) + _tensor_row(v) + list(self._config)
         mine = torch.tensor(row, dtype=torch.int64)
@@ -172,7 +172,7 @@ class ContextParallelAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool = False,
                  dropout_seed: Optional[int] = None):
         if self.check_ranks:
-            self._check_agreement(q, k, v)
+            self.check_agreement(q, k, v)
         _check_qkv(q, k, v)
         scheme = self.scheme(q, k)
         if self.dropout_p > 0 and dropout_seed is None:

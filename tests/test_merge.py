@@ -35,3 +35,23 @@ def test_merge_is_stable_for_huge_lse_gaps():
     out, lse = torch.ones(1, 1, 2), torch.tensor([[1e4]])
     merge_(out, lse, torch.full((1, 1, 2), 5.0), torch.tensor([[-1e4]]))
     assert torch.isfinite(out).all() and torch.allclose(out, torch.ones(1, 1, 2)) and lse.item() == 1e4
+
+
+def test_compiled_merge_equals_eager_merge_on_views_with_masked_rows():
+    """The fused (torch.compile) merge that CUDA uses gives the eager merge's results, here compiled for
+    the CPU: same in-place writes into a query sub-range, -inf rows kept, bit-close (fp32 1e-6)."""
+    from mcp_context.merge import compiled_merge, merge_eager_
+
+    gen = torch.Generator().manual_seed(1)
+    out, lse = torch.randn(2, 4, 64, 16, generator=gen), torch.randn(2, 4, 64, generator=gen)
+    block_out, block_lse = torch.randn(2, 4, 32, 16, generator=gen), torch.randn(2, 4, 32, generator=gen)
+    lse[0, 0, 10:20] = float("-inf")
+    block_lse[0, 0, :5] = float("-inf")  # rows 10..14: both sides empty
+    eager_out, eager_lse = out.clone(), lse.clone()
+    compiled_merge()(out[:, :, 10:42], lse[:, :, 10:42], block_out, block_lse)
+    merge_eager_(eager_out[:, :, 10:42], eager_lse[:, :, 10:42], block_out, block_lse)
+    assert torch.isfinite(out).all() and (lse[0, 0, 10:15] == float("-inf")).all()
+    assert torch.allclose(out, eager_out, atol=1e-6, rtol=1e-6)
+    assert torch.equal(lse.isinf(), eager_lse.isinf())
+    finite = lse.isfinite()
+    assert torch.allclose(lse[finite], eager_lse[finite], atol=1e-6, rtol=1e-6)

@@ -33,7 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -121,7 +121,7 @@ def _timed(fn) -> float:
 
 def _bench_config(rank, world, groups, comm, layout, shape: Shape, reps: int) -> dict:
     """One configuration's interleaved repetitions; the figures (on rank 0; ``{}`` elsewhere)."""
-    from mcp_context import comm_stats, context_parallel_attention, shard_sequence
+    from mcp_context import ContextParallelAttention, comm_stats, context_parallel_attention, shard_sequence
     from mcp_context.algorithms import a2a_degree
     from mcp_context.schedule import layout_schedule, load_balance, masked_waste
 
@@ -155,16 +155,26 @@ def _bench_config(rank, world, groups, comm, layout, shape: Shape, reps: int) ->
     comm_stats.reset()
     ours(True)
     bytes_fwd_bwd = dict(comm_stats.bytes_sent)
+    engine = ContextParallelAttention(groups, causal=True, layout=layout, comm=comm, check_ranks=True)
+
+    def rank_check() -> float:
+        """The cross-rank agreement check alone (it is part of every ``ours`` call on gloo)."""
+        t0 = time.perf_counter()
+        engine.check_agreement(*leaves)
+        return time.perf_counter() - t0
+
     reps_out = []
     for _ in range(reps):  # interleaved: ours and the baseline alternate within each repetition
         reps_out.append({"ours_fwd": _timed(lambda: ours(False)), "full_fwd": baseline(False),
-                         "ours_fwd_bwd": _timed(lambda: ours(True)), "full_fwd_bwd": baseline(True)})
+                         "ours_fwd_bwd": _timed(lambda: ours(True)), "full_fwd_bwd": baseline(True),
+                         "rank_check": rank_check()})
     if rank != 0:
         return {}  # the times above are the slowest rank's on every rank; the baseline ran on rank 0
     sched = layout_schedule(layout, world, shape.seq_len, True, a2a_degree(comm, groups))
     return {"comm": comm, "layout": layout, "world_size": world, "reps": reps_out,
             "ratio_fwd": statistics.median(r["ours_fwd"] / r["full_fwd"] for r in reps_out),
             "ratio_fwd_bwd": statistics.median(r["ours_fwd_bwd"] / r["full_fwd_bwd"] for r in reps_out),
+            "rank_check_share_fwd": statistics.median(r["rank_check"] / r["ours_fwd"] for r in reps_out),
             "load_balance": load_balance(sched), "masked_waste_tile128": masked_waste(sched),
             "bytes_sent_fwd": bytes_fwd, "bytes_sent_fwd_bwd": bytes_fwd_bwd}
 
@@ -240,7 +250,8 @@ def _cpu_worker(rank, world, init_file, out_file, shape, reps, comms, layouts):
         res = _bench_config(rank, world, groups[sizes], comm, layout, shape, reps)
         if res:
             print(f"  P={world} {comm:10s} {layout:10s} fwd {res['ratio_fwd']:.2f}x  "
-                  f"fwd+bwd {res['ratio_fwd_bwd']:.2f}x  balance {res['load_balance']:.3f}", flush=True)
+                  f"fwd+bwd {res['ratio_fwd_bwd']:.2f}x  balance {res['load_balance']:.3f}  "
+                  f"rank check {100 * res['rank_check_share_fwd']:.2f}% of fwd", flush=True)
         results.append(res)
     timeline = _timeline(rank, world, groups.get((world,)) or build_hcp_groups([world]), shape, reps)
     if rank == 0:
@@ -309,21 +320,13 @@ def _peak_bytes(fn, device: torch.device):
     return torch.cuda.max_memory_allocated(device) - base
 
 
-def _device_kernels(device: torch.device, dtype: torch.dtype) -> dict:
-    """Every block kernel this device might have: name -> kernel, or the reason it is unavailable."""
-    from mcp_context.kernels.math import MathKernel
-    from mcp_context.kernels.te import TEKernel
-    from mcp_context.kernels.torch_sdpa import _OPS, TorchKernel, _agrees
+def _device_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> dict:
+    """Every block kernel the registry knows: name -> kernel, or the probe's reason it does not serve."""
+    from mcp_context.kernels import BACKENDS, probe
 
-    kernels: dict = {"math": MathKernel()}
-    for name, fwd, bwd in _OPS.get(device.type, []):
-        kern = TorchKernel(f"torch:{name}", fwd, bwd)
-        kernels[kern.name] = kern if _agrees(kern, device, dtype) else "does not run or disagrees with math here"
-    try:
-        kernels["te"] = TEKernel(device, dtype)
-    except (RuntimeError, NotImplementedError) as err:
-        kernels["te"] = str(err)
-    return kernels
+    named = [b for b in BACKENDS if b not in ("auto", "torch")]
+    return {name: v.kernel if (v := probe(name, device, dtype, head_dim=head_dim)).kernel is not None else v.reason
+            for name in named}
 
 
 def _kernel_block(kernel, q, k, v, dout, backward: bool):
@@ -339,6 +342,8 @@ def device_benchmarks(device: torch.device, shape: Shape, world_sizes, reps: int
     from mcp_context.kernels import get_kernel
     from mcp_context.schedule import layout_schedule
 
+    print(f"  S={shape.seq_len}", flush=True)
+
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     b, h, hk, d = shape.batch, shape.heads, shape.kv_heads, shape.head_dim
     n = shape.seq_len // max(world_sizes)
@@ -349,12 +354,13 @@ def device_benchmarks(device: torch.device, shape: Shape, world_sizes, reps: int
 
     q, k, v, dout = rand(b, h, n, d), rand(b, hk, n, d), rand(b, hk, n, d), rand(b, h, n, d)
     causal_flops = 4 * b * h * d * n * (n + 1) // 2
-    available = {name: kern for name, kern in _device_kernels(device, dtype).items() if not isinstance(kern, str)}
+    verdicts = _device_kernels(device, dtype, d)
+    available = {name: kern for name, kern in verdicts.items() if not isinstance(kern, str)}
     calls = {f"{name} {label}": (lambda kern=kern, backward=backward: _kernel_block(kern, q, k, v, dout, backward))
              for name, kern in available.items() for label, backward in (("fwd", False), ("fwd_bwd", True))}
     times = _interleaved_seconds(calls, device, reps)
     kernels = []
-    for name, kern in _device_kernels(device, dtype).items():
+    for name, kern in verdicts.items():
         if isinstance(kern, str):
             kernels.append({"kernel": name, "unavailable": kern})
             continue
@@ -365,7 +371,7 @@ def device_benchmarks(device: torch.device, shape: Shape, world_sizes, reps: int
             row[f"{label}_peak_bytes"] = _peak_bytes(calls[f"{name} {label}"], device)
         kernels.append(row)
 
-    kernel = get_kernel("auto", device, dtype)
+    kernel = get_kernel("auto", device, dtype, head_dim=d)
     schedules = []
     for world in world_sizes:
         sched = layout_schedule("zigzag", world, shape.seq_len, True)
@@ -374,7 +380,7 @@ def device_benchmarks(device: torch.device, shape: Shape, world_sizes, reps: int
         ql = rand(s_local, b, h, d).requires_grad_()
         kl, vl = (rand(shape.seq_len, b, hk, d).requires_grad_() for _ in range(2))  # every member's K/V, here
         do = rand(s_local, b, h, d)
-        plan = RingPlan(sched.tasks[0], LocalRotation(0, world), kernel, d ** -0.5)
+        plan = RingPlan.build(sched.tasks[0], LocalRotation(0, world), kernel, d ** -0.5, s_local)
         s_eq = round((math.sqrt(8 * pairs + 1) - 1) / 2)  # causal s_eq*(s_eq+1)/2 == useful pairs
         qe, ke, ve, doe = rand(b, h, s_eq, d).requires_grad_(), rand(b, hk, s_eq, d).requires_grad_(), \
             rand(b, hk, s_eq, d).requires_grad_(), rand(b, h, s_eq, d)
@@ -404,8 +410,13 @@ def device_benchmarks(device: torch.device, shape: Shape, world_sizes, reps: int
                                                           for a, f in zip(t["ours"], t["fused"])),
                           "ours_peak_bytes": _peak_bytes(pair["ours"], device),
                           "fused_peak_bytes": _peak_bytes(pair["fused"], device)}
+            if row[label]["fused_peak_bytes"]:
+                row[label]["memory_ratio"] = row[label]["ours_peak_bytes"] / row[label]["fused_peak_bytes"]
+            print(f"  P={world} {label}: {row[label]['ours_tflops']:.3g} vs fused {row[label]['fused_tflops']:.3g} "
+                  f"TFLOP/s, efficiency {row[label]['efficiency']:.2f} ({kernel.name})", flush=True)
         schedules.append(row)
-    return {"device": str(device), "dtype": str(dtype), "block_len": n, "kernels": kernels, "rank_schedule": schedules}
+    return {"device": str(device), "dtype": str(dtype), "seq_len": shape.seq_len, "block_len": n, "kernels": kernels,
+            "rank_schedule": schedules}
 
 
 # --------------------------------------------------------------------------------------------- plots
@@ -461,8 +472,8 @@ def plot(results: dict, out_dir: str, suffix: str) -> list[str]:
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
 
-    dev = results.get("device")
-    if dev:
+    devices = results.get("device") or []
+    for dev in devices if isinstance(devices, list) else [devices]:  # older runs stored one dict
         rows = [r for r in dev["kernels"] if "fwd_tflops" in r]
         fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 3.8))
         x = range(len(rows))
@@ -481,11 +492,12 @@ def plot(results: dict, out_dir: str, suffix: str) -> list[str]:
             ax2.bar([i + offset for i in x], [r[key[0]][key[1]] for r in sched], 0.2, label=label)
         ax2.set_xticks(list(x), [f"P={r['world_size']}\n{r['fwd_bwd']['efficiency']:.2f} of fused" for r in sched])
         ax2.set_ylabel("TFLOP/s")
-        ax2.set_title(f"rank 0's zigzag schedule vs one fused SDPA of equal useful FLOPs ({dev['device']})",
+        seq = dev.get("seq_len", results["shape"]["seq_len"])
+        ax2.set_title(f"rank 0's zigzag schedule vs one fused SDPA of equal useful FLOPs ({dev['device']}, S={seq})",
                       fontsize=9)
         ax2.legend(fontsize=8)
         fig.tight_layout()
-        paths.append(os.path.join(out_dir, f"bench_device_kernels{suffix}.png"))
+        paths.append(os.path.join(out_dir, f"bench_device_kernels{suffix}_s{seq}.png"))
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
     return paths
@@ -517,6 +529,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-cpu", action="store_true", help="skip the gloo runs")
     ap.add_argument("--device-bench", choices=["auto", "cuda", "cpu", "none"], default="auto",
                     help="kernel/schedule benchmark device (auto: cuda when available, else none)")
+    ap.add_argument("--device-seq-lens", type=int, nargs="+", help="sequence lengths of the device benchmark "
+                    "(default: --seq-len), e.g. 32768 131072")
     args = ap.parse_args(argv)
     if args.replot:
         with open(args.replot) as f:
@@ -525,9 +539,11 @@ def main(argv=None) -> int:
         print("wrote", ", ".join(plot(old, os.path.dirname(args.replot) or ".", suffix)))
         return 0
     shape = Shape(args.seq_len, args.batch, args.heads, args.kv_heads, args.head_dim)
+    device_seq_lens = args.device_seq_lens or [args.seq_len]
     for world in args.world_sizes:
-        if args.seq_len % (2 * world):
-            ap.error(f"--seq-len {args.seq_len} is not divisible by 2*P={2 * world}; pad it to a multiple")
+        for seq_len in {args.seq_len, *device_seq_lens}:
+            if seq_len % (2 * world):
+                ap.error(f"sequence length {seq_len} is not divisible by 2*P={2 * world}; pad it to a multiple")
     os.makedirs(args.out, exist_ok=True)
     results = {"machine": _machine(), "shape": asdict(shape), "reps": args.reps, "dtype_cpu": "float32"}
     if not args.no_cpu:
@@ -538,7 +554,8 @@ def main(argv=None) -> int:
         ap.error("--device-bench cuda needs a CUDA device; none is available here")
     if device is not None:
         print(f"device benchmarks on {device}", flush=True)
-        results["device"] = device_benchmarks(torch.device(device), shape, args.world_sizes, args.reps)
+        results["device"] = [device_benchmarks(torch.device(device), Shape(n, *astuple(shape)[1:]), args.world_sizes,
+                                               args.reps) for n in device_seq_lens]
     suffix = "_p" + "_".join(map(str, args.world_sizes)) + (f"_{args.tag}" if args.tag else "")
     results["plots"] = plot(results, args.out, suffix)
     from mcp_context.atomic import write_atomic
