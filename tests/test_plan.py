@@ -223,7 +223,7 @@ ARGS = ["--layers", "2", "--hidden", "32", "--heads", "8", "--kv-heads", "2", "-
 
 @pytest.mark.parametrize("flag", ["--layers", "--hidden", "--heads", "--kv-heads", "--head-dim", "--ffn-hidden",
                                   "--vocab", "--seq-len", "--gpus", "--gpus-per-node", "--tp", "--pp",
-                                  "--micro-batch-size", "--cp-sizes"])
+                                  "--micro-batch-size", "--cp-sizes", "--jobs"])
 @pytest.mark.parametrize("value", ["0", "-3", "two"])
 def test_cli_refuses_out_of_range_values_in_one_line(flag, value, capsys):
     """--gpus-per-node 0 used to divide by zero: every integer flag is checked, the error names flag, value, range."""
@@ -254,3 +254,11 @@ def test_cp_sizes_restrict_the_candidates_and_progress_counts_them(h100, capsys)
         r.candidate for r in full.rows if r.candidate.cp_size == 2}
     bar = capsys.readouterr().err
     assert f"{len(only.rows)}/{len(only.rows)}" in bar and "dry runs" in bar
+
+
+def test_worker_processes_give_the_same_plan(h100):
+    """--jobs 2: the candidates' dry runs in two spawned processes give the same rows and reasons."""
+    req = dataclasses.replace(_request(h100, seq=64, gpus=4), cp_sizes=(1, 2))
+    here, workers = plan(req), plan(req, jobs=2)
+    assert [r.__dict__ for r in workers.rows] == [r.__dict__ for r in here.rows] and len(here.rows) > 2
+    assert workers.reasons == here.reasons

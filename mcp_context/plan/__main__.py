@@ -64,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile", default="h100_nvlink_ib",
                     help=f"machine profile: {', '.join(shipped_profiles())} or a YAML path")
     ap.add_argument("--json", metavar="PATH", help="also write the whole plan as JSON ('-' for stdout only)")
+    ap.add_argument("--jobs", type=_positive_int, default=1,
+                    help="evaluate the candidates in this many worker processes, each importing its own torch "
+                         "(default 1: on a busy 2-core machine 2 workers were no faster)")
     ap.add_argument("--no-progress", action="store_true",
                     help="hide the progress bar over the candidates (shown on stderr when it is a terminal)")
     return ap
@@ -108,7 +111,7 @@ def _request(args: argparse.Namespace) -> PlanRequest:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        result = plan(_request(args), progress=False if args.no_progress else None)
+        result = plan(_request(args), progress=False if args.no_progress else None, jobs=args.jobs)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -149,19 +149,17 @@ def _choose(rows: list[PlanRow]) -> PlanRow:
     return min(close, key=lambda r: (r.seconds_per_sequence, r.inter_node_bytes))
 
 
-def plan(req: PlanRequest, progress: Optional[bool] = False) -> Plan:
+def plan(req: PlanRequest, progress: Optional[bool] = False, jobs: int = 1) -> Plan:
     """Evaluate every valid candidate and recommend one (listed first; the rest: fitting ones first,
     fastest per sequence first). ``progress``: a bar over the candidates on stderr (None: only on a
-    terminal)."""
+    terminal). ``jobs`` > 1 runs the candidates' dry runs in that many worker processes."""
     from tqdm import tqdm
 
     shape = rank_shape(req)
     valid, rejected = enumerate_candidates(_cp_sizes(req), req.seq_len, shape.heads, shape.kv_heads)
-    bar = tqdm(valid, desc="dry runs", unit="candidate", disable=None if progress is None else not progress)
-    rows = []
-    for cand in bar:
-        bar.set_postfix_str(cand.label(), refresh=False)
-        rows.append(evaluate(req, cand))
+    with tqdm(total=len(valid), desc="dry runs", unit="candidate",
+              disable=None if progress is None else not progress) as bar:
+        rows = _evaluate_all(req, valid, jobs, bar.update)
     rows.sort(key=lambda r: (not r.fits, r.seconds_per_sequence))
     if not rows:
         return Plan(req, [], rejected, None, ["no CP layout is valid; see the rejected list for why"])
@@ -169,6 +167,26 @@ def plan(req: PlanRequest, progress: Optional[bool] = False) -> Plan:
     rows.remove(best)
     rows.insert(0, best)
     return Plan(req, rows, rejected, best, explain(req, best, rows))
+
+
+def _evaluate_all(req: PlanRequest, candidates: list[Candidate], jobs: int, done: Callable[[], object]
+                  ) -> list[PlanRow]:
+    """``evaluate`` each candidate, in this process or in ``jobs`` fresh ones (spawned: a dry run needs a
+    process without a torch.distributed default group); ``done()`` after each."""
+    if jobs <= 1 or len(candidates) <= 1:
+        rows = []
+        for cand in candidates:
+            rows.append(evaluate(req, cand))
+            done()
+        return rows
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    with ProcessPoolExecutor(min(jobs, len(candidates)), mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(evaluate, req, cand) for cand in candidates]
+        for _ in as_completed(futures):
+            done()
+        return [f.result() for f in futures]
 
 
 def _cp_sizes(req: PlanRequest) -> list[int]:
