@@ -1,4 +1,4 @@
-"""CPU shims: the hard-coded CUDA uses that stop a megatron-core GPTModel on a machine without CUDA.
+"""CPU shims: the hard-coded CUDA uses that stop a megatron-core GPTModel from running on the CPU.
 
 Targets megatron-core 0.16.x (seen on 0.16.1). `apply_cpu_shims(device)` patches when the run is on
 the CPU (``device="cpu"``; with no device, when CUDA is absent), also on a machine that has CUDA,
