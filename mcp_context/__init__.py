@@ -6,8 +6,9 @@ Public contract (stable names): ``context_parallel_attention``, ``shard_sequence
 """
 from .api import context_parallel_attention
 from .comm import HCPGroups, build_hcp_groups, comm_stats
-from .engine import ContextParallelAttention, normalize_comm
-from .layouts import LAYOUTS, shard_positions, shard_sequence, unshard_sequence
+from .cp_rules import LAYOUTS, normalize_comm
+from .engine import ContextParallelAttention
+from .layouts import shard_positions, shard_sequence, unshard_sequence
 
 __all__ = ["context_parallel_attention", "ContextParallelAttention", "normalize_comm", "HCPGroups", "build_hcp_groups", "comm_stats",
            "LAYOUTS", "shard_positions", "shard_sequence", "unshard_sequence"]

@@ -23,34 +23,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from .algorithms import COMM_ALIASES, COMM_TYPES, Scheme, a2a_degree, resolve_scheme
+from .algorithms import Scheme, resolve_scheme
 from .comm import HCPGroups
+from .cp_rules import COMM_TYPES, LAYOUTS, a2a_degree, check_heads, check_layout, check_seq_len, normalize_comm
 from .kernels import BACKENDS, get_kernel
-from .layouts import LAYOUTS, check_layout, check_seq_len
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-
-
-def normalize_comm(comm: str) -> str:
-    """Canonical ``cp_comm_type`` name (``allgather`` -> ``all_gather``); ValueError for unknown names."""
-    comm = COMM_ALIASES.get(comm, comm)
-    if comm not in COMM_TYPES:
-        raise ValueError(f"comm={comm!r} is not a known cp_comm_type; choose one of "
-                         f"{', '.join(COMM_TYPES)} (alias: allgather)")
-    return comm
-
-
-def check_heads(h: int, h_kv: int, degree: int, comm: str) -> None:
-    """Raise a ValueError unless ``h`` query and ``h_kv`` key/value heads split over an all-to-all of ``degree``."""
-    if h % degree:
-        raise ValueError(f"query heads h={h} are not divisible by the all-to-all degree {degree} "
-                         f"(comm={comm!r}); use a degree that divides {h}, or comm='p2p'")
-    if h_kv >= degree and h_kv % degree:
-        raise ValueError(f"key/value heads h_kv={h_kv} are not divisible by the all-to-all degree {degree} "
-                         f"(comm={comm!r}); use a degree that divides {h_kv}")
-    if h_kv < degree and degree % h_kv:
-        raise ValueError(f"key/value heads h_kv={h_kv} cannot be replicated evenly over the all-to-all degree "
-                         f"{degree} (comm={comm!r}); use a degree that is a multiple of {h_kv}")
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -161,7 +139,7 @@ class ContextParallelAttention:
         if scheme is None:
             cp_size = self.groups.cp_size
             check_seq_len(q.shape[0] * cp_size, cp_size, self.layout)
-            check_heads(q.shape[2], k.shape[2], a2a_degree(self.comm, self.groups), self.comm)
+            check_heads(q.shape[2], k.shape[2], a2a_degree(self.comm, self.groups.sizes), self.comm)
             kernel = get_kernel(self.backend, q.device, q.dtype, dropout=self.dropout_p > 0, head_dim=q.shape[3])
             scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
             scheme = resolve_scheme(self.groups, self.comm, self.layout, self.causal, q.shape[0], k.shape[2], kernel,

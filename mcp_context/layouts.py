@@ -18,8 +18,7 @@ from typing import Sequence
 
 import torch
 
-LAYOUTS = ("contiguous", "zigzag", "striped")
-
+from .cp_rules import check_seq_len
 
 @dataclass(frozen=True)
 class Span:
@@ -35,26 +34,6 @@ class Span:
 
     def positions(self) -> torch.Tensor:
         return torch.arange(self.count) * self.stride + self.start
-
-
-def check_layout(layout: str) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not known; choose one of {', '.join(LAYOUTS)}")
-
-
-def seq_multiple(layout: str, cp_size: int) -> int:
-    """What the global sequence length must be a multiple of for ``layout`` over ``cp_size`` ranks."""
-    check_layout(layout)
-    return 2 * cp_size if layout == "zigzag" else cp_size
-
-
-def check_seq_len(seq_len: int, cp_size: int, layout: str, what: str = "sequence length") -> None:
-    """Raise a ValueError naming the padded length when ``seq_len`` cannot be split by ``layout``."""
-    m = seq_multiple(layout, cp_size)
-    if seq_len % m:
-        factor = "2*cp" if layout == "zigzag" else "cp"
-        raise ValueError(f"{what} {seq_len} is not divisible by {factor}={m} for layout {layout!r}; "
-                         f"pad to {seq_len + (-seq_len % m)}")
 
 
 def layout_spans(layout: str, cp_size: int, cp_rank: int, seq_len: int) -> list[Span]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import shlex
 from typing import Optional
 
-from mcp_context.algorithms import COMM_ALIASES
+from mcp_context.cp_rules import COMM_ALIASES
 from mcp_context.data.corpus import (BUNDLED_CORPUS, corpus_path, data_prefixes, read_documents, empty_test_split,
                                      tokenizer_model_path)
 from mcp_context.recipes import RecipeConfig, RecipeError

@@ -108,32 +108,31 @@ BAD_LAYOUTS = [
     (["model.hierarchical_context_parallel_sizes=[3, 3]"],
      "model.hierarchical_context_parallel_sizes=[3, 3] multiply to 9, but model.context_parallel_size=4; "
      "choose sizes whose product is 4"),
-    (["model.cp_comm_type=ring"], "model.cp_comm_type='ring' is not one of"),
+    (["model.cp_comm_type=ring"], "model.cp_comm_type='ring' is not a known cp_comm_type; choose one of"),
     (["model.cp_comm_type=a2a_p2p"], "did you mean 'a2a+p2p'?"),
     (["model.hierarchical_context_parallel_sizes=null"],
      "model.cp_comm_type='a2a+p2p' needs model.hierarchical_context_parallel_sizes"),
     (["model.hierarchical_context_parallel_sizes=[4]"],
      "model.cp_comm_type='a2a+p2p' needs model.hierarchical_context_parallel_sizes with at least two levels"),
     (["model.seq_length=250"],
-     "model.seq_length=250 is not divisible by 8 = 2*context_parallel_size (zigzag: 2 chunks per CP rank); "
-     "pad it to model.seq_length=256"),
+     "model.seq_length 250 is not divisible by 2*cp=8 for layout 'zigzag'; pad to 256"),
     (["model.tensor_model_parallel_size=2", "model.sequence_parallel=true", "model.seq_length=264", "train.world_size=8"],
-     "model.seq_length=264 is not divisible by 16 = 2*context_parallel_size (zigzag: 2 chunks per CP rank) * "
-     "tensor_model_parallel_size (sequence parallelism); pad it to model.seq_length=272"),
+     "model.seq_length 264 is not divisible by 2*cp=8 for layout 'zigzag' * tp=2 for sequence parallelism; "
+     "pad to 272"),
     (["model.sequence_parallel=true"], "model.sequence_parallel=true needs model.tensor_model_parallel_size > 1"),
     (["model.tensor_model_parallel_size=3", "train.world_size=12"],
      "model.num_attention_heads=4 is not divisible by model.tensor_model_parallel_size=3"),
     (["model.num_query_groups=3"], "model.num_attention_heads=4 is not divisible by model.num_query_groups=3"),
     (["model.num_attention_heads=2", "model.num_query_groups=2", "model.tensor_model_parallel_size=2",
       "train.world_size=8"],
-     "scatters heads over model.hierarchical_context_parallel_sizes[0]=2 ranks, but each TP rank has 1 heads "
-     "(model.num_attention_heads / tensor_model_parallel_size), not divisible by 2"),
+     "query heads per TP rank, model.num_attention_heads/tensor_model_parallel_size=1 is not divisible by the "
+     "all-to-all degree model.hierarchical_context_parallel_sizes[0]=2 (comm='a2a+p2p')"),
     (["model.cp_comm_type=a2a", "model.hierarchical_context_parallel_sizes=null", "model.context_parallel_size=8",
       "train.world_size=8"],
-     "scatters heads over model.context_parallel_size=8 ranks"),
+     "is not divisible by the all-to-all degree model.context_parallel_size=8 (comm='a2a')"),
     (["model.num_attention_heads=12", "model.num_query_groups=3", "model.hierarchical_context_parallel_sizes=[4, 1]"],
-     "each TP rank has 3 key/value heads (model.num_query_groups / tensor_model_parallel_size), which neither "
-     "divides nor is divisible by 4"),
+     "key/value heads per TP rank, model.num_query_groups/tensor_model_parallel_size=3 cannot be replicated "
+     "evenly over the all-to-all degree model.hierarchical_context_parallel_sizes[0]=4"),
     (["model.num_attention_heads=8", "model.tensor_model_parallel_size=4", "model.cp_comm_type=p2p",
       "model.hierarchical_context_parallel_sizes=null", "train.world_size=16"],
      "model.num_query_groups=2 is not divisible by model.tensor_model_parallel_size=4"),
@@ -309,7 +308,7 @@ def test_megatron_args_parse_back_to_the_recipe(path):
 
 def test_cli_reports_bad_recipes_with_status_2(tmp_path, capsys):
     assert recipes_cli(["validate", str(RECIPES_DIR / "tiny_cpu.yaml"), "model.seq_length=250"]) == 2
-    assert "error: model.seq_length=250 is not divisible by 8" in capsys.readouterr().err
+    assert "error: model.seq_length 250 is not divisible by 2*cp=8" in capsys.readouterr().err
     assert recipes_cli(["validate", str(RECIPES_DIR / "llama3_8b_128k_hcp.yaml")]) == 0
     assert capsys.readouterr().out.startswith("OK llama3_8b_128k_hcp: TP4 PP2 CP8 (a2a+p2p, levels [2, 4])")
     assert recipes_cli(["show", "-", "train.steps=30"]) == 0

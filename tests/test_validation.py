@@ -13,8 +13,9 @@ CASES = {
     "sizes_product": r"hierarchical_context_parallel_sizes=\[3, 3\] multiply to 9, but context_parallel_size=4; "
                      r"choose sizes whose product is 4, e.g. \[2, 2\]",
     "sizes_type": r"hierarchical_context_parallel_sizes=\[2, 0\] must be a non-empty list of positive integers",
-    "heads_a2a": r"query heads h=6 are not divisible by the all-to-all degree 4 \(comm='a2a'\)",
-    "kv_heads_a2a": r"key/value heads h_kv=3 cannot be replicated evenly over the all-to-all degree 4",
+    "heads_a2a": r"query heads h=6 is not divisible by the all-to-all degree=4 \(comm='a2a'\); use a degree that "
+                 r"divides 6, or comm='p2p'",
+    "kv_heads_a2a": r"key/value heads h_kv=3 cannot be replicated evenly over the all-to-all degree=4",
     "seq_len": r"sequence length 12 is not divisible by 2\*cp=8 for layout 'zigzag'; pad to 16",
     "comm": r"comm='ring' is not a known cp_comm_type; choose one of p2p, a2a, all_gather, a2a\+p2p",
     "layout": r"layout='zig' is not known; choose one of contiguous, zigzag, striped",

@@ -30,20 +30,12 @@ import torch
 from torch.distributed import ProcessGroup
 
 from ..comm import HCPGroups, RingExchange, gather_seq, heads_to_seq, seq_to_heads
+from ..cp_rules import a2a_degree
 from ..kernels import Kernel
 from ..layouts import canonical_member_spans, layout_spans
 from ..schedule import Schedule, layout_schedule
 from .executor import RingAttention, RingPlan
 from .rotation import LocalRotation, RingRotation
-
-COMM_TYPES = ("p2p", "a2a", "all_gather", "a2a+p2p")
-COMM_ALIASES = {"allgather": "all_gather"}
-
-
-def a2a_degree(comm: str, groups: HCPGroups) -> int:
-    """How many adjacent CP ranks share their tokens by all-to-all before the ring (1: none)."""
-    return {"p2p": 1, "all_gather": 1, "a2a": groups.cp_size, "a2a+p2p": groups.sizes[0]}[comm]
-
 
 @lru_cache(maxsize=256)
 def _schedule(layout: str, cp_size: int, seq_len: int, causal: bool, inner: int) -> Schedule:
@@ -113,7 +105,7 @@ def resolve_scheme(groups: HCPGroups, comm: str, layout: str, causal: bool, s_lo
     """Everything this CP rank needs to run ``comm`` on ``[s_local, b, h, d]`` shards, worked out once."""
     cp_size, cp_rank = groups.cp_size, groups.cp_rank
     seq_len = s_local * cp_size
-    inner = a2a_degree(comm, groups)
+    inner = a2a_degree(comm, groups.sizes)
     member, ring_size = cp_rank // inner, cp_size // inner
     tasks = _schedule(layout, cp_size, seq_len, causal, inner).tasks[member]
     a2a_group = pieces = gather_group = None

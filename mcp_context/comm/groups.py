@@ -14,25 +14,7 @@ from typing import Optional, Sequence
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-
-def check_hcp_sizes(sizes: Sequence[int], cp_size: int, prefix: str = "") -> None:
-    """Raise a ValueError that names the fix when ``sizes`` cannot describe ``cp_size`` ranks.
-
-    ``prefix`` says where the fields live in the caller's config (``"model."`` for a recipe)."""
-    sizes = list(sizes)
-    if not sizes or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in sizes):
-        raise ValueError(f"{prefix}hierarchical_context_parallel_sizes={sizes} must be a non-empty list of "
-                         f"positive integers (inner level first), e.g. {example_hcp_sizes(cp_size)}")
-    if math.prod(sizes) != cp_size:
-        raise ValueError(f"{prefix}hierarchical_context_parallel_sizes={sizes} multiply to {math.prod(sizes)}, "
-                         f"but {prefix}context_parallel_size={cp_size}; choose sizes whose product is {cp_size}, "
-                         f"e.g. {example_hcp_sizes(cp_size)}")
-
-
-def example_hcp_sizes(cp_size: int) -> list[int]:
-    """A sensible inner-first hierarchy for ``cp_size`` ranks, for error messages."""
-    inner = next((d for d in (8, 4, 2) if cp_size % d == 0 and d < cp_size), cp_size)
-    return [inner, cp_size // inner] if inner < cp_size else [cp_size]
+from ..cp_rules import check_hcp_sizes
 
 
 def level_members(sizes: Sequence[int], level: int, cp_rank: int) -> list[int]:

@@ -3,7 +3,8 @@
 megatron-core accepts ``cp_comm_type="bogus"``, hierarchical sizes that do not multiply to the CP
 size, and ``a2a+p2p`` without hierarchical groups (upstream then trains with no CP at all). Every
 check here works on any object with ``TransformerConfig``'s field names — the config itself, or a
-recipe's model section — so recipes and layer specs share one set of checks and one set of messages.
+recipe's model section — so recipes and layer specs share one set of checks; the rules themselves
+(names, hierarchy sizes, heads, sequence multiple) and their messages are ``mcp_context.cp_rules``'s.
 ``prefix`` says where the fields live (``"model."`` for a recipe) so messages name the key to fix.
 """
 from __future__ import annotations
@@ -11,8 +12,8 @@ from __future__ import annotations
 import difflib
 from typing import Any, Optional
 
-from ..algorithms import COMM_ALIASES, COMM_TYPES
-from ..comm.groups import check_hcp_sizes, example_hcp_sizes
+from ..cp_rules import (COMM_ALIASES, COMM_TYPES, a2a_degree, check_hcp_sizes, check_heads, check_seq_len,
+                        example_hcp_sizes, normalize_comm)
 
 ACCEPTED_COMM = COMM_TYPES + tuple(COMM_ALIASES)
 
@@ -39,13 +40,8 @@ def normalize_cp_comm_type(config: Any) -> None:
 
 def a2a_degree_of(config: Any, comm: str) -> int:
     """Ranks over which one layer's Ulysses all-to-all scatters heads (1: none)."""
-    if config.context_parallel_size == 1:
-        return 1
-    if comm == "a2a":
-        return config.context_parallel_size
-    if comm == "a2a+p2p":
-        return config.hierarchical_context_parallel_sizes[0]
-    return 1
+    sizes = config.hierarchical_context_parallel_sizes or [config.context_parallel_size]
+    return 1 if config.context_parallel_size == 1 else a2a_degree(comm, sizes)
 
 
 def validate_cp_config(config: Any, seq_length: Optional[int] = None, prefix: str = "") -> None:
@@ -63,11 +59,11 @@ def _check_comm(config: Any, p: str) -> None:
         raise HCPConfigError(f"{p}cp_comm_type is a per-layer list of {len(comms)} entries but "
                              f"{p}num_layers={config.num_layers}; give one entry per layer or a single string")
     for comm in comms:
-        if comm not in ACCEPTED_COMM:
+        try:
+            normalize_comm(comm, name=f"{p}cp_comm_type")
+        except ValueError as err:
             close = difflib.get_close_matches(str(comm), ACCEPTED_COMM, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise HCPConfigError(f"{p}cp_comm_type={comm!r} is not one of {', '.join(COMM_TYPES)} "
-                                 f"(alias: allgather){hint}")
+            raise HCPConfigError(str(err) + (f"; did you mean {close[0]!r}?" if close else "")) from None
 
 
 def _check_hierarchy(config: Any, p: str) -> None:
@@ -95,19 +91,15 @@ def _check_heads(config: Any, p: str) -> None:
                              f"{p}tensor_model_parallel_size={tp}; choose a TP size that divides the head count")
     heads_local, groups_local = heads // tp, max(groups // tp, 1)
     for comm in set(_comm_list(config)):
-        degree = a2a_degree_of(config, COMM_ALIASES.get(comm, comm))
-        where = (f"{p}context_parallel_size" if comm == "a2a"
-                 else f"{p}hierarchical_context_parallel_sizes[0]")
-        if heads_local % degree:
-            raise HCPConfigError(f"cp_comm_type={comm!r} scatters heads over {where}={degree} ranks, but each TP "
-                                 f"rank has {heads_local} heads ({p}num_attention_heads / "
-                                 f"tensor_model_parallel_size), not divisible by {degree}; use a smaller "
-                                 f"all-to-all degree or more heads")
-        if groups_local % degree and degree % groups_local:
-            raise HCPConfigError(f"cp_comm_type={comm!r} scatters heads over {where}={degree} ranks, but each TP "
-                                 f"rank has {groups_local} key/value heads ({p}num_query_groups / "
-                                 f"tensor_model_parallel_size), which neither divides nor is divisible by "
-                                 f"{degree}; change num_query_groups or the degree")
+        comm = COMM_ALIASES.get(comm, comm)
+        where = f"{p}context_parallel_size" if comm == "a2a" else f"{p}hierarchical_context_parallel_sizes[0]"
+        try:
+            check_heads(heads_local, groups_local, a2a_degree_of(config, comm), comm,
+                        heads_name=f"query heads per TP rank, {p}num_attention_heads/tensor_model_parallel_size",
+                        kv_name=f"key/value heads per TP rank, {p}num_query_groups/tensor_model_parallel_size",
+                        degree_name=f"the all-to-all degree {where}")
+        except ValueError as err:
+            raise HCPConfigError(str(err)) from None
 
 
 def _check_seq_length(config: Any, seq_length: int, p: str) -> None:
@@ -115,12 +107,8 @@ def _check_seq_length(config: Any, seq_length: int, p: str) -> None:
     if config.sequence_parallel and tp == 1:
         raise HCPConfigError(f"{p}sequence_parallel=true needs {p}tensor_model_parallel_size > 1 (it shards "
                              f"over the TP group); set sequence_parallel to false or raise TP")
-    multiple, why = 1, []
-    if cp > 1:
-        multiple, why = 2 * cp, ["2*context_parallel_size (zigzag: 2 chunks per CP rank)"]
-    if config.sequence_parallel:
-        multiple *= tp
-        why.append("tensor_model_parallel_size (sequence parallelism)")
-    if seq_length % multiple:
-        raise HCPConfigError(f"{p}seq_length={seq_length} is not divisible by {multiple} = {' * '.join(why)}; "
-                             f"pad it to {p}seq_length={seq_length + (-seq_length % multiple)}")
+    try:
+        check_seq_len(seq_length, cp, "zigzag" if cp > 1 else "contiguous", what=f"{p}seq_length",
+                      tp=tp if config.sequence_parallel else 1)
+    except ValueError as err:
+        raise HCPConfigError(str(err)) from None

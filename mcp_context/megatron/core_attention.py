@@ -22,7 +22,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 
-from ..engine import ContextParallelAttention, normalize_comm
+from ..cp_rules import normalize_comm
+from ..engine import ContextParallelAttention
 from ..comm import HCPGroups
 from .config import HCPConfigError, normalize_cp_comm_type, validate_cp_config
 

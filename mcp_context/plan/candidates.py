@@ -12,9 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..algorithms import a2a_degree
-from ..engine import check_heads
-from ..layouts import LAYOUTS, check_seq_len
+from ..cp_rules import LAYOUTS, a2a_degree, check_heads, check_seq_len
 
 
 @dataclass(frozen=True)
@@ -28,7 +26,7 @@ class Candidate:
 
     @property
     def a2a_degree(self) -> int:
-        return 1 if self.comm == "none" else a2a_degree(self.comm, self)
+        return 1 if self.comm == "none" else a2a_degree(self.comm, self.sizes)
 
     @property
     def engine_comm(self) -> str:

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import List, Literal, Optional
 
-from mcp_context.algorithms import COMM_ALIASES
+from mcp_context.cp_rules import COMM_ALIASES
 
 
 class RecipeError(ValueError):

@@ -1,0 +1,90 @@
+"""The context-parallel rules, stated once: comm names, layouts, hierarchy sizes, the all-to-all degree,
+which head counts an all-to-all can split, and what the sequence length must be a multiple of.
+
+Dependency-free (no torch, nothing from this package), so every caller — the engine, the Megatron
+config validator, the recipes and the planner — checks with the same rule and reports the same
+message. A caller names its own fields through the ``*_name`` arguments (``"model.num_attention_heads"``
+for a recipe, ``"query heads h"`` for a tensor), never by rewording the rule.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+COMM_TYPES = ("p2p", "a2a", "all_gather", "a2a+p2p")
+COMM_ALIASES = {"allgather": "all_gather"}
+LAYOUTS = ("contiguous", "zigzag", "striped")
+
+
+def normalize_comm(comm: str, name: str = "comm") -> str:
+    """Canonical ``cp_comm_type`` name (``allgather`` -> ``all_gather``); ValueError for unknown names."""
+    canonical = COMM_ALIASES.get(comm, comm) if isinstance(comm, str) else comm
+    if canonical not in COMM_TYPES:
+        raise ValueError(f"{name}={comm!r} is not a known cp_comm_type; choose one of "
+                         f"{', '.join(COMM_TYPES)} (alias: allgather)")
+    return canonical
+
+
+def check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not known; choose one of {', '.join(LAYOUTS)}")
+
+
+def example_hcp_sizes(cp_size: int) -> list[int]:
+    """A sensible inner-first hierarchy for ``cp_size`` ranks, for error messages."""
+    inner = next((d for d in (8, 4, 2) if cp_size % d == 0 and d < cp_size), cp_size)
+    return [inner, cp_size // inner] if inner < cp_size else [cp_size]
+
+
+def check_hcp_sizes(sizes: Sequence[int], cp_size: int, prefix: str = "") -> None:
+    """Raise a ValueError that names the fix when ``sizes`` cannot describe ``cp_size`` ranks.
+
+    ``prefix`` says where the fields live in the caller's config (``"model."`` for a recipe)."""
+    sizes = list(sizes)
+    if not sizes or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in sizes):
+        raise ValueError(f"{prefix}hierarchical_context_parallel_sizes={sizes} must be a non-empty list of "
+                         f"positive integers (inner level first), e.g. {example_hcp_sizes(cp_size)}")
+    if math.prod(sizes) != cp_size:
+        raise ValueError(f"{prefix}hierarchical_context_parallel_sizes={sizes} multiply to {math.prod(sizes)}, "
+                         f"but {prefix}context_parallel_size={cp_size}; choose sizes whose product is {cp_size}, "
+                         f"e.g. {example_hcp_sizes(cp_size)}")
+
+
+def a2a_degree(comm: str, sizes: Sequence[int]) -> int:
+    """How many adjacent CP ranks share their tokens by all-to-all before the ring (1: none), for a CP
+    group of hierarchy ``sizes`` (inner first; ``[cp]`` for a flat group)."""
+    return {"p2p": 1, "all_gather": 1, "a2a": math.prod(sizes), "a2a+p2p": sizes[0]}[comm]
+
+
+def check_heads(h: int, h_kv: int, degree: int, comm: str, heads_name: str = "query heads h",
+                kv_name: str = "key/value heads h_kv", degree_name: str = "the all-to-all degree") -> None:
+    """Raise a ValueError unless ``h`` query and ``h_kv`` key/value heads split over an all-to-all of
+    ``degree`` ranks (KV heads may be replicated when there are fewer of them than ranks)."""
+    if h % degree:
+        raise ValueError(f"{heads_name}={h} is not divisible by {degree_name}={degree} (comm={comm!r}); "
+                         f"use a degree that divides {h}, or comm='p2p'")
+    if h_kv >= degree and h_kv % degree:
+        raise ValueError(f"{kv_name}={h_kv} is not divisible by {degree_name}={degree} (comm={comm!r}); "
+                         f"use a degree that divides {h_kv}")
+    if h_kv < degree and degree % h_kv:
+        raise ValueError(f"{kv_name}={h_kv} cannot be replicated evenly over {degree_name}={degree} "
+                         f"(comm={comm!r}); use a degree that is a multiple of {h_kv}")
+
+
+def seq_multiple(layout: str, cp_size: int) -> int:
+    """What the global sequence length must be a multiple of for ``layout`` over ``cp_size`` ranks."""
+    check_layout(layout)
+    return 2 * cp_size if layout == "zigzag" and cp_size > 1 else cp_size
+
+
+def check_seq_len(seq_len: int, cp_size: int, layout: str, what: str = "sequence length", tp: int = 1) -> None:
+    """Raise a ValueError naming the padded length when ``seq_len`` cannot be split by ``layout`` over
+    ``cp_size`` ranks (and over ``tp`` ranks of sequence parallelism when ``tp > 1``)."""
+    multiple = seq_multiple(layout, cp_size)
+    why = [("2*cp" if layout == "zigzag" else "cp") + f"={multiple} for layout {layout!r}"] if cp_size > 1 else []
+    if tp > 1:
+        multiple *= tp
+        why.append(f"tp={tp} for sequence parallelism")
+    if seq_len % multiple:
+        raise ValueError(f"{what} {seq_len} is not divisible by {' * '.join(why)}; "
+                         f"pad to {seq_len + (-seq_len % multiple)}")
