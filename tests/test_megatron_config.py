@@ -1,5 +1,5 @@
 """Context-parallel settings megatron-core would accept but we cannot run are refused at build time,
-each with a message that names the field, the value and the fix; the spec works like ``--spec``."""
+each with a message that names the field, the value and the fix (the specs: tests/test_megatron_specs.py)."""
 import re
 from types import SimpleNamespace
 
