@@ -110,7 +110,7 @@ def resolve_scheme(groups: HCPGroups, comm: str, layout: str, causal: bool, s_lo
     tasks = _schedule(layout, cp_size, seq_len, causal, inner).tasks[member]
     a2a_group = pieces = gather_group = None
     if inner > 1:
-        a2a_group = groups.cp_group if comm == "a2a" else groups.levels[0]
+        a2a_group = groups.cp_group if comm == "a2a" else groups.inner_group
         pieces = _member_pieces(layout, cp_size, seq_len, inner, member)
     if ring_size == 1:
         rotation = LocalRotation(0, 1)

@@ -26,10 +26,13 @@ def level_members(sizes: Sequence[int], level: int, cp_rank: int) -> list[int]:
 
 @dataclass(frozen=True)
 class HCPGroups:
-    """The CP group (ranks in CP-rank order) and this rank's group at each hierarchy level."""
+    """The groups the engine communicates over: the CP group (ranks in CP-rank order; rings and
+    all-gathers run here, with point-to-point sends to its ranks at any depth) and this rank's level-0
+    group (the all-to-all of ``a2a+p2p``), with the hierarchy's ``sizes`` (inner first). Outer levels
+    need no group of their own: the ring over them is driven inside the CP group."""
 
     cp_group: ProcessGroup
-    levels: tuple[ProcessGroup, ...]
+    inner_group: ProcessGroup
     sizes: tuple[int, ...]
 
     @property
@@ -48,7 +51,7 @@ class HCPGroups:
     def flat(cls, group: Optional[ProcessGroup] = None) -> "HCPGroups":
         """A one-level hierarchy over ``group`` (default: the whole world)."""
         group = group or dist.group.WORLD
-        return cls(group, (group,), (dist.get_world_size(group),))
+        return cls(group, group, (dist.get_world_size(group),))
 
     @classmethod
     def from_megatron(cls) -> "HCPGroups":
@@ -62,18 +65,18 @@ class HCPGroups:
         levels = ps.get_hierarchical_context_parallel_groups(check_initialized=False)
         if not levels:
             return cls.flat(cp_group)
-        levels = tuple(levels)
         sizes = tuple(dist.get_world_size(g) for g in levels)
         check_hcp_sizes(list(sizes), dist.get_world_size(cp_group))
-        return cls(cp_group, levels, sizes)
+        return cls(cp_group, levels[0], sizes)
 
 
 def build_hcp_groups(sizes: Sequence[int], group: Optional[ProcessGroup] = None) -> HCPGroups:
-    """Build one process group per level over the ranks of ``group`` (default: the whole world).
+    """The hierarchy ``sizes`` over the ranks of ``group`` (default: the whole world): builds the level-0
+    groups (the only ones the engine uses; megatron-core's level-0 groups have the same ranks).
 
     ``sizes`` is inner-to-outer (``[2, 4]``: all-to-all pairs of adjacent ranks, a ring of 4). Every
     rank of ``group`` must call this, in the same order as its other group creations. Over the whole
-    world every rank creates every level group (plain ``new_group``, uniquely named). Over a subgroup
+    world every rank creates every level-0 group (plain ``new_group``, uniquely named). Over a subgroup
     (a CP group inside a larger job) only its members take part (``use_local_synchronization``), and
     torch names such groups after their ranks: build them once per subgroup and keep them.
     """
@@ -82,17 +85,14 @@ def build_hcp_groups(sizes: Sequence[int], group: Optional[ProcessGroup] = None)
     check_hcp_sizes(sizes, len(ranks))
     sizes = tuple(sizes)
     if len(sizes) == 1:
-        return HCPGroups(cp_group, (cp_group,), sizes)
+        return HCPGroups(cp_group, cp_group, sizes)
     cp_rank = dist.get_rank(cp_group)
     if group is None or len(ranks) == dist.get_world_size():
-        levels = tuple(_own_group([[ranks[i] for i in level_members(sizes, lvl, r)] for r in range(len(ranks))],
-                                  ranks[cp_rank]) for lvl in range(len(sizes)))
+        inner = _own_group([[ranks[i] for i in level_members(sizes, 0, r)] for r in range(len(ranks))],
+                           ranks[cp_rank])
     else:
-        levels = tuple(
-            dist.new_group([ranks[i] for i in level_members(sizes, lvl, cp_rank)], use_local_synchronization=True)
-            for lvl in range(len(sizes))
-        )
-    return HCPGroups(cp_group, levels, sizes)
+        inner = dist.new_group([ranks[i] for i in level_members(sizes, 0, cp_rank)], use_local_synchronization=True)
+    return HCPGroups(cp_group, inner, sizes)
 
 
 def _own_group(member_lists: list[list[int]], rank: int) -> ProcessGroup:

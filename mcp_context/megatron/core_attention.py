@@ -37,8 +37,7 @@ def _hcp_groups(pg_collection: Any) -> HCPGroups:
     levels = getattr(pg_collection, "hcp", None)
     if not levels:
         return HCPGroups.flat(cp)
-    levels = tuple(levels)
-    return HCPGroups(cp, levels, tuple(torch.distributed.get_world_size(g) for g in levels))
+    return HCPGroups(cp, levels[0], tuple(torch.distributed.get_world_size(g) for g in levels))
 
 
 class HCPDotProductAttention(MegatronModule):
