@@ -2,49 +2,56 @@
 
 A ring of ``P`` members passes key/value shards around: at step ``t`` member ``m`` holds the shard of
 member ``(m - t) mod P``. For each step the schedule lists ``BlockTask``s — a range of local query
-rows against a range of the arriving shard's rows, with one of the two masks every kernel supports
-(``full``, or ``causal`` on a square block). Pairs that are masked out are simply absent: this is
-where causal-block skipping happens (a contiguous layout skips whole future steps; zigzag turns every
-off-diagonal step into half a block; striped needs a strictly-causal block, i.e. a causal block with
-one query row dropped).
+rows against a range of the arriving shard's rows, with a block mask (``masks.BlockMask``) the
+chosen kernel computes natively. Pairs that are masked out are simply absent: this is where skipping
+happens (a contiguous causal layout skips whole future steps; zigzag turns every off-diagonal step
+into half a block; a sliding window empties every step whose keys are out of reach of every query).
 
 Tasks are derived, not hand-written: every shard is a list of ``Span``s (arithmetic progressions of
-positions), and for a query span and key span of equal stride the visible pairs are exactly
-``j <= i + off`` with ``off = floor((q.start - k.start) / stride)``. One formula covers every layout;
-a sliding window or document mask would be a second bound in ``_span_pair_tasks``.
+positions); the mask turns a query span against a key span into rectangles of local rows, each with
+one band ``lo <= b - a <= hi`` (``Mask.span_blocks``), and ``_pieces`` cuts a banded rectangle into
+full blocks, causal squares (the band's upper edge), anticausal squares (its lower edge) and, for a
+kernel that applies a band itself, band blocks; for a kernel without a kind it halves the rectangle
+until the pieces are kinds it has. One formula covers every layout and every mask.
 
 Nothing here touches tensors: tests and the planner count FLOPs, balance and waste from the schedule.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence, Union
 
 from .layouts import Span, canonical_member_spans, layout_spans
+from .masks import (BLOCK_MASK_KINDS, CAUSAL, CAUSAL_BLOCK, FULL, FULL_BLOCK, BlockMask, Mask, as_mask,
+                    block_mask)
+
+ALL_BLOCK_MASKS = frozenset(BLOCK_MASK_KINDS)
 
 
 @dataclass(frozen=True)
 class BlockTask:
-    """Query rows ``q`` of the local shard against rows ``kv`` of the arriving key/value shard.
-
-    ``causal=True`` means a square block where query row ``i`` sees key rows ``0..i``.
-    """
+    """Query rows ``q`` of the local shard against rows ``kv`` of the arriving key/value shard, with
+    block mask ``mask`` in the block's own rows (``True``/``False`` are accepted for causal/full)."""
 
     q: tuple[int, int]
     kv: tuple[int, int]
-    causal: bool
+    mask: BlockMask = FULL_BLOCK
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mask", block_mask(self.mask))
+
+    @property
+    def causal(self) -> bool:
+        """A causal square (query row ``i`` sees key rows ``0..i``)."""
+        return self.mask.kind == "causal"
 
     @property
     def useful_pairs(self) -> int:
-        n = self.q[1] - self.q[0]
-        return n * (n + 1) // 2 if self.causal else n * (self.kv[1] - self.kv[0])
+        return self.mask.pairs(self.q[1] - self.q[0], self.kv[1] - self.kv[0])
 
     def computed_pairs(self, tile: int) -> int:
         """Pairs a tiled kernel computes: whole ``tile x tile`` tiles touching the visible region."""
-        if not self.causal:
-            return self.useful_pairs
-        n = self.q[1] - self.q[0]
-        return sum(min(tile, n - a) * min(a + tile, n) for a in range(0, n, tile))
+        return self.mask.computed_pairs(self.q[1] - self.q[0], self.kv[1] - self.kv[0], tile)
 
 
 @dataclass(frozen=True)
@@ -52,8 +59,13 @@ class Schedule:
     """Per ring member and ring step, the tasks that member computes (``tasks[member][step]``)."""
 
     member_spans: tuple[tuple[Span, ...], ...]
-    causal: bool
+    mask: Mask
     tasks: tuple[tuple[tuple[BlockTask, ...], ...], ...]
+
+    @property
+    def causal(self) -> bool:
+        """No query sees a later key (causal, or a window with ``right == 0``)."""
+        return self.mask.hides_future
 
     @property
     def ring_size(self) -> int:
@@ -71,26 +83,48 @@ class Schedule:
         return [sum(t.computed_pairs(tile) for step in member for t in step) for member in self.tasks]
 
 
-def _span_pair_tasks(qs: Span, qo: int, ks: Span, ko: int, causal: bool) -> list[BlockTask]:
-    """Tasks for query span ``qs`` (local rows from ``qo``) against key span ``ks`` (rows from ``ko``)."""
-    n, m = qs.count, ks.count
-    if not causal:
-        return [BlockTask((qo, qo + n), (ko, ko + m), False)]
-    if qs.stride != ks.stride:
-        raise ValueError(f"cannot derive a causal mask between spans of strides {qs.stride} and {ks.stride}")
-    off = (qs.start - ks.start) // qs.stride  # query row i sees key rows j <= i + off
-    if off >= m - 1:
-        return [BlockTask((qo, qo + n), (ko, ko + m), False)]
-    if off <= -n:
+def _pieces(q0: int, q1: int, k0: int, k1: int, lo: Optional[int], hi: Optional[int],
+            native: frozenset) -> list[BlockTask]:
+    """Tasks covering exactly the pairs of query rows ``[q0, q1)`` and key rows ``[k0, k1)`` with
+    ``lo <= (b - k0) - (a - q0) <= hi``, each with a block mask whose kind is in ``native``."""
+    n, m = q1 - q0, k1 - k0
+    r0, r1 = (0 if hi is None else max(0, -hi)), (n if lo is None else min(n, m - lo))  # rows that see a key
+    c0, c1 = (0 if lo is None else max(0, lo)), (m if hi is None else min(m, n + hi))  # keys some row sees
+    if r0 >= r1 or c0 >= c1 or (lo is not None and hi is not None and lo > hi):
         return []
-    r0, c0 = max(0, -off), max(0, off)  # first query row with a visible key; first key on the diagonal
-    side = min(n - r0, m - c0)
-    tasks = [BlockTask((qo + r0, qo + r0 + side), (ko + c0, ko + c0 + side), True)]
-    if c0 > 0:  # keys before the diagonal: every row sees them
-        tasks.append(BlockTask((qo, qo + n), (ko, ko + c0), False))
-    if r0 + side < n:  # rows past the last key: they see the diagonal's keys in full
-        tasks.append(BlockTask((qo + r0 + side, qo + n), (ko + c0, ko + m), False))
-    return tasks
+    shift = c0 - r0
+    q0, k0, n, m = q0 + r0, k0 + c0, r1 - r0, c1 - c0
+    lo = None if lo is None or lo - shift <= -(n - 1) else lo - shift
+    hi = None if hi is None or hi - shift >= m - 1 else hi - shift
+    mask = BlockMask(lo, hi)
+    if mask.kind == "full" or (mask.kind in native and (mask.kind == "band" or n == m)):
+        return [BlockTask((q0, q0 + n), (k0, k0 + m), mask)]
+    if lo is None and "causal" in native:  # upper edge only (hi >= 0): keys before it, a square, rows below
+        if hi > 0:
+            return [BlockTask((q0, q0 + n), (k0, k0 + hi))] + _pieces(q0, q0 + n, k0 + hi, k0 + m, None, 0, native)
+        return _pieces(q0, q0 + m, k0, k0 + m, None, 0, native) + [BlockTask((q0 + m, q0 + n), (k0, k0 + m))]
+    if hi is None and "anticausal" in native:  # lower edge only (lo <= 0): rows above it, a square, keys after
+        if lo < 0:
+            return [BlockTask((q0, q0 - lo), (k0, k0 + m))] + _pieces(q0 - lo, q0 + n, k0, k0 + m, 0, None, native)
+        return _pieces(q0, q0 + n, k0, k0 + n, 0, None, native) + [BlockTask((q0, q0 + n), (k0 + n, k0 + m))]
+    if lo is not None and hi is not None and {"causal", "anticausal"} <= native:  # both edges (lo <= 0 <= hi)
+        w = hi - lo + 1  # rows of the band's width: keys up to hi have only the lower edge, the rest the upper
+        if n > w:
+            return _pieces(q0, q0 + w, k0, k0 + m, lo, hi, native) + _pieces(q0 + w, q0 + n, k0, k0 + m, lo + w,
+                                                                              hi + w, native)
+        return (_pieces(q0, q0 + n, k0, k0 + hi + 1, lo, None, native)
+                + _pieces(q0, q0 + n, k0 + hi + 1, k0 + m, lo - hi - 1, -1, native))
+    if n >= m:  # a kind this kernel lacks: halve the longer side until the pieces are kinds it has
+        h = n // 2
+        return (_pieces(q0, q0 + h, k0, k0 + m, lo, hi, native)
+                + _pieces(q0 + h, q0 + n, k0, k0 + m, _add(lo, h), _add(hi, h), native))
+    h = m // 2
+    return (_pieces(q0, q0 + n, k0, k0 + h, lo, hi, native)
+            + _pieces(q0, q0 + n, k0 + h, k0 + m, _add(lo, -h), _add(hi, -h), native))
+
+
+def _add(x: Optional[int], d: int) -> Optional[int]:
+    return None if x is None else x + d
 
 
 def _is_one_causal_block(q_spans: Sequence[Span], kv_spans: Sequence[Span]) -> bool:
@@ -106,12 +140,12 @@ def _fuse_full_tasks(tasks: list[BlockTask]) -> list[BlockTask]:
         changed = False
         for i, a in enumerate(tasks):
             for j, b in enumerate(tasks):
-                if i == j or a.causal or b.causal:
+                if i == j or a.mask != FULL_BLOCK or b.mask != FULL_BLOCK:
                     continue
                 if a.q == b.q and a.kv[1] == b.kv[0]:
-                    fused = BlockTask(a.q, (a.kv[0], b.kv[1]), False)
+                    fused = BlockTask(a.q, (a.kv[0], b.kv[1]))
                 elif a.kv == b.kv and a.q[1] == b.q[0]:
-                    fused = BlockTask((a.q[0], b.q[1]), a.kv, False)
+                    fused = BlockTask((a.q[0], b.q[1]), a.kv)
                 else:
                     continue
                 tasks = [t for k, t in enumerate(tasks) if k not in (i, j)] + [fused]
@@ -122,43 +156,51 @@ def _fuse_full_tasks(tasks: list[BlockTask]) -> list[BlockTask]:
     return sorted(tasks, key=lambda t: (t.q, t.kv))
 
 
-def step_tasks(q_spans: Sequence[Span], kv_spans: Sequence[Span], causal: bool) -> tuple[BlockTask, ...]:
-    """The tasks for one member's query spans against one arriving key/value shard."""
+def step_tasks(q_spans: Sequence[Span], kv_spans: Sequence[Span], mask: Union[bool, Mask],
+               kernel_masks: frozenset = ALL_BLOCK_MASKS) -> tuple[BlockTask, ...]:
+    """The tasks for one member's query spans against one arriving key/value shard, with block masks
+    whose kinds are in ``kernel_masks`` (what the kernel computes natively)."""
+    mask = as_mask(mask)
     nq, nk = sum(s.count for s in q_spans), sum(s.count for s in kv_spans)
-    if not causal:
-        return (BlockTask((0, nq), (0, nk), False),)
-    if _is_one_causal_block(q_spans, kv_spans):
-        return (BlockTask((0, nq), (0, nk), True),)
+    if mask == FULL:
+        return (BlockTask((0, nq), (0, nk)),)
+    if mask == CAUSAL and _is_one_causal_block(q_spans, kv_spans):
+        return (BlockTask((0, nq), (0, nk), CAUSAL_BLOCK),)
     tasks: list[BlockTask] = []
     qo = 0
     for qs in q_spans:
         ko = 0
         for ks in kv_spans:
-            tasks += _span_pair_tasks(qs, qo, ks, ko, causal)
+            for a0, a1, b0, b1, block in mask.span_blocks(qs, ks):
+                tasks += _pieces(qo + a0, qo + a1, ko + b0, ko + b1, block.lo, block.hi, kernel_masks)
             ko += ks.count
         qo += qs.count
     return tuple(_fuse_full_tasks(tasks))
 
 
-def build_schedule(member_spans: Sequence[Sequence[Span]], causal: bool) -> Schedule:
+def build_schedule(member_spans: Sequence[Sequence[Span]], mask: Union[bool, Mask],
+                   kernel_masks: frozenset = ALL_BLOCK_MASKS) -> Schedule:
     """The ring schedule for members holding ``member_spans`` (member m receives from m-1)."""
-    size = len(member_spans)
+    mask, size = as_mask(mask), len(member_spans)
     tasks = tuple(
-        tuple(step_tasks(member_spans[m], member_spans[(m - t) % size], causal) for t in range(size))
+        tuple(step_tasks(member_spans[m], member_spans[(m - t) % size], mask, kernel_masks) for t in range(size))
         for m in range(size)
     )
-    return Schedule(tuple(tuple(s) for s in member_spans), causal, tasks)
+    return Schedule(tuple(tuple(s) for s in member_spans), mask, tasks)
 
 
-def layout_schedule(layout: str, cp_size: int, seq_len: int, causal: bool, inner_size: int = 1) -> Schedule:
+def layout_schedule(layout: str, cp_size: int, seq_len: int, mask: Union[bool, Mask], inner_size: int = 1,
+                    kernel_masks: frozenset = ALL_BLOCK_MASKS) -> Schedule:
     """The schedule of a ring over groups of ``inner_size`` adjacent CP ranks (1: the flat ring).
 
+    ``mask``: a ``masks`` value, or a bool (causal/full). ``kernel_masks``: the block-mask kinds the
+    kernel computes natively (its ``Capabilities.masks``; default: all, as the math kernel).
     With ``inner_size > 1`` a member is a level-0 all-to-all group whose tokens were gathered and
     put in position order (``canonical_member_spans``); ``inner_size == cp_size`` is plain Ulysses.
     """
     ranks = [layout_spans(layout, cp_size, r, seq_len) for r in range(cp_size)]
     members = [canonical_member_spans(ranks[g:g + inner_size])[0] for g in range(0, cp_size, inner_size)]
-    return build_schedule(members, causal)
+    return build_schedule(members, mask, kernel_masks)
 
 
 def load_balance(schedule: Schedule) -> float:

@@ -103,7 +103,7 @@ class RingAttention(torch.autograd.Function):
             t0 = timeline.now()
             for i, t in enumerate(plan.tasks[step]):
                 qs, ks = slice(*t.q), slice(*t.kv)
-                o, l = plan.kernel.forward(qb[:, :, qs], kb[:, :, ks], vb[:, :, ks], t.causal, plan.scale,
+                o, l = plan.kernel.forward(qb[:, :, qs], kb[:, :, ks], vb[:, :, ks], t.mask, plan.scale,
                                            plan.dropout(step, i))
                 if plan.first[step][i]:
                     out[:, :, qs].copy_(o)
@@ -134,7 +134,7 @@ class RingAttention(torch.autograd.Function):
             for i, t in enumerate(plan.tasks[step]):
                 qs, ks = slice(*t.q), slice(*t.kv)
                 gq, gk, gv = plan.kernel.backward(dob[:, :, qs], qb[:, :, qs], kb[:, :, ks], vb[:, :, ks],
-                                                  ob[:, :, qs], lse[:, :, qs], t.causal, plan.scale,
+                                                  ob[:, :, qs], lse[:, :, qs], t.mask, plan.scale,
                                                   plan.dropout(step, i))
                 if plan.first[step][i]:
                     dq[:, :, qs].copy_(gq)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch.distributed import ProcessGroup
@@ -33,13 +33,15 @@ from ..comm import HCPGroups, RingExchange, gather_seq, heads_to_seq, seq_to_hea
 from ..cp_rules import a2a_degree
 from ..kernels import Kernel
 from ..layouts import canonical_member_spans, layout_spans
+from ..masks import Mask
 from ..schedule import Schedule, layout_schedule
 from .executor import RingAttention, RingPlan
 from .rotation import LocalRotation, RingRotation
 
 @lru_cache(maxsize=256)
-def _schedule(layout: str, cp_size: int, seq_len: int, causal: bool, inner: int) -> Schedule:
-    return layout_schedule(layout, cp_size, seq_len, causal, inner)
+def _schedule(layout: str, cp_size: int, seq_len: int, mask: Union[bool, Mask], inner: int,
+              kernel_masks: frozenset) -> Schedule:
+    return layout_schedule(layout, cp_size, seq_len, mask, inner, kernel_masks)
 
 
 @lru_cache(maxsize=256)
@@ -100,14 +102,17 @@ class Scheme:
         return (out, lse) if return_lse else out
 
 
-def resolve_scheme(groups: HCPGroups, comm: str, layout: str, causal: bool, s_local: int, kv_heads: int,
+def resolve_scheme(groups: HCPGroups, comm: str, layout: str, mask: Union[bool, Mask], s_local: int, kv_heads: int,
                    kernel: Kernel, scale: float, dropout_p: float = 0.0) -> Scheme:
-    """Everything this CP rank needs to run ``comm`` on ``[s_local, b, h, d]`` shards, worked out once."""
+    """Everything this CP rank needs to run ``comm`` on ``[s_local, b, h, d]`` shards, worked out once.
+
+    ``mask``: a ``masks`` value (or a bool: causal/full); the schedule splits it into block masks
+    ``kernel`` computes natively."""
     cp_size, cp_rank = groups.cp_size, groups.cp_rank
     seq_len = s_local * cp_size
     inner = a2a_degree(comm, groups.sizes)
     member, ring_size = cp_rank // inner, cp_size // inner
-    tasks = _schedule(layout, cp_size, seq_len, causal, inner).tasks[member]
+    tasks = _schedule(layout, cp_size, seq_len, mask, inner, kernel.capabilities.masks).tasks[member]
     a2a_group = pieces = gather_group = None
     if inner > 1:
         a2a_group = groups.cp_group if comm == "a2a" else groups.inner_group

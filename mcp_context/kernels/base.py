@@ -1,18 +1,21 @@
 """What every block-attention backend is and declares: the ``Kernel`` protocol and ``Capabilities``.
 
-A kernel computes one block on one device, ``(q, k, v, causal) -> (out, lse)`` on ``[b, h, s, d]``
+A kernel computes one block on one device, ``(q, k, v, mask) -> (out, lse)`` on ``[b, h, s, d]``
 tensors (``h`` query heads, ``h_kv`` key/value heads with ``h % h_kv == 0``), and the block's
 gradients from the *final* merged ``(out, lse)`` of the whole attention, as flash-attention does, so
-nothing O(s^2) is kept. The schedule only ever asks for two block masks: ``full`` (every key
-visible) and ``causal`` on a square block (query ``i`` sees keys ``0..i``, where top-left and
-bottom-right alignment agree).
+nothing O(s^2) is kept. ``mask`` is a ``masks.BlockMask`` (``True``/``False`` mean causal/full); the
+schedule only sends a kernel the kinds its ``Capabilities.masks`` declare: every kernel computes
+``full`` and ``causal`` on a square block (query ``i`` sees keys ``0..i``, where top-left and
+bottom-right alignment agree); ``anticausal`` squares and ``band`` blocks only where declared.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Optional, Protocol, Union
 
 import torch
+
+from ..masks import BlockMask
 
 BLOCK_MASKS = ("full", "causal")
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -66,7 +69,7 @@ class Kernel(Protocol):
     name: str
     capabilities: Capabilities
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Union[bool, BlockMask], scale: float,
                 dropout: Optional[Dropout] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``out [b, h, sq, d]`` and ``lse [b, h, sq]`` (fp32, or fp64 for fp64 input).
 
@@ -74,7 +77,7 @@ class Kernel(Protocol):
         blocks merge exactly as without dropout."""
 
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
+                 out: torch.Tensor, lse: torch.Tensor, mask: Union[bool, BlockMask], scale: float,
                  dropout: Optional[Dropout] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Return ``dq, dk, dv`` for this block given the final merged ``out`` (q's dtype) and
         ``lse`` (the accumulator dtype, ``-inf`` already replaced by ``finite_lse_for_backward``)."""

@@ -3,6 +3,7 @@
 Computes in fp32 (fp64 for fp64 input) with an explicit softmax over one block. GQA groups the
 query heads over each KV head with a reshape (no repeated KV). The backward recomputes the
 probabilities from the final ``lse`` instead of saving them: memory stays O(block), not O(s^2).
+Applies every block mask itself, bands included (``masks.BlockMask.visible``).
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from ..masks import BLOCK_MASK_KINDS, BlockMask, block_mask
 from .base import FLOAT_DTYPES, Capabilities, Dropout, accum_dtype, finite_lse_for_backward
 
 
@@ -19,24 +21,22 @@ def _grouped(q: torch.Tensor, h_kv: int) -> torch.Tensor:
     return q.reshape(b, h_kv, h // h_kv, s, d)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, dtype: torch.dtype) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor, mask: BlockMask, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """Scaled scores ``[b, h_kv, g, sq, sk]`` with masked pairs at ``-inf``."""
     s = torch.einsum("bngqd,bnkd->bngqk", _grouped(q, k.shape[1]).to(dtype), k.to(dtype)) * scale
-    if causal:
-        sq, sk = s.shape[-2:]
-        future = torch.ones(sq, sk, dtype=torch.bool, device=s.device).triu_(1)
-        s = s.masked_fill(future, float("-inf"))
+    if mask.kind != "full":
+        s = s.masked_fill(~mask.visible(*s.shape[-2:], device=s.device), float("-inf"))
     return s
 
 
 class MathKernel:
     name = "math"
     capabilities = Capabilities(devices=frozenset({"cpu", "cuda", "meta"}), dtypes=frozenset(FLOAT_DTYPES),
-                                native_gqa=True, dropout=True)
+                                native_gqa=True, masks=frozenset(BLOCK_MASK_KINDS), dropout=True)
 
-    def forward(self, q, k, v, causal, scale, dropout: Optional[Dropout] = None):
+    def forward(self, q, k, v, mask, scale, dropout: Optional[Dropout] = None):
         dtype = accum_dtype(q.dtype)
-        s = _scores(q, k, causal, scale, dtype)
+        s = _scores(q, k, block_mask(mask), scale, dtype)
         lse = torch.logsumexp(s, dim=-1)  # -inf on fully masked rows
         p = torch.exp(s - finite_lse_for_backward(lse).unsqueeze(-1))
         if dropout is not None:
@@ -45,10 +45,10 @@ class MathKernel:
         b, n, g, sq, d = out.shape
         return out.reshape(b, n * g, sq, d), lse.reshape(b, n * g, sq)
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale, dropout: Optional[Dropout] = None):
+    def backward(self, dout, q, k, v, out, lse, mask, scale, dropout: Optional[Dropout] = None):
         dtype = accum_dtype(q.dtype)
         h_kv = k.shape[1]
-        s = _scores(q, k, causal, scale, dtype)
+        s = _scores(q, k, block_mask(mask), scale, dtype)
         lse_g = _grouped(lse.unsqueeze(-1), h_kv).to(dtype)
         p = torch.exp(s - lse_g)
         do = _grouped(dout, h_kv).to(dtype)

@@ -12,6 +12,10 @@ so a wrong argument list fails on any machine):
 - ``efficient``: ``_scaled_dot_product_efficient_attention`` (needs equal head counts: K/V heads are
   repeated locally, after communication, and their gradients summed back in fp32).
 
+Each op computes ``full`` blocks and ``causal`` squares; an ``anticausal`` square (key ``b >= a``, the
+lower edge of a sliding window) is a causal square of the blocks with their rows reversed, so it runs
+on the same op with the rows flipped (copies of O(s·d), against O(s^2·d) compute).
+
 Every op reads ``[b, h, s, d]`` views of the executor's ``[s, b, h, d]`` storage (a permute, no
 copy); only a last dimension that is not contiguous is copied (the CPU op silently misreads it).
 Whether an op serves a device and dtype is the registry's probe's call, never a version string.
@@ -23,10 +27,12 @@ from typing import Callable, Optional
 
 import torch
 
+from ..masks import CAUSAL_BLOCK, block_mask
 from .base import Capabilities, Dropout, accum_dtype
 
 aten = torch.ops.aten
 _HALF = frozenset({torch.bfloat16, torch.float16})
+_MASKS = frozenset({"full", "causal", "anticausal"})
 
 
 def _dense_last(x: torch.Tensor) -> torch.Tensor:
@@ -106,11 +112,13 @@ class FusedOp:
 
 
 FUSED_OPS: dict[str, FusedOp] = {op.name: op for op in (
-    FusedOp("cpu_flash", Capabilities(frozenset({"cpu"}), _HALF | {torch.float64, torch.float32}, native_gqa=True),
-            _cpu_forward, _cpu_backward),
-    FusedOp("cudnn", Capabilities(frozenset({"cuda"}), _HALF, native_gqa=True), _cudnn_forward, _cudnn_backward),
-    FusedOp("flash", Capabilities(frozenset({"cuda"}), _HALF, native_gqa=True), _flash_forward, _flash_backward),
-    FusedOp("efficient", Capabilities(frozenset({"cuda"}), _HALF | {torch.float32}, native_gqa=False),
+    FusedOp("cpu_flash", Capabilities(frozenset({"cpu"}), _HALF | {torch.float64, torch.float32}, native_gqa=True,
+                                      masks=_MASKS), _cpu_forward, _cpu_backward),
+    FusedOp("cudnn", Capabilities(frozenset({"cuda"}), _HALF, native_gqa=True, masks=_MASKS),
+            _cudnn_forward, _cudnn_backward),
+    FusedOp("flash", Capabilities(frozenset({"cuda"}), _HALF, native_gqa=True, masks=_MASKS),
+            _flash_forward, _flash_backward),
+    FusedOp("efficient", Capabilities(frozenset({"cuda"}), _HALF | {torch.float32}, native_gqa=False, masks=_MASKS),
             _efficient_forward, _efficient_backward),
 )}
 
@@ -124,17 +132,34 @@ class TorchKernel:
     def __repr__(self) -> str:
         return f"TorchKernel({self.name})"
 
-    def forward(self, q, k, v, causal, scale, dropout: Optional[Dropout] = None):
+    def _causal(self, mask, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """The op's ``is_causal`` for ``mask`` (``full`` or a ``causal`` square); ValueError otherwise."""
+        kind = block_mask(mask).kind
+        if kind not in ("full", "causal") or (kind == "causal" and q.shape[2] != k.shape[2]):
+            raise ValueError(f"{self.name} computes full blocks and square causal blocks, not a {kind} mask on a "
+                             f"{q.shape[2]}x{k.shape[2]} block; the schedule splits other masks for it "
+                             f"(build it with this kernel's capabilities.masks) or use backend='math'")
+        return kind == "causal"
+
+    def forward(self, q, k, v, mask, scale, dropout: Optional[Dropout] = None):
         if dropout is not None:
             raise ValueError(f"{self.name} cannot replay a per-block dropout mask; use the math kernel")
+        if block_mask(mask).kind == "anticausal":  # key b >= a: causal on the rows reversed
+            out, lse = self.forward(q.flip(2), k.flip(2), v.flip(2), CAUSAL_BLOCK, scale)
+            return out.flip(2), lse.flip(-1)
+        causal = self._causal(mask, q, k)
         h = q.shape[1]
         if not self.capabilities.native_gqa:
             k, v = _repeat_kv(k, h), _repeat_kv(v, h)
         return self.op.forward(_dense_last(q), _dense_last(k), _dense_last(v), causal, scale)
 
-    def backward(self, dout, q, k, v, out, lse, causal, scale, dropout: Optional[Dropout] = None):
+    def backward(self, dout, q, k, v, out, lse, mask, scale, dropout: Optional[Dropout] = None):
         if dropout is not None:
             raise ValueError(f"{self.name} cannot replay a per-block dropout mask; use the math kernel")
+        if block_mask(mask).kind == "anticausal":
+            grads = self.backward(*(x.flip(2) for x in (dout, q, k, v, out)), lse.flip(-1), CAUSAL_BLOCK, scale)
+            return tuple(g.flip(2) for g in grads)
+        causal = self._causal(mask, q, k)
         h, h_kv = q.shape[1], k.shape[1]
         if not self.capabilities.native_gqa:
             k, v = _repeat_kv(k, h), _repeat_kv(v, h)
