@@ -28,6 +28,7 @@ def context_parallel_attention(
     dropout_p: float = 0.0,
     dropout_seed: Optional[int] = None,
     check_ranks: Optional[bool] = None,
+    window_size: Optional[tuple[int, int]] = None,
 ):
     """Exact attention over a sequence sharded across the context-parallel ranks of ``groups``.
 
@@ -39,9 +40,14 @@ def context_parallel_attention(
     ``torch:flash``, ``torch:efficient``, ``torch:cpu_flash``) or ``te``.
     ``dropout_p``: attention dropout; masks come from ``dropout_seed`` (default: drawn from torch's
     generator) mixed with the CP rank, ring step and block, so a seed replays the same masks.
+    ``window_size=(left, right)``: sliding-window attention (Megatron/TE semantics): query ``i`` sees
+    keys ``j`` with ``i - left <= j <= i + right``; ``-1`` leaves a side unbounded; ``causal=True``
+    caps ``right`` at 0; ``None`` or ``(-1, -1)`` is plain causal or full attention. Ring steps whose
+    keys no local query can see are not computed.
     ``check_ranks``: check that all CP ranks agree on shapes and configuration first (default: on
     for gloo groups, off for NCCL unless ``MCP_CONTEXT_CHECK_RANKS=1``).
     """
     engine = ContextParallelAttention(groups, causal=causal, layout=layout, comm=comm, softmax_scale=softmax_scale,
-                                      backend=backend, dropout_p=dropout_p, check_ranks=check_ranks)
+                                      backend=backend, dropout_p=dropout_p, check_ranks=check_ranks,
+                                      window_size=window_size)
     return engine(q, k, v, return_lse=return_lse, dropout_seed=dropout_seed)

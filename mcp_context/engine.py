@@ -27,6 +27,7 @@ from .algorithms import Scheme, resolve_scheme
 from .comm import HCPGroups
 from .cp_rules import COMM_TYPES, LAYOUTS, a2a_degree, check_heads, check_layout, check_seq_len, normalize_comm
 from .kernels import BACKENDS, get_kernel
+from .masks import attention_mask
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -87,12 +88,14 @@ class ContextParallelAttention:
 
     def __init__(self, groups: Union[HCPGroups, ProcessGroup, None], causal: bool = True, layout: str = "zigzag",
                  comm: str = "a2a+p2p", softmax_scale: Optional[float] = None, backend: str = "auto",
-                 dropout_p: float = 0.0, check_ranks: Optional[bool] = None):
+                 dropout_p: float = 0.0, check_ranks: Optional[bool] = None,
+                 window_size: Optional[tuple[int, int]] = None):
         self.comm = normalize_comm(comm)
         check_layout(layout)
         if not isinstance(causal, bool):
             raise TypeError(f"causal={causal!r} must be a bool (True for causal attention, False for full), "
                             f"not {type(causal).__name__}")
+        self.mask = attention_mask(causal, window_size)
         if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and not isinstance(
                 softmax_scale, bool) and math.isfinite(softmax_scale) and softmax_scale > 0):
             raise ValueError(f"softmax_scale={softmax_scale!r} must be a positive finite number (default: "
@@ -113,8 +116,8 @@ class ContextParallelAttention:
             check_ranks = (os.environ.get("MCP_CONTEXT_CHECK_RANKS", "") == "1"
                            or dist.get_backend(groups.cp_group) == "gloo")
         self.check_ranks = check_ranks and groups.cp_size > 1
-        self._config = (int(causal), LAYOUTS.index(layout), COMM_TYPES.index(self.comm), BACKENDS.index(backend),
-                        int(self.dropout_p > 0))
+        self._config = (int(causal), *self.mask.window_size, LAYOUTS.index(layout), COMM_TYPES.index(self.comm),
+                        BACKENDS.index(backend), int(self.dropout_p > 0))
         self._schemes: dict[tuple, Scheme] = {}
 
     def check_agreement(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -130,7 +133,8 @@ class ContextParallelAttention:
             differ = [f"CP rank {i}: {_describe(r)}" + (" (configuration differs)" if r[21:] != rows_list[0][21:]
                                                          else "") for i, r in enumerate(rows_list)]
             raise ValueError("CP ranks disagree on the attention inputs (" + "; ".join(differ) + "); every CP rank "
-                             "must pass shards of one shape and dtype, with the same causal/layout/comm/backend")
+                             "must pass shards of one shape and dtype, with the same causal/window_size/layout/comm/"
+                             "backend")
 
     def scheme(self, q: torch.Tensor, k: torch.Tensor) -> Scheme:
         """The resolved scheme for shards shaped like ``q`` and ``k`` (built on first use)."""
@@ -142,7 +146,7 @@ class ContextParallelAttention:
             check_heads(q.shape[2], k.shape[2], a2a_degree(self.comm, self.groups.sizes), self.comm)
             kernel = get_kernel(self.backend, q.device, q.dtype, dropout=self.dropout_p > 0, head_dim=q.shape[3])
             scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
-            scheme = resolve_scheme(self.groups, self.comm, self.layout, self.causal, q.shape[0], k.shape[2], kernel,
+            scheme = resolve_scheme(self.groups, self.comm, self.layout, self.mask, q.shape[0], k.shape[2], kernel,
                                     scale, self.dropout_p)
             self._schemes[key] = scheme
         return scheme

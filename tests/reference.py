@@ -8,14 +8,22 @@ from __future__ import annotations
 import torch
 
 
-def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
-    """``q [S, b, h, d]``, ``k, v [S, b, h_kv, d]`` (fp64) -> ``out [S, b, h, d]``, ``lse [S, b, h]``."""
+def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                   window: tuple[int, int] = (-1, -1)):
+    """``q [S, b, h, d]``, ``k, v [S, b, h_kv, d]`` (fp64) -> ``out [S, b, h, d]``, ``lse [S, b, h]``.
+
+    ``window=(left, right)``: query ``i`` also needs ``i - left <= j <= i + right`` (-1: unbounded)."""
     rep = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     scores = torch.einsum("qbhd,kbhd->bhqk", q, k) * scale
+    pos = torch.arange(q.shape[0])
     if causal:
-        pos = torch.arange(q.shape[0])
         scores = scores.masked_fill(pos[None, :] > pos[:, None], float("-inf"))
+    left, right = window
+    if left >= 0:
+        scores = scores.masked_fill(pos[None, :] < pos[:, None] - left, float("-inf"))
+    if right >= 0:
+        scores = scores.masked_fill(pos[None, :] > pos[:, None] + right, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.einsum("bhqk,kbhd->qbhd", torch.softmax(scores, dim=-1), v)
     return out, lse.permute(2, 0, 1)

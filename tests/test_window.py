@@ -1,0 +1,230 @@
+"""Sliding-window attention through every scheme, layout and hierarchy, against an fp64 reference.
+
+The reference (``tests.reference.full_attention`` with ``window``) applies the window by comparing
+positions, sharing no code with the package. Windows: smaller than a zigzag chunk, about one shard,
+spanning several shards, and longer than the sequence; causal (left windows) and not (left and
+right windows, one-sided ones included). Axes are cycled, not multiplied, as in test_engine_dist.
+Also: the schedule skips the ring steps a window makes empty, the fused CPU kernel computes the
+window's lower edge (anticausal squares), and bad windows are refused with the fix named.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from mcp_context.kernels import get_kernel
+from mcp_context.kernels.math import MathKernel
+from mcp_context.layouts import spans_positions
+from mcp_context.masks import ANTICAUSAL_BLOCK, CAUSAL, FULL, BlockMask, SlidingWindow, attention_mask
+from mcp_context.schedule import layout_schedule
+from tests._dist import run_distributed
+from tests.reference import full_attention, random_qkv
+
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+FUSED_MASKS = frozenset({"full", "causal", "anticausal"})
+CPU = torch.device("cpu")
+
+
+def _windows(seq_len: int, world: int) -> list[tuple[str, bool, tuple[int, int]]]:
+    """(name, causal, window) for a sequence of ``seq_len`` over ``world`` ranks (shard ``seq_len/world``)."""
+    shard = seq_len // world
+    return [
+        ("chunk-causal", True, (shard // 4, 0)),           # inside a zigzag chunk (shard/2)
+        ("chunk-both", False, (2, 3)),
+        ("shard-causal", True, (shard, 0)),
+        ("shard-both", False, (shard - 1, shard + 1)),
+        ("shards-causal", True, (3 * shard + 1, 0)),
+        ("shards-both", False, (2 * shard + 3, shard + 5)),
+        ("longer-causal", True, (2 * seq_len, 7)),          # right is capped at 0 by causal
+        ("longer-both", False, (2 * seq_len, 2 * seq_len)),
+        ("right-only", False, (-1, shard // 2)),
+        ("left-only", False, (shard + 2, -1)),
+    ]
+
+
+HIERARCHIES = [(2, [2]), (4, [4]), (4, [2, 2]), (8, [2, 2, 2])]
+LAYOUTS = ["zigzag", "contiguous", "striped"]
+
+
+def _cases():
+    # periods 10, 4 and 3: every window meets both kernels (the fused CPU op cuts bands into pieces)
+    windows, kvs = itertools.cycle(range(10)), itertools.cycle([2, 8, 1, 4])
+    backends = itertools.cycle(["auto", "math", "auto"])
+    for world, sizes in HIERARCHIES:
+        for comm in ["p2p", "a2a", "all_gather"] + (["a2a+p2p"] if len(sizes) > 1 else []):
+            for layout in LAYOUTS:
+                w, kv_heads, backend = next(windows), next(kvs), next(backends)
+                name = _windows(12 * world, world)[w][0]
+                yield pytest.param(world, sizes, comm, layout, w, kv_heads, backend,
+                                   id=f"w{world}-{sizes}-{comm}-{layout}-{name}-hkv{kv_heads}-{backend}"
+                                   .replace(" ", ""))
+
+
+def _compare(rank, world, sizes, comm, layout, w, kv_heads, backend, dtype):
+    from mcp_context import build_hcp_groups, context_parallel_attention, shard_sequence
+
+    seq_len, batch, heads, head_dim = 12 * world, 2, 8, 8
+    _, causal, window = _windows(seq_len, world)[w]
+    scale = 1 / math.sqrt(head_dim)
+    q, k, v, dout = random_qkv(seq_len, batch, heads, kv_heads, head_dim, seed=world * 10 + w)
+    ref_inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref_out, ref_lse = full_attention(*ref_inputs, causal, scale, window=window)
+    ref_out.backward(dout)
+
+    def shard(x):
+        return shard_sequence(x, world, rank, layout, dim=0)
+
+    local = [shard(x).to(dtype).requires_grad_() for x in (q, k, v)]
+    out, lse = context_parallel_attention(*local, build_hcp_groups(sizes), causal=causal, layout=layout, comm=comm,
+                                          backend=backend, return_lse=True, window_size=window)
+    out.backward(shard(dout).to(dtype))
+    pairs = {"out": (out, ref_out), "lse": (lse, ref_lse), "dq": (local[0].grad, ref_inputs[0].grad),
+             "dk": (local[1].grad, ref_inputs[1].grad), "dv": (local[2].grad, ref_inputs[2].grad)}
+    return {name: (a.double() - shard(b.detach())).abs().max().item() for name, (a, b) in pairs.items()}
+
+
+def _case(rank, world, *args):
+    return {dtype: _compare(rank, world, *args, dtype) for dtype in (torch.float64, torch.float32)}
+
+
+@pytest.mark.parametrize("world,sizes,comm,layout,w,kv_heads,backend", list(_cases()))
+def test_windowed_attention_matches_fp64_reference(world, sizes, comm, layout, w, kv_heads, backend):
+    per_rank = run_distributed(world, _case, sizes, comm, layout, w, kv_heads, backend)
+    for rank, errors in enumerate(per_rank):
+        for dtype, errs in errors.items():
+            for name, err in errs.items():
+                assert err <= TOL[dtype], f"rank {rank} {dtype} {name}: max abs error {err:.3e} > {TOL[dtype]}"
+
+
+def test_every_window_appears_with_both_kernels():
+    """The cycled matrix covers every window kind with the fused CPU op and with the math kernel."""
+    seen = {(p.values[4], p.values[6]) for p in _cases()}
+    assert seen == set(itertools.product(range(10), ["auto", "math"]))
+
+
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, band: tuple) -> torch.Tensor:
+    """Pairs with ``lo <= key position - query position <= hi`` (None: unbounded)."""
+    d = k_pos[None, :] - q_pos[:, None]
+    lo, hi = band
+    keep = torch.ones(d.shape, dtype=torch.bool)
+    if lo is not None:
+        keep &= d >= lo
+    if hi is not None:
+        keep &= d <= hi
+    return keep
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("cp,inner", [(2, 1), (4, 1), (4, 2), (8, 2), (8, 8)])
+@pytest.mark.parametrize("kernel_masks", [FUSED_MASKS, frozenset({"full", "causal"}), None],
+                         ids=["fused", "causal-only", "math"])
+def test_window_tasks_cover_every_visible_pair_exactly_once(layout, cp, inner, kernel_masks):
+    """Each task has a kind the kernel declares (causal/anticausal on squares); together the tasks of a
+    step cover exactly the pairs the window shows."""
+    seq = 12 * cp
+    for _, causal, window in _windows(seq, cp)[:8:3] + _windows(seq, cp)[8:]:
+        mask = attention_mask(causal, window)
+        args = (layout, cp, seq, mask, inner) + ((kernel_masks,) if kernel_masks else ())
+        sch = layout_schedule(*args)
+        for m in range(sch.ring_size):
+            q_pos = spans_positions(sch.member_spans[m])
+            for step in range(sch.ring_size):
+                k_pos = spans_positions(sch.member_spans[sch.kv_source(m, step)])
+                covered = torch.zeros(len(q_pos), len(k_pos), dtype=torch.int)
+                for t in sch.tasks[m][step]:
+                    n, k = t.q[1] - t.q[0], t.kv[1] - t.kv[0]
+                    assert kernel_masks is None or t.mask.kind in kernel_masks, t
+                    assert t.mask.kind not in ("causal", "anticausal") or n == k, t
+                    block = t.mask.visible(n, k).int()
+                    assert block.sum().item() == t.useful_pairs
+                    covered[t.q[0]:t.q[1], t.kv[0]:t.kv[1]] += block
+                assert torch.equal(covered, _visible(q_pos, k_pos, mask.band()).int()), (mask, m, step)
+
+
+@pytest.mark.parametrize("layout,steps", [
+    ("contiguous", lambda m, p: {0} if m == 0 else {0, 1}),
+    ("zigzag", lambda m, p: {0, p - 1} if m == 0 else {0, 1} if m == p - 1 else {0, 1, p - 1}),
+])
+def test_a_window_of_a_quarter_shard_skips_every_step_out_of_reach(layout, steps):
+    """P = 8, causal window S/(4P): only the own shard and the neighbours holding the previous positions
+    get tasks (contiguous: the shard before; zigzag: the chunk before each of the two chunks), and the
+    tasks hold exactly the window's pairs: sum over i of min(i, w) + 1."""
+    p, seq = 8, 8 * 256
+    w = seq // (4 * p)
+    sch = layout_schedule(layout, p, seq, SlidingWindow(w, 0), 1, FUSED_MASKS)
+    for m in range(p):
+        busy = {step for step in range(p) if sch.tasks[m][step]}
+        assert busy == steps(m, p), (m, busy)
+    assert sum(sch.useful_pairs()) == sum(min(i, w) + 1 for i in range(seq))
+    assert sum(sch.useful_pairs()) < sum(layout_schedule(layout, p, seq, True).useful_pairs()) / 7
+
+
+def test_window_schedule_has_the_same_pairs_for_every_kernel():
+    """How a band is cut (math: band blocks; fused: full, causal and anticausal pieces) changes the tasks,
+    never which pairs are computed."""
+    mask = SlidingWindow(37, 11)
+    by_kernel = [layout_schedule("striped", 4, 4 * 96, mask, 1, masks).useful_pairs()
+                 for masks in (FUSED_MASKS, frozenset({"full", "causal"}), MathKernel.capabilities.masks)]
+    assert by_kernel[0] == by_kernel[1] == by_kernel[2]
+
+
+@pytest.mark.parametrize("mask,n,m", [(ANTICAUSAL_BLOCK, 24, 24), (BlockMask(-3, 5), 24, 40),
+                                      (BlockMask(2, 9), 17, 30)])
+def test_block_masks_match_the_reference(mask, n, m):
+    """The fused CPU op computes anticausal squares (rows flipped); the math kernel computes any band.
+    Forward and backward from the block's own (out, lse), against an explicit fp64 softmax."""
+    gen = torch.Generator().manual_seed(n + m)
+    q, do = (torch.randn(1, 4, n, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, 2, m, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    scores = torch.einsum("bhqd,bhkd->bhqk", leaves[0], leaves[1].repeat_interleave(2, 1)) * 0.3
+    scores = scores.masked_fill(~mask.visible(n, m), float("-inf"))
+    ref_lse = torch.logsumexp(scores, -1)
+    ref_out = torch.einsum("bhqk,bhkd->bhqd", torch.softmax(scores, -1), leaves[2].repeat_interleave(2, 1))
+    ref_out.backward(do)
+    kernels = [MathKernel()] + ([get_kernel("torch:cpu_flash", CPU, torch.float64)] if mask.kind == "anticausal"
+                                else [])
+    for kernel in kernels:
+        out, lse = kernel.forward(q, k, v, mask, 0.3)
+        grads = kernel.backward(do, q, k, v, ref_out.detach(), ref_lse.detach(), mask, 0.3)
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), (out, lse) + tuple(grads),
+                              (ref_out, ref_lse) + tuple(x.grad for x in leaves)):
+            assert (a - b.detach()).abs().max().item() <= 1e-10, (kernel.name, name)
+
+
+def test_fused_op_refuses_a_band_it_cannot_compute():
+    kernel = get_kernel("torch:cpu_flash", CPU, torch.float64)
+    q = torch.randn(1, 2, 8, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="not a band mask on a 8x8 block.*capabilities.masks.*backend='math'"):
+        kernel.forward(q, q, q, BlockMask(-2, 2), 0.3)
+
+
+def test_window_size_maps_onto_mask_values():
+    assert attention_mask(True, None) == attention_mask(True, (-1, -1)) == attention_mask(True, (-1, 5)) == CAUSAL
+    assert attention_mask(False, None) == attention_mask(False, (-1, -1)) == FULL
+    assert attention_mask(True, (16, 16)) == SlidingWindow(16, 0)  # causal caps right at 0
+    assert attention_mask(False, [16, 3]) == SlidingWindow(16, 3)
+    assert SlidingWindow(16, 3).window_size == (16, 3) and CAUSAL.window_size == (-1, 0)
+
+
+@pytest.mark.parametrize("window,match", [
+    ((-2, 0), r"window_size=\(-2, 0\): left=-2 is negative; use a number of positions >= 0, or -1 for an unbounded"),
+    ((4, -7), r"window_size=\(4, -7\): right=-7 is negative; .* or -1 for an unbounded right side"),
+    ((4,), r"window_size=\(4,\) must be None or a pair \(left, right\) of ints"),
+    (8, r"window_size=8 must be None or a pair"),
+    ((4.5, 0), r"left must be an int \(>= 0, or -1 for unbounded\), not float"),
+    ((True, 0), r"left must be an int .* not bool"),
+])
+def test_bad_windows_are_refused_naming_the_fix(window, match):
+    from mcp_context import ContextParallelAttention, context_parallel_attention
+
+    with pytest.raises(ValueError, match=match):
+        ContextParallelAttention(None, causal=True, comm="p2p", window_size=window)
+    t = torch.zeros(4, 1, 2, 8)
+    with pytest.raises(ValueError, match=match):
+        context_parallel_attention(t, t, t, None, comm="p2p", window_size=window)
+    with pytest.raises(ValueError, match=match):
+        SlidingWindow(*window) if isinstance(window, tuple) and len(window) == 2 else attention_mask(False, window)
