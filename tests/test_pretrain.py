@@ -138,7 +138,7 @@ def _clip_with_megatron_on_cpu(rank, world):
 
     from megatron_patches.cpu_training import apply_cpu_training_shims
 
-    apply_cpu_training_shims()
+    apply_cpu_training_shims("cpu")
     params = [torch.nn.Parameter(torch.zeros_like(g)) for g in _rank_grads(rank)]
     for param, grad in zip(params, _rank_grads(rank)):
         param.grad = grad
