@@ -228,3 +228,44 @@ def test_bad_windows_are_refused_naming_the_fix(window, match):
         context_parallel_attention(t, t, t, None, comm="p2p", window_size=window)
     with pytest.raises(ValueError, match=match):
         SlidingWindow(*window) if isinstance(window, tuple) and len(window) == 2 else attention_mask(False, window)
+
+
+class _CountingKernel(MathKernel):
+    """The math kernel, counting forward and backward calls (the step is read from the caller's plan)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        return super().forward(*args, **kwargs)
+
+    def backward(self, *args, **kwargs):
+        self.calls += 1
+        return super().backward(*args, **kwargs)
+
+
+def test_steps_without_tasks_run_no_kernel():
+    """One ring member run on one device (every shard local): a window of S/(4P) calls the kernel only for
+    the tasks of the steps within reach, forward and backward, and the result is still exact."""
+    from mcp_context.algorithms.executor import RingAttention, RingPlan
+    from mcp_context.algorithms.rotation import LocalRotation
+
+    p, seq, member = 8, 8 * 16, 3
+    window = (seq // (4 * p), 0)
+    q, k, v, dout = random_qkv(seq, 1, 4, 2, 8, seed=3)
+    sch = layout_schedule("zigzag", p, seq, attention_mask(True, window))
+    order = torch.cat([spans_positions(spans) for spans in sch.member_spans])
+    rows = spans_positions(sch.member_spans[member])
+    kernel = _CountingKernel()
+    plan = RingPlan.build(sch.tasks[member], LocalRotation(member, p), kernel, 0.3, len(rows))
+    qm = q[rows].clone().requires_grad_()
+    out, _ = RingAttention.apply(qm, k[order], v[order], plan)
+    out.backward(dout[rows])
+    assert kernel.calls == 2 * sum(len(step) for step in sch.tasks[member])
+    assert [step for step in range(p) if sch.tasks[member][step]] == [0, 1, p - 1]
+    ref_q = q.clone().requires_grad_()
+    ref_out, _ = full_attention(ref_q, k, v, True, 0.3, window=window)
+    ref_out.backward(dout)
+    assert (out.detach() - ref_out.detach()[rows]).abs().max().item() <= 1e-12
+    assert (qm.grad - ref_q.grad[rows]).abs().max().item() <= 1e-12
