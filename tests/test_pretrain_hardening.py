@@ -265,6 +265,16 @@ def test_non_finite_loss_stops_the_run_before_saving(tmp_path, data_dir):
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1]
 
 
+def test_a_corpus_line_that_cannot_be_read_is_one_error_line_naming_file_and_line(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "a first document"}\n{"text": "cut off\n')
+    proc = _pretrain(tmp_path / "run", ["train.steps=1", f"data.corpus={corpus}", f"data.cache_dir={tmp_path}"])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and f"{corpus}:2" in errors[0], proc.stderr[-2000:]
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_ranks_exit_when_torchrun_alone_is_killed(tmp_path, data_dir):
     overrides = [*ONE_RANK, "train.steps=5000", "checkpoint.save_interval=5000", f"data.cache_dir={data_dir}"]

@@ -116,3 +116,26 @@ def test_allgather_is_an_alias_of_all_gather():
     from mcp_context import normalize_comm
 
     assert normalize_comm("allgather") == "all_gather"
+
+
+def _strided(rank, world, comm):
+    from mcp_context import context_parallel_attention, shard_sequence
+    from tests.reference import full_attention, random_qkv
+
+    q, k, v, dout = random_qkv(8 * world, 2, 4, 2, 8, seed=5)
+    ref = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref_out, _ = full_attention(*ref, True, 8 ** -0.5)
+    ref_out.backward(dout)
+    # Shards whose last dimension is strided (a transposed copy viewed back): the fused CPU op misread them.
+    local = [shard_sequence(x, world, rank).transpose(-1, -2).contiguous().transpose(-1, -2).requires_grad_()
+             for x in (q, k, v)]
+    assert all(x.stride(-1) != 1 for x in local)
+    out = context_parallel_attention(*local, None, comm=comm, layout="zigzag")
+    out.backward(shard_sequence(dout, world, rank))
+    pairs = [(out, ref_out)] + [(x.grad, r.grad) for x, r in zip(local, ref)]
+    return max((a - shard_sequence(b.detach(), world, rank)).abs().max().item() for a, b in pairs)
+
+
+def test_shards_with_a_strided_last_dimension_are_exact():
+    for comm in ("p2p", "all_gather"):
+        assert max(run_distributed(2, _strided, comm)) <= 1e-10, comm

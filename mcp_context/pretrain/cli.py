@@ -7,8 +7,8 @@
 
 A bad recipe, a launch that does not fit it, or a run directory that cannot be resumed as asked
 (a malformed ``latest``, a damaged checkpoint, checkpoints without ``latest``, a recipe that changes
-the run, a malformed ``metrics.jsonl``) prints ``error: ...`` naming the key or file and the fix, and
-exits with status 2 before any process group starts. A run that diverges (non-finite loss, gradient
+the run, a malformed ``metrics.jsonl``, a corpus line that cannot be read) prints ``error: ...`` naming
+the key or file (and line) and the fix, and exits with status 2. A run that diverges (non-finite loss, gradient
 norm or weights) prints ``error: ...`` with the step and exits with status 1. At the end rank 0
 prints the first and last loss and where the metrics and the checkpoint are. Under torchrun each
 rank dies with its launcher (``PR_SET_PDEATHSIG`` on Linux): torchrun starts ranks in sessions of
@@ -72,13 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     except (RecipeError, FileNotFoundError) as err:
         return _error(str(err), 2)
 
+    from mcp_context.data import CorpusError
     from mcp_context.pretrain.checkpoint import CheckpointError
     from mcp_context.pretrain.loop import TrainingDiverged, train
     from mcp_context.pretrain.metrics import MetricsFileError
 
     try:
         result = train(cfg, run_dir, progress=True, resume_from=args.resume_from, restart=args.restart)
-    except (CheckpointError, MetricsFileError) as err:
+    except (CheckpointError, MetricsFileError, CorpusError) as err:
         return _error(str(err), 2)
     except TrainingDiverged as err:
         return _error(str(err), 1)
