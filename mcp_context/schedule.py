@@ -75,6 +75,17 @@ class Schedule:
         """Whose key/value shard ``member`` holds at ring ``step``."""
         return (member - step) % self.ring_size
 
+    def kv_rows(self, member: int, step: int) -> tuple[tuple[int, int], ...]:
+        """Rows of the arriving shard that ``member``'s tasks at ``step`` read, as sorted disjoint
+        ``[start, stop)`` ranges: all a transfer must bring (nothing for a step without tasks)."""
+        merged: list[list[int]] = []
+        for a, b in sorted(t.kv for t in self.tasks[member][step]):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        return tuple((a, b) for a, b in merged)
+
     def useful_pairs(self) -> list[int]:
         """Visible (query, key) pairs each member computes, summed over steps."""
         return [sum(t.useful_pairs for step in member for t in step) for member in self.tasks]

@@ -162,6 +162,24 @@ def test_a_window_of_a_quarter_shard_skips_every_step_out_of_reach(layout, steps
     assert sum(sch.useful_pairs()) < sum(layout_schedule(layout, p, seq, True).useful_pairs()) / 7
 
 
+@pytest.mark.parametrize("kernel_masks", [FUSED_MASKS, MathKernel.capabilities.masks], ids=["fused", "math"])
+def test_a_quarter_shard_window_reads_only_the_halo_rows(kernel_masks):
+    """What a transfer would have to bring for a causal window of S/(4P), P = 8: contiguous, the last w
+    rows of the previous shard; zigzag, the last w rows of the chunk before each of a rank's chunks
+    (the neighbour's first chunk at step 1, the other neighbour's second chunk at step P - 1)."""
+    p, seq = 8, 8 * 256
+    w, n = seq // (4 * p), seq // p
+    contiguous = layout_schedule("contiguous", p, seq, SlidingWindow(w, 0), 1, kernel_masks)
+    zigzag = layout_schedule("zigzag", p, seq, SlidingWindow(w, 0), 1, kernel_masks)
+    for m in range(p):
+        assert contiguous.kv_rows(m, 0) == ((0, n),)
+        assert contiguous.kv_rows(m, 1) == (((n - w, n),) if m > 0 else ())
+        assert all(contiguous.kv_rows(m, step) == () for step in range(2, p))
+        assert zigzag.kv_rows(m, 1) == (((n // 2 - w, n // 2),) if m > 0 else ())
+        assert zigzag.kv_rows(m, p - 1) == (((n - w, n),) if m < p - 1 else ())
+        assert all(zigzag.kv_rows(m, step) == () for step in range(2, p - 1))
+
+
 def test_window_schedule_has_the_same_pairs_for_every_kernel():
     """How a band is cut (math: band blocks; fused: full, causal and anticausal pieces) changes the tasks,
     never which pairs are computed."""
