@@ -50,3 +50,26 @@ def _count(rank, world, comm, h_kv):
 def test_counted_bytes_equal_the_analytic_figure(comm, h_kv):
     for rank, counted in enumerate(run_distributed(P, _count, comm, h_kv)):
         assert counted == _expected(comm, h_kv), f"rank {rank}"
+
+
+def _destinations(rank, world):
+    from mcp_context import build_hcp_groups, comm_stats, context_parallel_attention
+
+    groups = build_hcp_groups([2, 2])
+    q = torch.randn(N, B, H, D, dtype=torch.float64, requires_grad=True)
+    comm_stats.reset()
+    context_parallel_attention(q, q, q, groups, comm="a2a+p2p", layout="zigzag").sum().backward()
+    _, bytes_to, calls = comm_stats.snapshot()
+    return bytes_to, calls
+
+
+def test_the_trace_names_every_destination_and_call():
+    """a2a+p2p over [2, 2]: the all-to-all goes only to the level-0 partner, the ring only to the next
+    group's rank with the same level-0 index (rank r sends to (r + 2) % 4); per destination the bytes add
+    up to the per-operation figure, and each ring transfer is one call (1 + 1 K/V hops, 2 dK/dV hops)."""
+    for rank, (bytes_to, calls) in enumerate(run_distributed(P, _destinations)):
+        expected = _expected("a2a+p2p", H)
+        assert bytes_to["all_to_all"] == {rank ^ 1: expected["all_to_all"]}, rank
+        assert bytes_to["ring_kv"] == {(rank + 2) % 4: expected["ring_kv"]}, rank
+        assert bytes_to["ring_dkv"] == {(rank + 2) % 4: expected["ring_dkv"]}, rank
+        assert calls["ring_kv"] == 2 and calls["ring_dkv"] == 2 and calls["all_to_all"] == 8, (rank, calls)

@@ -7,7 +7,7 @@ gradient home); every wait starts after the compute it follows, and events are t
 import pytest
 import torch
 
-from mcp_context.algorithms import timeline
+from mcp_context import trace
 from tests._dist import run_distributed
 
 
@@ -20,11 +20,11 @@ def _record(rank, world):
         context_parallel_attention(q, k, v, None, layout="zigzag", comm="p2p").sum().backward()
 
     run()
-    off_before = timeline._current is None
-    with timeline.record_timeline() as tl:
+    off_before = trace._current is None
+    with trace.record_timeline() as tl:
         run()
     run()  # after the context: nothing more is recorded
-    return off_before and timeline._current is None, [(e.kind, e.step, e.t0, e.t1) for e in tl.events]
+    return off_before and trace._current is None, [(e.kind, e.step, e.t0, e.t1) for e in tl.events]
 
 
 def test_timeline_records_each_step_in_order_and_nothing_when_off():
@@ -39,8 +39,8 @@ def test_timeline_records_each_step_in_order_and_nothing_when_off():
 
 
 def test_nested_recording_is_refused():
-    with timeline.record_timeline():
+    with trace.record_timeline():
         with pytest.raises(RuntimeError, match="already recording"):
-            with timeline.record_timeline():
+            with trace.record_timeline():
                 pass
-    assert timeline._current is None
+    assert trace._current is None

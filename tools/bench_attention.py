@@ -182,7 +182,7 @@ def _bench_config(rank, world, groups, comm, layout, shape: Shape, reps: int) ->
 def _timeline(rank, world, groups, shape: Shape, reps: int) -> dict:
     """Per-step events of p2p zigzag forward+backward on every rank, and one ring transfer alone."""
     from mcp_context import context_parallel_attention, shard_sequence
-    from mcp_context.algorithms.timeline import record_timeline
+    from mcp_context.trace import record_timeline
     from mcp_context.comm import RingExchange
 
     gen = torch.Generator().manual_seed(1)

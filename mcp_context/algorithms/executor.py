@@ -17,7 +17,7 @@ import torch
 from ..kernels import Dropout, Kernel, accum_dtype, finite_lse_for_backward
 from ..merge import merge_
 from ..schedule import BlockTask
-from . import timeline
+from .. import trace
 from .rotation import LocalRotation, RingRotation
 
 
@@ -100,7 +100,7 @@ class RingAttention(torch.autograd.Function):
         out = _accumulator(qb, acc, 0.0, plan.covered)
         lse = _accumulator(qb[..., 0], acc, float("-inf"), plan.covered)
         for step, kb, vb in plan.rotation.blocks(_bhsd(k), _bhsd(v)):
-            t0 = timeline.now()
+            t0 = trace.now()
             for i, t in enumerate(plan.tasks[step]):
                 qs, ks = slice(*t.q), slice(*t.kv)
                 o, l = plan.kernel.forward(qb[:, :, qs], kb[:, :, ks], vb[:, :, ks], t.mask, plan.scale,
@@ -110,7 +110,7 @@ class RingAttention(torch.autograd.Function):
                     lse[:, :, qs].copy_(l)
                 else:
                     merge_(out[:, :, qs], lse[:, :, qs], o, l)
-            timeline.record("forward_compute", step, t0)
+            trace.record("forward_compute", step, t0)
         out = _sbhd(out, q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = plan
@@ -129,7 +129,7 @@ class RingAttention(torch.autograd.Function):
         kb_all, vb_all = _bhsd(k), _bhsd(v)
         grads = plan.rotation.gradients(kb_all, acc)
         for step, kb, vb in plan.rotation.blocks(kb_all, vb_all):
-            t0 = timeline.now()
+            t0 = trace.now()
             dkv = grads.buffer(step)
             for i, t in enumerate(plan.tasks[step]):
                 qs, ks = slice(*t.q), slice(*t.kv)
@@ -142,7 +142,7 @@ class RingAttention(torch.autograd.Function):
                     dq[:, :, qs] += gq
                 dkv[0, :, :, ks] += gk
                 dkv[1, :, :, ks] += gv
-            timeline.record("backward_compute", step, t0)
+            trace.record("backward_compute", step, t0)
             grads.done(step, dkv)
         dk, dv = grads.result()
         return _sbhd(dq, q.dtype), _sbhd(dk, k.dtype), _sbhd(dv, v.dtype), None

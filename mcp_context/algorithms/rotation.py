@@ -18,7 +18,7 @@ from typing import Iterator, Optional
 import torch
 
 from ..comm.primitives import PendingExchange, RingExchange
-from . import timeline
+from .. import trace
 
 
 class RingRotation:
@@ -31,9 +31,9 @@ class RingRotation:
             pending = self.kv_exchange.start(kv, step) if step + 1 < self.ring_size else None
             yield step, kv[0], kv[1]
             if pending is not None:
-                t0 = timeline.now()
+                t0 = trace.now()
                 kv = pending.wait()
-                timeline.record("kv_wait", step + 1, t0)
+                trace.record("kv_wait", step + 1, t0)
 
     def gradients(self, k: torch.Tensor, dtype: torch.dtype) -> "RingGradients":
         return RingGradients(self.dkv_exchange, (2,) + tuple(k.shape), dtype, k.device)
@@ -54,16 +54,16 @@ class RingGradients:
 
     def done(self, step: int, dkv: torch.Tensor) -> None:
         if self.pending is not None:
-            t0 = timeline.now()
+            t0 = trace.now()
             received = self.pending.wait()
-            timeline.record("dkv_wait", step, t0)
+            trace.record("dkv_wait", step, t0)
             dkv = received.add_(dkv)
         self.pending, self.step = self.exchange.start(dkv, step), step
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        t0 = timeline.now()
+        t0 = trace.now()
         received = self.pending.wait()
-        timeline.record("dkv_wait", self.step + 1, t0)
+        trace.record("dkv_wait", self.step + 1, t0)
         return received[0], received[1]
 
 

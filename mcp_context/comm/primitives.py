@@ -1,4 +1,5 @@
-"""Communication primitives for context-parallel attention, each counting the bytes it sends.
+"""Communication primitives for context-parallel attention, each recording the bytes it sends, and to
+whom, in ``mcp_context.trace.comm_stats``.
 
 - ``RingExchange``: send a tensor to the next ring member while receiving from the previous one, as
   one batched isend/irecv pair; ``start`` returns at once so the transfer overlaps compute, ``wait``
@@ -18,13 +19,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from .stats import comm_stats
+from ..trace import comm_stats
 
 COMM_TIMEOUT_S = float(os.environ.get("MCP_CONTEXT_COMM_TIMEOUT_S", "600"))
 
 
 def _nbytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
+
+
+def _others(group: ProcessGroup) -> list[int]:
+    """Global ranks of ``group``'s other members (where a collective's data goes)."""
+    me = dist.get_rank()
+    return [r for r in dist.get_process_group_ranks(group) if r != me]
 
 
 class RingExchange:
@@ -39,7 +46,7 @@ class RingExchange:
         recv = torch.empty_like(send)
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, self.next, self.group),
                                         dist.P2POp(dist.irecv, recv, self.prev, self.group)])
-        comm_stats.record(self.op, _nbytes(send))
+        comm_stats.record(self.op, {self.next: _nbytes(send)})
         return PendingExchange(works, recv, send, self, step)
 
     def describe(self, step: int) -> str:
@@ -71,7 +78,7 @@ def _all_to_all(x: torch.Tensor, group: ProcessGroup, op: str) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)
     dist.all_to_all_single(out, x, group=group)
-    comm_stats.record(op, _nbytes(x) * (x.shape[0] - 1) // x.shape[0])
+    comm_stats.record(op, dict.fromkeys(_others(group), _nbytes(x) // x.shape[0]))  # chunk j to member j
     return out
 
 
@@ -122,7 +129,7 @@ class _GatherSeq(torch.autograd.Function):
         p = dist.get_world_size(group)
         out = x.new_empty((p * x.shape[0],) + tuple(x.shape[1:]))
         dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-        comm_stats.record("all_gather", _nbytes(x) * (p - 1))
+        comm_stats.record("all_gather", dict.fromkeys(_others(group), _nbytes(x)))
         return out
 
     @staticmethod
@@ -130,7 +137,7 @@ class _GatherSeq(torch.autograd.Function):
         p = dist.get_world_size(ctx.group)
         out = grad.new_empty((grad.shape[0] // p,) + tuple(grad.shape[1:]))
         dist.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
-        comm_stats.record("reduce_scatter", _nbytes(grad) * (p - 1) // p)
+        comm_stats.record("reduce_scatter", dict.fromkeys(_others(ctx.group), _nbytes(grad) // p))
         return out, None
 
 

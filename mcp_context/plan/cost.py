@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..schedule import Schedule
-from .dryrun import OP_CALL, RankShape, RankTraffic
+from .dryrun import RankShape, RankTraffic
 from .profiles import MachineProfile
 
 BACKWARD_FLOP_FACTOR = 2.5  # QK^T, dP = dO V^T, dV, dQ, dK: five matmuls for forward's two
@@ -59,9 +59,9 @@ class Fabric:
     def node(self, cp_rank: int) -> int:
         return self.tp * cp_rank // self.profile.gpus_per_node
 
-    def intra_fraction(self, traffic: RankTraffic, call: str) -> float:
-        """Share of this rank's bytes of ``call`` that go to peers on its own node."""
-        dests = traffic.destinations.get(call, {})
+    def intra_fraction(self, traffic: RankTraffic, op: str) -> float:
+        """Share of this rank's bytes of operation ``op`` that go to peers on its own node."""
+        dests = traffic.destinations.get(op, {})
         total = sum(dests.values())
         if not total:
             return 1.0
@@ -80,7 +80,7 @@ class Fabric:
 
     def split(self, traffic: RankTraffic, ops: dict[str, int]) -> tuple[int, int]:
         """``(intra_node_bytes, inter_node_bytes)`` of ``ops`` (comm_stats bytes by operation)."""
-        intra = sum(b * self.intra_fraction(traffic, OP_CALL[op]) for op, b in ops.items())
+        intra = sum(b * self.intra_fraction(traffic, op) for op, b in ops.items())
         return round(intra), round(sum(ops.values()) - intra)
 
 
@@ -91,7 +91,7 @@ def step_pairs(schedule: Schedule) -> list[int]:
 
 
 def _collective_seconds(fabric: Fabric, traffic: RankTraffic, ops: dict[str, int], calls: dict[str, int]) -> float:
-    return sum(fabric.seconds(b, fabric.intra_fraction(traffic, OP_CALL[op]), calls.get(OP_CALL[op], 0))
+    return sum(fabric.seconds(b, fabric.intra_fraction(traffic, op), calls.get(op, 0))
                for op, b in ops.items() if not op.startswith("ring_"))
 
 
@@ -104,7 +104,6 @@ def predict(schedule: Schedule, shape: RankShape, a2a_degree: int, traffics: Seq
     c_fwd = [n * flops_per_pair / (p.attention_tflops * 1e12) for n in pairs]
     c_bwd = [n * flops_per_pair * BACKWARD_FLOP_FACTOR / (p.attention_bwd_tflops * 1e12) for n in pairs]
     steps = len(pairs)
-    call = OP_CALL["ring_kv"]
 
     def ring_transfer(kv_fwd: bool, kv_bwd: bool, dkv: bool) -> float:
         """Slowest rank's time for one step's ring traffic of the given kinds."""
@@ -117,7 +116,7 @@ def predict(schedule: Schedule, shape: RankShape, a2a_degree: int, traffics: Seq
                 nbytes += tr.backward.get("ring_kv", 0) / max(steps - 1, 1)
             if dkv:
                 nbytes += tr.backward.get("ring_dkv", 0) / steps
-            worst = max(worst, fabric.seconds(nbytes, fabric.intra_fraction(tr, call)))
+            worst = max(worst, fabric.seconds(nbytes, fabric.intra_fraction(tr, "ring_kv")))
         return worst
 
     coll_fwd = max(_collective_seconds(fabric, tr, tr.forward, tr.calls_forward) for tr in traffics)

@@ -4,14 +4,14 @@ The planner does not carry its own byte formulas: for a candidate layout it runs
 scheme (``resolve_scheme(...).run``) forward and backward, once per CP rank, on ``meta`` tensors (shapes and
 dtypes, no data) under torch's in-process *fake* process group of the CP size (every collective and
 point-to-point op returns at once). The comm layer counts what it sends exactly as in a real run
-(``comm_stats``), ``StorageBytes`` follows every storage the engine allocates (peak and what stays
-saved for backward: the figures of torch's ``MemTracker`` at a fraction of its cost per op), and a
-thin observer around the four ``torch.distributed`` calls the comm layer uses notes *where* each call
-sends (the peers), so the planner can split bytes into intra- and inter-node traffic. The kernel is
+(``mcp_context.trace.comm_stats``: bytes, destinations and calls per operation, so the planner can split
+bytes into intra- and inter-node traffic), and ``StorageBytes`` follows every storage the engine
+allocates (peak and what stays saved for backward: the figures of torch's ``MemTracker`` at a
+fraction of its cost per op). The kernel is
 the fused CPU attention op, whose meta function allocates what a fused kernel returns (no O(s^2)
 scores).
 
-This module owns the fake world, the destination observer and the per-rank dry run; it does not
+This module owns the fake world and the per-rank dry run; it does not
 decide which layouts are valid (``candidates.py``) or what they cost (``cost.py``).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import os
 import sys
 import warnings
 import weakref
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -31,12 +31,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..algorithms import resolve_scheme
-from ..comm import build_hcp_groups, comm_stats
+from ..comm import build_hcp_groups
 from ..kernels.torch_sdpa import cpu_flash_kernel
-
-# The comm layer's operations (comm_stats keys) and the torch.distributed call each one uses.
-OP_CALL = {"ring_kv": "batch_isend_irecv", "ring_dkv": "batch_isend_irecv", "all_to_all": "all_to_all_single",
-           "all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor"}
+from ..trace import comm_stats
 
 
 @dataclass(frozen=True)
@@ -59,9 +56,9 @@ class RankTraffic:
     forward: dict[str, int]
     backward: dict[str, int]
     destinations: dict[str, dict[int, int]] = field(default_factory=dict)
-    """torch.distributed call -> {destination CP rank: bytes} (weights for the intra/inter split)."""
+    """Operation -> {destination CP rank: bytes}, forward and backward (weights for the intra/inter split)."""
     calls_forward: dict[str, int] = field(default_factory=dict)
-    """torch.distributed call -> how many times this rank made it in forward (one ring transfer each)."""
+    """Operation -> how many times this rank made it in forward (one ring transfer each)."""
     calls_backward: dict[str, int] = field(default_factory=dict)
     saved_bytes: int = 0
     """Bytes allocated by the layer that are still alive after forward (inputs included)."""
@@ -98,39 +95,6 @@ def _native_stderr_silenced() -> Iterator[None]:
         os.dup2(saved, 2)
         os.close(devnull)
         os.close(saved)
-
-
-def _observe(log: dict[str, Counter], calls: Counter, name: str, original):
-    def collective(*args, **kwargs):
-        if name == "batch_isend_irecv":
-            for op in args[0]:
-                if op.op is dist.isend:
-                    log[name][op.peer] += op.tensor.numel() * op.tensor.element_size()
-        else:
-            inp = args[1]
-            ranks = dist.get_process_group_ranks(kwargs.get("group") or dist.group.WORLD)
-            me = dist.get_rank()
-            for peer in ranks:
-                if peer != me:  # equal parts to every other member: only the split matters here
-                    log[name][peer] += inp.numel() * inp.element_size()
-        calls[name] += 1
-        return original(*args, **kwargs)
-
-    return collective
-
-
-@contextlib.contextmanager
-def _observe_destinations() -> Iterator[tuple[dict[str, Counter], Counter]]:
-    log: dict[str, Counter] = defaultdict(Counter)
-    calls: Counter = Counter()
-    originals = {name: getattr(dist, name) for name in set(OP_CALL.values())}
-    for name, fn in originals.items():
-        setattr(dist, name, _observe(log, calls, name, fn))
-    try:
-        yield log, calls
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
 
 
 class StorageBytes(TorchDispatchMode):
@@ -180,7 +144,7 @@ def dry_run_rank(comm: str, sizes: Sequence[int], layout: str, causal: bool, sha
     s_local = shape.seq_len // cp_size
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with fake_world(cp_size, cp_rank), _observe_destinations() as (log, calls):
+        with fake_world(cp_size, cp_rank):
             groups = build_hcp_groups(list(sizes))
             tracker = StorageBytes()
             comm_stats.reset()
@@ -191,14 +155,10 @@ def dry_run_rank(comm: str, sizes: Sequence[int], layout: str, causal: bool, sha
                                         shape.head_dim ** -0.5)
                 out = scheme.run(q, k, v, False)
                 saved = tracker.current
-                forward, calls_forward = dict(comm_stats.bytes_sent), dict(calls)
+                forward, _, calls_forward = comm_stats.snapshot()
                 out.backward(torch.empty_like(out))
-            backward = dict(comm_stats.bytes_sent - Counter(forward))
-            calls_backward = dict(calls - Counter(calls_forward))
+            total, destinations, calls = comm_stats.snapshot()
             peak = tracker.peak
-    unknown = sorted((set(forward) | set(backward)) - set(OP_CALL))
-    if unknown:
-        raise RuntimeError(f"the comm layer counted operations {unknown} that the planner does not know; add "
-                           f"them to mcp_context.plan.dryrun.OP_CALL with the torch.distributed call they use")
-    return RankTraffic(cp_rank, forward, backward, {k: dict(v) for k, v in log.items()}, calls_forward,
-                       calls_backward, saved, peak)
+    backward = dict(Counter(total) - Counter(forward))
+    calls_backward = dict(Counter(calls) - Counter(calls_forward))
+    return RankTraffic(cp_rank, forward, backward, destinations, calls_forward, calls_backward, saved, peak)
