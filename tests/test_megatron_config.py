@@ -95,7 +95,7 @@ def _build_errors(rank, world):
     init_parallel(context_parallel_size=2)
     try:
         try:
-            HCPDotProductAttention(_config(context_parallel_size=2, window_size=(8, 0)), 1, AttnMaskType.causal, "self")
+            HCPDotProductAttention(_config(context_parallel_size=2, window_size=(-3, 0)), 1, AttnMaskType.causal, "self")
         except HCPConfigError as err:
             messages["window"] = str(err)
         attn = HCPDotProductAttention(_config(context_parallel_size=2), 1, AttnMaskType.causal, "self")
@@ -115,8 +115,8 @@ def test_core_attention_refuses_what_it_cannot_do():
     messages = run_distributed(2, _build_errors)[0]
     assert re.search(r"context_parallel_size=4, but the context-parallel process group has 1 ranks; initialise "
                      r"parallel_state with context_parallel_size=4", messages["mismatch"])
-    assert re.search(r"window_size=\(8, 0\) \(sliding-window attention, layer 1\) is not supported by "
-                     r"HCPDotProductAttention yet; it would compute full causal attention", messages["window"])
+    assert re.search(r"TransformerConfig.window_size=\(-3, 0\): left=-3 is negative; use a number of positions >= 0, "
+                     r"or -1 for an unbounded left side", messages["window"])
     assert "does not support packed sequences" in messages["packed"]
     assert "does not support attention_bias" in messages["bias"]
     assert "attn_mask_type=arbitrary with an explicit attention_mask is not supported" in messages["mask"]

@@ -26,13 +26,13 @@ def _loss_mask():
     return mask
 
 
-def _reference():
+def _reference(**extra):
     """Per-token loss, masked mean and grads of the stock model at TP=1, CP=1 (full sequence)."""
     from megatron.core import parallel_state
 
     init_parallel()
     try:
-        model = tiny_gpt(tiny_config(), seq=SEQ)
+        model = tiny_gpt(tiny_config(**extra), seq=SEQ)
         tokens, positions, labels = batch(SEQ)
         per_token = model(tokens, positions, None, labels=labels)
         mask = _loss_mask()
@@ -45,7 +45,7 @@ def _reference():
         parallel_state.destroy_model_parallel()
 
 
-def _parity(rank, world, tp, cp, sizes, comm):
+def _parity(rank, world, tp, cp, sizes, comm, extra=None):
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
@@ -54,12 +54,13 @@ def _parity(rank, world, tp, cp, sizes, comm):
     from mcp_context.megatron.specs import get_gpt_layer_hcp_spec
 
     megatron_patches.apply_all(device="cpu")
-    params, ref_per_token, ref_loss, ref_grads = _reference()
+    extra = extra or {}
+    params, ref_per_token, ref_loss, ref_grads = _reference(**extra)
     init_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
                   hierarchical_context_parallel_sizes=sizes)
     try:
         config = tiny_config(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, context_parallel_size=cp,
-                             hierarchical_context_parallel_sizes=sizes, cp_comm_type=comm)
+                             hierarchical_context_parallel_sizes=sizes, cp_comm_type=comm, **extra)
         model = tiny_gpt(config, get_gpt_layer_hcp_spec(), seq=SEQ)
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         with torch.no_grad():
@@ -101,3 +102,14 @@ def _parity(rank, world, tp, cp, sizes, comm):
 def test_gpt_with_hcp_spec_matches_cp1_losses_and_gradients(world, tp, cp, sizes, comm):
     losses = run_distributed(world, _parity, tp, cp, sizes, comm)
     assert len(set(losses)) == 1  # every rank reports the same global mean
+
+
+@pytest.mark.parametrize("comm", ["a2a+p2p", "p2p"])
+@pytest.mark.parametrize("extra", [dict(window_size=(5, 0)), dict(window_size=(1, 0), window_attn_skip_freq=2)],
+                         ids=["window5-every-layer", "window1-alternating"])
+def test_gpt_with_sliding_windows_matches_cp1_losses_and_gradients(comm, extra):
+    """Sliding-window layers at CP=4 as [2, 2] against megatron-core's own local attention with the same
+    window at CP=1: a window of 5 spans several zigzag chunks of 2 tokens; a window of 1 stays inside one,
+    on layer 1 only (window_attn_skip_freq=2: layer 2 attends in full). Same tolerances as above."""
+    losses = run_distributed(4, _parity, 1, 4, [2, 2], comm, extra)
+    assert len(set(losses)) == 1

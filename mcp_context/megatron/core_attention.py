@@ -5,8 +5,10 @@ with no other change. It reads ``context_parallel_size``, ``hierarchical_context
 ``cp_comm_type`` from the ``TransformerConfig``, the groups from ``pg_collection`` (newer cores) or
 ``model_comm_pgs`` (older cores) or ``parallel_state``, and runs ``context_parallel_attention`` on the
 zigzag layout that megatron-core's batch and RoPE slicing use, through one engine per mask and
-train/eval mode that resolves schedule, peers and kernel on the first call and is reused after. Sliding windows (``window_size``) are
-refused at build time rather than silently ignored.
+train/eval mode that resolves schedule, peers and kernel on the first call and is reused after.
+Sliding-window layers (``window_size``, with ``window_attn_skip_freq`` choosing which layers have
+it) run the window through every comm type: query ``i`` sees keys ``i - left .. i + right``, with
+``right`` capped at 0 for a causal layer.
 
 With ``attn_mask_type=causal`` the ``attention_mask`` argument is ignored, as in
 ``TEDotProductAttention``: the mask is implied by the positions each CP rank holds. Arbitrary masks,
@@ -24,6 +26,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 
 from ..cp_rules import normalize_comm
 from ..engine import ContextParallelAttention
+from ..masks import SlidingWindow
 from ..comm import HCPGroups
 from .config import HCPConfigError, normalize_cp_comm_type, validate_cp_config
 
@@ -50,11 +53,15 @@ class HCPDotProductAttention(MegatronModule):
         normalize_cp_comm_type(config)
         validate_cp_config(config)
         self.layer_number = max(1, layer_number)
-        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, self.layer_number):
-            raise HCPConfigError(f"window_size={config.window_size} (sliding-window attention, layer "
-                                 f"{self.layer_number}) is not supported by HCPDotProductAttention yet; it would "
-                                 f"compute full causal attention. Set window_size=None, or use the TE spec with "
-                                 f"TEDotProductAttention (hcp_te_attention_spec)")
+        # Sliding-window layers (every layer, or those window_attn_skip_freq picks) get the window;
+        # the others attend in full, as megatron-core's own attention does.
+        self.window_size = (tuple(config.window_size) if is_layer_window_attention(
+            config.window_size, config.window_attn_skip_freq, self.layer_number) else None)
+        if self.window_size is not None:
+            try:
+                SlidingWindow(*self.window_size)
+            except (TypeError, ValueError) as err:
+                raise HCPConfigError(f"TransformerConfig.{err}") from None
         self.attn_mask_type = attn_mask_type
         comm = cp_comm_type if cp_comm_type is not None else config.cp_comm_type
         if isinstance(comm, (list, tuple)):  # a per-layer list reaching us unindexed
@@ -103,7 +110,7 @@ class HCPDotProductAttention(MegatronModule):
         if key not in self._engines:
             self._engines[key] = ContextParallelAttention(
                 self.groups, causal=causal, layout=LAYOUT, comm=self.cp_comm_type, softmax_scale=self.softmax_scale,
-                dropout_p=self.dropout_p if dropout else 0.0)
+                dropout_p=self.dropout_p if dropout else 0.0, window_size=self.window_size)
         return self._engines[key]
 
     @staticmethod
