@@ -20,14 +20,19 @@ Nothing here imports the rest of the package (kernels import it).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from typing import Optional, Protocol, Union
 
 import torch
 
-if TYPE_CHECKING:
-    from .layouts import Span
-
 BLOCK_MASK_KINDS = ("full", "causal", "anticausal", "band")
+
+
+class SpanLike(Protocol):
+    """What a mask reads of a ``layouts.Span``: positions ``start + row * stride`` for ``count`` rows."""
+
+    start: int
+    count: int
+    stride: int
 
 
 def _clamped_sum(x0: int, x1: int, m: int) -> int:
@@ -109,7 +114,7 @@ class _BandMask:
         """True when no query sees a later key (causal, or a window with ``right == 0``)."""
         return self.band()[1] == 0
 
-    def span_blocks(self, qs: "Span", ks: "Span") -> list[tuple[int, int, int, int, BlockMask]]:
+    def span_blocks(self, qs: SpanLike, ks: SpanLike) -> list[tuple[int, int, int, int, BlockMask]]:
         """``(q0, q1, k0, k1, block_mask)`` rectangles of span-local rows for query span ``qs`` against
         key span ``ks``; pairs outside them are masked. Positions ``start + row * stride``."""
         lo, hi = self.band()

@@ -287,3 +287,46 @@ def test_steps_without_tasks_run_no_kernel():
     ref_out.backward(dout)
     assert (out.detach() - ref_out.detach()[rows]).abs().max().item() <= 1e-12
     assert (qm.grad - ref_q.grad[rows]).abs().max().item() <= 1e-12
+
+
+def _halo_bytes_case(rank, world, layout):
+    from mcp_context import build_hcp_groups, context_parallel_attention, shard_sequence
+    from mcp_context.trace import comm_stats
+
+    seq, heads, kv_heads, head_dim = world * 32, 4, 2, 8
+    window = (seq // (4 * world), 0)
+    q, k, v, dout = random_qkv(seq, 1, heads, kv_heads, head_dim, seed=5)
+    leaves = [shard_sequence(x, world, rank, layout).requires_grad_() for x in (q, k, v)]
+    before, before_to, before_calls = comm_stats.snapshot()
+    out = context_parallel_attention(*leaves, build_hcp_groups([world]), causal=True, layout=layout, comm="p2p",
+                                     window_size=window, check_ranks=False)
+    out.backward(shard_sequence(dout, world, rank, layout))
+    after, after_to, after_calls = comm_stats.snapshot()
+    ref = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref_out, _ = full_attention(*ref, True, head_dim ** -0.5, window=window)
+    ref_out.backward(dout)
+    errors = [(a - shard_sequence(b, world, rank, layout)).abs().max().item()
+              for a, b in zip([out] + [x.grad for x in leaves], [ref_out] + [x.grad for x in ref])]
+    sent = {op: after.get(op, 0) - before.get(op, 0) for op in ("ring_kv", "ring_dkv")}
+    to = {op: sorted(p for p, n in after_to.get(op, {}).items() if n != before_to.get(op, {}).get(p, 0))
+          for op in ("ring_kv", "ring_dkv")}
+    calls = {op: after_calls.get(op, 0) - before_calls.get(op, 0) for op in ("ring_kv", "ring_dkv")}
+    return sent, to, calls, max(errors)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_a_quarter_shard_window_moves_only_the_halo(layout):
+    """P = 8, causal window w = S/(4P), p2p: each rank sends only the w rows of K/V its neighbours read
+    (forward and backward walk) and gets back their dK/dV, to exactly those neighbours; no other step
+    posts a transfer. Bytes: rows * b * h_kv * d * 2 (K, V) * 8 (fp64), twice, plus dK/dV once."""
+    p = 8
+    w, row = 32 // 4, 1 * 2 * 8 * 2 * 8  # rows of the window; bytes of one K+V row (b=1, h_kv=2, d=8, fp64)
+    for rank, (sent, to, calls, err) in enumerate(run_distributed(p, _halo_bytes_case, layout)):
+        if layout == "contiguous":  # K/V to the next rank, dK/dV back to the previous
+            kv_to, dkv_to = [rank + 1] if rank < p - 1 else [], [rank - 1] if rank > 0 else []
+        else:  # first chunk's tail to the next rank, second chunk's tail to the previous; dK/dV the other way
+            kv_to = dkv_to = [r for r in (rank - 1, rank + 1) if 0 <= r < p]
+        assert to == {"ring_kv": kv_to, "ring_dkv": dkv_to}, rank
+        assert sent == {"ring_kv": 2 * len(kv_to) * w * row, "ring_dkv": len(dkv_to) * w * row}, rank
+        assert calls == {"ring_kv": 2 * len(kv_to), "ring_dkv": len(dkv_to)}, rank
+        assert err <= 1e-10, (rank, err)

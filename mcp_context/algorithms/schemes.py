@@ -33,9 +33,10 @@ from ..comm import HCPGroups, RingExchange, gather_seq, heads_to_seq, seq_to_hea
 from ..cp_rules import a2a_degree
 from ..kernels import Kernel
 from ..layouts import canonical_member_spans, layout_spans
-from ..masks import Mask
+from ..masks import CAUSAL, FULL, Mask, as_mask
 from ..schedule import Schedule, layout_schedule
 from .executor import RingAttention, RingPlan
+from .halo import HaloRotation, halo_fits
 from .rotation import LocalRotation, RingRotation
 
 @lru_cache(maxsize=256)
@@ -112,7 +113,8 @@ def resolve_scheme(groups: HCPGroups, comm: str, layout: str, mask: Union[bool, 
     seq_len = s_local * cp_size
     inner = a2a_degree(comm, groups.sizes)
     member, ring_size = cp_rank // inner, cp_size // inner
-    tasks = _schedule(layout, cp_size, seq_len, mask, inner, kernel.capabilities.masks).tasks[member]
+    schedule = _schedule(layout, cp_size, seq_len, mask, inner, kernel.capabilities.masks)
+    tasks = schedule.tasks[member]
     a2a_group = pieces = gather_group = None
     if inner > 1:
         a2a_group = groups.cp_group if comm == "a2a" else groups.inner_group
@@ -125,8 +127,11 @@ def resolve_scheme(groups: HCPGroups, comm: str, layout: str, mask: Union[bool, 
     else:
         cp_ranks = groups.cp_global_ranks
         peers = [cp_ranks[cp_rank % inner + inner * m] for m in range(ring_size)]
-        rotation = RingRotation(RingExchange(peers, member, groups.cp_group, "ring_kv"),
-                                RingExchange(peers, member, groups.cp_group, "ring_dkv"), ring_size)
+        if as_mask(mask) not in (FULL, CAUSAL) and halo_fits(schedule):  # a window: move only the rows read
+            rotation = HaloRotation(schedule, member, peers, groups.cp_group)
+        else:
+            rotation = RingRotation(RingExchange(peers, member, groups.cp_group, "ring_kv"),
+                                    RingExchange(peers, member, groups.cp_group, "ring_dkv"), ring_size)
     plan = RingPlan.build(tasks, rotation, kernel, scale, s_local * inner, dropout_p)
     kv_repeat = inner // kv_heads if kv_heads < inner else 1
     return Scheme(cp_rank, inner, a2a_group, kv_repeat, pieces, gather_group, plan)

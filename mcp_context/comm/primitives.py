@@ -4,6 +4,7 @@ whom, in ``mcp_context.trace.comm_stats``.
 - ``RingExchange``: send a tensor to the next ring member while receiving from the previous one, as
   one batched isend/irecv pair; ``start`` returns at once so the transfer overlaps compute, ``wait``
   gives the received tensor and names rank, step and peers if the transfer times out.
+- ``PeerExchange``: one step's sends and receives with any peers and sizes (the halo of a window).
 - ``seq_to_heads`` / ``heads_to_seq``: the Ulysses all-to-all ``[s, b, h, d] <-> [P*s, b, h/P, d]``
   (autograd-aware: each one's backward is the other).
 - ``gather_seq``: all-gather along the sequence (autograd-aware: backward is a reduce-scatter).
@@ -71,6 +72,26 @@ class PendingExchange:
                                    f"(set MCP_CONTEXT_COMM_TIMEOUT_S to change)")
         self._send = None
         return self._recv
+
+
+class PeerExchange:
+    """One step's point-to-point transfers with any peers, each of its own size: ``sends`` and ``recvs``
+    map global ranks to tensors (a halo: only the rows the receiver reads). No peer, no message."""
+
+    def __init__(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], group: ProcessGroup,
+                 op: str):
+        self.sends, self.recvs, self.group, self.op = sends, recvs, group, op
+
+    def start(self, step: int) -> PendingExchange:
+        ops = [dist.P2POp(dist.isend, x, peer, self.group) for peer, x in self.sends.items()]
+        ops += [dist.P2POp(dist.irecv, x, peer, self.group) for peer, x in self.recvs.items()]
+        if self.sends:
+            comm_stats.record(self.op, {peer: _nbytes(x) for peer, x in self.sends.items()})
+        return PendingExchange(dist.batch_isend_irecv(ops) if ops else [], self.recvs, self.sends, self, step)
+
+    def describe(self, step: int) -> str:
+        return (f"{self.op} halo step {step}: rank {dist.get_rank()} sending to {sorted(self.sends)}, "
+                f"receiving from {sorted(self.recvs)}")
 
 
 def _all_to_all(x: torch.Tensor, group: ProcessGroup, op: str) -> torch.Tensor:

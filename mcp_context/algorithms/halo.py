@@ -1,0 +1,118 @@
+"""The halo rotation: a ring step brings only the key/value rows this member's tasks read, from their owner.
+
+With a sliding window shorter than a shard most ring steps have no task and the others read a few
+rows of the arriving shard (``Schedule.kv_rows``). At step ``t`` member ``m`` sends member ``m + t``
+exactly the rows of its own shard that ``m + t`` reads at that step — straight from the owner, no
+relaying — and a step nobody reads from posts nothing and is not walked. In backward the dK/dV of
+those rows go straight back to their owner. Every member derives every transfer from the same
+schedule, so sends and receives match without a handshake.
+
+A walk posts all its transfers up front (they overlap step 0's block), so it holds every received
+halo at once: ``resolve_scheme`` uses this rotation only for a window whose largest halo fits in the
+two shards a ring's double buffer holds (``halo_fits``), and the ring otherwise. Message order
+between two ranks is the same on both sides: the K/V of a walk are posted before the dK/dV of the
+backward (sent step by step, received at the end).
+"""
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import torch
+from torch.distributed import ProcessGroup
+
+from ..comm.primitives import PeerExchange, PendingExchange
+from ..schedule import Schedule
+
+Rows = tuple[tuple[int, int], ...]
+
+
+def halo_fits(schedule: Schedule) -> bool:
+    """True when every member's received rows (all steps but its own) fit in two shards."""
+    size = schedule.ring_size
+    shard = sum(s.count for s in schedule.member_spans[0])
+    received = [sum(b - a for t in range(1, size) for a, b in schedule.kv_rows(m, t)) for m in range(size)]
+    return max(received) <= 2 * shard
+
+
+def _take(x: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """Rows ``rows`` of ``x [2, b, h, n, d]`` along dim 3, packed into one contiguous message."""
+    return torch.cat([x[:, :, :, a:b] for a, b in rows], dim=3).contiguous()
+
+
+def _put(dst: torch.Tensor, rows: Rows, packed: torch.Tensor, add: bool = False) -> None:
+    """Unpack ``packed`` (from ``_take``) into rows ``rows`` of ``dst``, adding when ``add``."""
+    offset = 0
+    for a, b in rows:
+        part = packed[:, :, :, offset:offset + b - a]
+        if add:
+            dst[:, :, :, a:b] += part
+        else:
+            dst[:, :, :, a:b] = part
+        offset += b - a
+
+
+def _shape(like: torch.Tensor, rows: Rows) -> tuple[int, ...]:
+    return tuple(like.shape[:3]) + (sum(b - a for a, b in rows), like.shape[4])
+
+
+class HaloRotation:
+    """Member ``member`` of the ring whose global ranks are ``peers`` (member order), exchanging halos."""
+
+    def __init__(self, schedule: Schedule, member: int, peers: Sequence[int], group: ProcessGroup):
+        size = schedule.ring_size
+        self.member, self.peers, self.group, self.ring_size = member, list(peers), group, size
+        # step -> rows this member reads of the shard it holds then; rows its shard gives member m + t
+        self.recv_rows = {t: r for t in range(1, size) if (r := schedule.kv_rows(member, t))}
+        self.send_rows = {t: r for t in range(1, size) if (r := schedule.kv_rows((member + t) % size, t))}
+
+    def _src(self, step: int) -> int:
+        return self.peers[(self.member - step) % self.ring_size]
+
+    def _dst(self, step: int) -> int:
+        return self.peers[(self.member + step) % self.ring_size]
+
+    def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        kv = torch.stack([k, v])  # [2, b, h_kv, n, d]
+        pending: dict[int, PendingExchange] = {}
+        for t in sorted(set(self.recv_rows) | set(self.send_rows)):
+            sends = {self._dst(t): _take(kv, self.send_rows[t])} if t in self.send_rows else {}
+            recvs = ({self._src(t): kv.new_empty(_shape(kv, self.recv_rows[t]))} if t in self.recv_rows else {})
+            pending[t] = PeerExchange(sends, recvs, self.group, "ring_kv").start(t)
+        yield 0, k, v
+        for t, rows in self.recv_rows.items():
+            block = kv.new_zeros(kv.shape)  # rows no task reads stay zero and are never read
+            _put(block, rows, pending.pop(t).wait()[self._src(t)])
+            yield t, block[0], block[1]
+        for exchange in pending.values():  # steps this member only sends at
+            exchange.wait()
+
+    def gradients(self, k: torch.Tensor, dtype: torch.dtype) -> "HaloGradients":
+        return HaloGradients(self, k.new_zeros((2,) + tuple(k.shape), dtype=dtype))
+
+
+class HaloGradients:
+    """dK/dV: this member's own shard accumulates in place; a halo's dK/dV goes back to its owner
+    when its step is done, and the halos of this member's rows are received and added at the end."""
+
+    def __init__(self, rotation: HaloRotation, own: torch.Tensor):
+        self.rotation, self.own = rotation, own
+        self.sent: list[PendingExchange] = []
+
+    def buffer(self, step: int) -> torch.Tensor:
+        return self.own if step == 0 else torch.zeros_like(self.own)
+
+    def done(self, step: int, dkv: torch.Tensor) -> None:
+        if step > 0:
+            r = self.rotation
+            send = PeerExchange({r._src(step): _take(dkv, r.recv_rows[step])}, {}, r.group, "ring_dkv")
+            self.sent.append(send.start(step))
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        r = self.rotation
+        for t, rows in r.send_rows.items():
+            got = PeerExchange({}, {r._dst(t): self.own.new_empty(_shape(self.own, rows))}, r.group,
+                               "ring_dkv").start(t).wait()
+            _put(self.own, rows, got[r._dst(t)], add=True)
+        for pending in self.sent:
+            pending.wait()
+        return self.own[0], self.own[1]
