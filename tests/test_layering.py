@@ -1,0 +1,85 @@
+"""No module of the package imports one from a layer above it.
+
+The layers, bottom first, are the ones ``docs/design.md`` lists: dependency-free helpers, then the
+engine's stack (kernels, merge, layouts, schedule, comm, algorithms, engine and API), the Megatron
+integration, recipes, data, and on top the entry points (Megatron-LM translation, pretrain, convert,
+plan). Every import is read from the source — top-level, inside functions and under
+``TYPE_CHECKING`` alike, relative ones resolved — so a late import cannot hide an arrow that runs up.
+A module may import its own layer only inside its own package (``pretrain`` from ``pretrain``).
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "mcp_context"
+
+LAYERS = [
+    ["cp_rules", "trace", "atomic", "safe_pickle", "masks"],
+    ["kernels"],
+    ["merge"],
+    ["layouts"],
+    ["schedule"],
+    ["comm"],
+    ["algorithms"],
+    ["engine"],
+    ["api"],
+    ["megatron"],
+    ["recipes"],
+    ["data"],
+    ["megatron_lm", "pretrain", "convert", "plan"],
+]
+
+
+def _module(path: Path) -> str:
+    return ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _place(module: str) -> tuple[int, str]:
+    """``(layer, top-level package)`` of an ``mcp_context`` module."""
+    top = module.split(".")[1]
+    for i, names in enumerate(LAYERS):
+        if top in names:
+            return i, top
+    raise AssertionError(f"{module} is in no layer: add {top!r} to LAYERS here and to docs/design.md")
+
+
+def _imports(path: Path) -> set[str]:
+    """Every ``mcp_context`` module ``path`` imports, with relative imports resolved."""
+    package = _module(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            found |= {f"{module}.{a.name}" for a in node.names} if not node.module else {module}
+    return {m for m in found if m.startswith("mcp_context.")}
+
+
+SOURCES = sorted(p for p in PACKAGE.rglob("*.py") if p.name != "__main__.py" and p != PACKAGE / "__init__.py")
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_module_imports_one_above_it(path):
+    """``__main__`` files and the package's ``__init__`` are entry points (nothing inside imports them)."""
+    layer, top = _place(_module(path))
+    wrong = []
+    for imported in sorted(_imports(path)):
+        other, other_top = _place(imported)
+        if other > layer or (other == layer and other_top != top):
+            wrong.append(f"{imported} (layer {other}: {LAYERS[other]})")
+    assert not wrong, f"{_module(path)} (layer {layer}) imports {wrong}"
+
+
+def test_the_design_doc_lists_the_bottom_and_engine_layers_in_this_order():
+    text = (REPO / "docs" / "design.md").read_text()
+    order = [text.index(f"\n{name}") for name in ("masks.py", "kernels/", "merge.py", "layouts.py", "schedule.py",
+                                                   "comm/", "algorithms/", "engine.py", "api.py", "megatron/")]
+    assert order == sorted(order)
