@@ -68,7 +68,10 @@ def to_megatron_args(cfg: RecipeConfig) -> list[str]:
     add("--max-position-embeddings", m.max_position_embeddings or m.seq_length)
     add("--position-embedding-type", m.position_embedding_type)
     if m.position_embedding_type == "rope":
-        add("--rotary-base", m.rotary_base)
+        if not float(m.rotary_base).is_integer():
+            raise RecipeError(f"model.rotary_base={m.rotary_base} has no Megatron-LM spelling (--rotary-base takes "
+                              f"an integer); use a whole number")
+        add("--rotary-base", int(m.rotary_base))
         add("--rotary-percent", m.rotary_percent)
         if m.rope_scaling:
             add("--use-rope-scaling")
@@ -80,6 +83,8 @@ def to_megatron_args(cfg: RecipeConfig) -> list[str]:
         add("--disable-bias-linear")
     if m.add_qkv_bias:
         add("--add-qkv-bias")
+    if m.window_size is not None:
+        add("--window-size", ",".join(str(w) for w in m.window_size))
     if not m.share_embeddings_and_output_weights:
         add("--untie-embeddings-and-output-weights")
     add("--attention-dropout", m.attention_dropout)

@@ -22,8 +22,7 @@ from mcp_context.convert import mcore_io
 from mcp_context.convert.converter import hf_to_mcore, mcore_to_hf
 from mcp_context.convert.hf_io import HFCheckpointReader, HFCheckpointWriter, MissingTensorError
 from mcp_context.convert.mapping import fuse_qkv, split_qkv, tensor_maps
-from mcp_context.convert.model_config import (LlamaArchitecture, UnsupportedArchitectureError,
-                                              architecture_from_hf_config)
+from mcp_context.convert.model_config import HFModel, UnsupportedArchitectureError, hf_model_from_config
 from tests._dist import run_distributed
 
 pytest.importorskip("transformers", reason="the HF side of conversion tests needs transformers")
@@ -64,7 +63,7 @@ def _tokens() -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """name -> (hf_dir, mcore_dir, architecture dict, HF reference logits [b, s, v])."""
+    """name -> (hf_dir, mcore_dir, architecture record, HF reference logits [b, s, v])."""
     out = {}
     for name in MODELS:
         root = tmp_path_factory.mktemp(name)
@@ -73,7 +72,7 @@ def converted(tmp_path_factory):
         with torch.no_grad():
             reference = model(_tokens()).logits.float()
         arch = hf_to_mcore(root / "hf", root / "mcore", progress=False)
-        out[name] = (root / "hf", root / "mcore", arch.to_dict(), reference)
+        out[name] = (root / "hf", root / "mcore", arch.to_record(), reference)
     return out
 
 
@@ -134,19 +133,18 @@ def _case_parameter_names(rank, world_size):
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from mcp_context.convert.model_config import build_gpt_model
+    from mcp_context.convert.verify import build_gpt_model
 
     _init_megatron()
     try:
         for tied in (False, True):
-            arch = LlamaArchitecture("qwen2", 96, 64, 96, 2, 4, 2, 16, 1e-5, 1e4, 128, qkv_bias=True,
-                                     tie_word_embeddings=tied)
+            shape = hf_model_from_config({"model_type": "qwen2", **_COMMON, "tie_word_embeddings": tied}).shape
             spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-            model = build_gpt_model(arch, spec)
+            model = build_gpt_model(shape, spec)
             params = {n: tuple(p.shape) for n, p in model.named_parameters()}
             ours = {}
-            for tmap in tensor_maps(arch):
-                for layer in (range(arch.num_layers) if tmap.per_layer else [None]):
+            for tmap in tensor_maps(shape):
+                for layer in (range(shape.num_layers) if tmap.per_layer else [None]):
                     ours[tmap.param_name(layer, "local")] = tmap.mcore_shape
                     te = tmap.param_name(layer, "te")
                     local = tmap.param_name(layer, "local")
@@ -161,15 +159,65 @@ def _case_parameter_names(rank, world_size):
 def test_generated_hf_config_round_trips_and_transformers_reads_it(converted):
     from transformers import AutoConfig
 
-    from mcp_context.convert.model_config import hf_config_from_architecture
+    from mcp_context.convert.model_config import hf_config_from_model
 
-    for name, (hf_dir, _, arch_dict, _) in converted.items():
-        arch = LlamaArchitecture.from_dict(arch_dict)
-        generated = hf_config_from_architecture(arch)
-        assert architecture_from_hf_config(generated) == arch, name
+    for name, (hf_dir, _, record, _) in converted.items():
+        arch = HFModel.from_record(record)
+        generated = hf_config_from_model(arch)
+        assert hf_model_from_config(generated) == arch, name
         theirs = AutoConfig.for_model(**generated).to_dict()  # transformers' own parsing of our fields
-        assert architecture_from_hf_config(theirs) == arch, name
-        assert arch == architecture_from_hf_config(json.loads((hf_dir / "config.json").read_text()))
+        assert hf_model_from_config(theirs) == arch, name
+        assert arch == hf_model_from_config(json.loads((hf_dir / "config.json").read_text()))
+
+
+def test_a_recipe_describing_a_converted_model_gets_the_same_megatron_arguments(converted):
+    """One shape and one translation: the recipe's model section for the converted Llama (as a user
+    would write it) is the converter's shape, so pretraining and the converter build the same model."""
+    from mcp_context.recipes import load_recipe
+    from mcp_context.recipes.schema import gpt_model_kwargs, transformer_config_kwargs
+
+    arch = HFModel.from_record(converted["llama_gqa_rope3"][2])
+    recipe = load_recipe(None, [
+        "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=96", "model.num_attention_heads=4",
+        "model.num_query_groups=2", "model.kv_channels=16", "model.seq_length=128", "model.vocab_size=96",
+        "model.max_position_embeddings=128", "model.rotary_base=500000", "model.rope_scaling=true",
+        "model.layernorm_epsilon=1e-5", "model.context_parallel_size=1", "model.cp_comm_type=p2p",
+        "model.hierarchical_context_parallel_sizes=null"])
+    assert recipe.model == arch.shape
+    assert transformer_config_kwargs(recipe.model) == transformer_config_kwargs(arch.shape)
+    assert gpt_model_kwargs(recipe.model, recipe.padded_vocab_size(90)) == \
+        gpt_model_kwargs(arch.shape, arch.shape.vocab_size)
+
+
+# Architecture records as converters before the shared model shape wrote them (a flat list of HF-side numbers).
+_LEGACY_RECORDS = {
+    "mistral_window": {"model_type": "mistral", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 96,
+                       "num_layers": 2, "num_attention_heads": 4, "num_query_groups": 2, "head_dim": 16,
+                       "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "max_position_embeddings": 128,
+                       "rope_scaling_factor": None, "qkv_bias": False, "tie_word_embeddings": False,
+                       "sliding_window": 8},
+    "llama_gqa_rope3": {"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 96,
+                        "num_layers": 2, "num_attention_heads": 4, "num_query_groups": 2, "head_dim": 16,
+                        "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "max_position_embeddings": 128,
+                        "rope_scaling_factor": 8.0, "qkv_bias": False, "tie_word_embeddings": False,
+                        "sliding_window": None},
+}
+
+
+def test_a_checkpoint_converted_with_the_earlier_architecture_record_still_converts_back(converted, tmp_path):
+    import shutil
+
+    for name, legacy in _LEGACY_RECORDS.items():
+        hf_dir, mcore_dir, record, _ = converted[name]
+        assert HFModel.from_record(legacy) == HFModel.from_record(record), name
+    hf_dir, mcore_dir, record, _ = converted["mistral_window"]
+    old = shutil.copytree(mcore_dir, tmp_path / "old")
+    (old / "mcp_context" / "architecture.json").write_text(json.dumps(_LEGACY_RECORDS["mistral_window"]))
+    (old / "mcp_context" / "hf" / "config.json").unlink()  # the record alone describes the model
+    arch = mcore_to_hf(old, tmp_path / "back", progress=False)
+    assert arch.shape.window_size == [7, 0]
+    _assert_same_tensors(_load_safetensors_dir(tmp_path / "back"), _load_safetensors_dir(hf_dir))
+    assert hf_model_from_config(json.loads((tmp_path / "back" / "config.json").read_text())) == arch
 
 
 def test_make_random_writes_a_checkpoint_transformers_loads(tmp_path):
@@ -284,7 +332,7 @@ def _case_logits_cp1(rank, world_size, mcore_dir, arch, tokens):
 
     _init_megatron()
     try:
-        model = load_mcore_model(mcore_dir, LlamaArchitecture.from_dict(arch))
+        model = load_mcore_model(mcore_dir, HFModel.from_record(arch).shape)
         return mcore_logits(model, tokens), model.rotary_pos_emb.inv_freq.float()
     finally:
         parallel_state.destroy_model_parallel()
@@ -383,7 +431,7 @@ _HCP_SPEC_MISSING = importlib.util.find_spec("mcp_context.megatron") is None or 
 @pytest.mark.skipif(_HCP_SPEC_MISSING, reason="mcp_context.megatron.specs (HCP layer spec, needed for CP>1) "
                                               "is not in this tree yet")
 @pytest.mark.parametrize("name,comm", [("llama_gqa_rope3", "p2p"), ("qwen2_bias_tied", "p2p"),
-                                       ("llama_gqa_rope3", "a2a")])
+                                       ("llama_gqa_rope3", "a2a"), ("mistral_window", "p2p")])
 def test_hf_to_mcore_logits_match_hf_at_cp2(converted, name, comm):
     """CP shards activations, never weights: the checkpoint converted once loads unchanged at CP=2."""
     _, mcore_dir, arch, reference = converted[name]
@@ -392,14 +440,6 @@ def test_hf_to_mcore_logits_match_hf_at_cp2(converted, name, comm):
 
     logits = unshard_sequence(shards, layout="zigzag", dim=1)
     torch.testing.assert_close(logits, reference, atol=LOGIT_ATOL, rtol=0)
-
-
-@pytest.mark.skipif(_HCP_SPEC_MISSING, reason="mcp_context.megatron.specs (HCP layer spec, needed for CP>1) "
-                                              "is not in this tree yet")
-def test_sliding_window_model_is_refused_by_the_hcp_spec_not_run_without_its_window(converted):
-    _, mcore_dir, arch, _ = converted["mistral_window"]
-    with pytest.raises(AssertionError, match="window_size=\\(7, 0\\)"):
-        run_distributed(2, _case_logits_cp2, str(mcore_dir), arch, _tokens(), "p2p")
 
 
 def _case_logits_cp2(rank, world_size, mcore_dir, arch, tokens, comm):
@@ -412,7 +452,7 @@ def _case_logits_cp2(rank, world_size, mcore_dir, arch, tokens, comm):
     _init_megatron(cp=2)
     try:
         cp_rank = parallel_state.get_context_parallel_rank()
-        model = load_mcore_model(mcore_dir, LlamaArchitecture.from_dict(arch),
+        model = load_mcore_model(mcore_dir, HFModel.from_record(arch).shape,
                                  get_gpt_layer_hcp_spec(normalization="RMSNorm"), context_parallel_size=2,
                                  cp_comm_type=comm)
         local_tokens = shard_sequence(tokens, 2, cp_rank, layout="zigzag", dim=1)
@@ -452,8 +492,8 @@ def test_tp2_load_shards_per_rank_and_tp2_save_converts_back_bit_for_bit(convert
     hf_dir, mcore_dir, arch, reference = converted["llama_gqa_rope3"]
     hf = _load_safetensors_dir(hf_dir)
     results = run_distributed(2, _case_tp2_roundtrip, str(mcore_dir), arch, str(tmp_path / "tp2"), _tokens())
-    a = LlamaArchitecture.from_dict(arch)
-    h, g, d, ffn, vocab = a.num_attention_heads, a.num_query_groups, a.head_dim, a.intermediate_size, a.vocab_size
+    a = HFModel.from_record(arch).shape
+    h, g, d, ffn, vocab = a.num_attention_heads, a.num_query_groups, a.kv_channels, a.ffn_hidden_size, a.vocab_size
     for tp_rank, (local, logits) in enumerate(results):
         torch.testing.assert_close(logits, reference, atol=LOGIT_ATOL, rtol=0)
         for layer in range(a.num_layers):
@@ -492,7 +532,7 @@ def _case_tp2_roundtrip(rank, world_size, mcore_dir, arch, out_dir, tokens):
 
     _init_megatron(tp=2)
     try:
-        model = load_mcore_model(mcore_dir, LlamaArchitecture.from_dict(arch), tensor_model_parallel_size=2)
+        model = load_mcore_model(mcore_dir, HFModel.from_record(arch).shape, tensor_model_parallel_size=2)
         local = {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
         logits = _gather_vocab(mcore_logits(model, tokens))
         mcore_io.save_model(model, out_dir)  # both ranks write their TP shards; no architecture record
@@ -517,7 +557,7 @@ def test_pp2_stages_load_their_layers_and_pp2_save_converts_back_bit_for_bit(con
     assert torch.equal(first["decoder.layers.0.mlp.linear_fc2.weight"], hf["model.layers.0.mlp.down_proj.weight"])
     assert torch.equal(last["decoder.layers.0.mlp.linear_fc2.weight"], hf["model.layers.1.mlp.down_proj.weight"])
     assert torch.equal(last["decoder.final_layernorm.weight"], hf["model.norm.weight"])
-    head = hf["model.embed_tokens.weight"] if LlamaArchitecture.from_dict(arch).tie_word_embeddings \
+    head = hf["model.embed_tokens.weight"] if HFModel.from_record(arch).shape.share_embeddings_and_output_weights \
         else hf["lm_head.weight"]
     assert torch.equal(last["output_layer.weight"], head)
     assert "embedding.word_embeddings.weight" not in last and "decoder.final_layernorm.weight" not in first
@@ -531,7 +571,7 @@ def _case_pp2_roundtrip(rank, world_size, mcore_dir, arch, out_dir):
 
     _init_megatron(pipeline_model_parallel_size=2)
     try:
-        model = load_mcore_model(mcore_dir, LlamaArchitecture.from_dict(arch), pipeline_model_parallel_size=2)
+        model = load_mcore_model(mcore_dir, HFModel.from_record(arch).shape, pipeline_model_parallel_size=2)
         local = {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
         mcore_io.save_model(model, out_dir)
         return local
@@ -554,11 +594,11 @@ def test_unsupported_architectures_are_refused_naming_the_field():
              ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window")]
     for override, needle in cases:
         with pytest.raises(UnsupportedArchitectureError, match=needle.replace("(", "\\(").replace("[", "\\[")):
-            architecture_from_hf_config({**base, **override})
+            hf_model_from_config({**base, **override})
     # transformers-5 style rope_parameters are read like the legacy fields
-    arch = architecture_from_hf_config({**base, "rope_parameters": {"rope_type": "llama3", "factor": 32.0,
-                                                                    "rope_theta": 5e5}})
-    assert (arch.rope_theta, arch.rope_scaling_factor) == (5e5, 32.0)
+    shape = hf_model_from_config({**base, "rope_parameters": {"rope_type": "llama3", "factor": 32.0,
+                                                              "rope_theta": 5e5}}).shape
+    assert (shape.rotary_base, shape.rope_scaling, shape.rope_scaling_factor) == (5e5, True, 32.0)
 
 
 def test_missing_tensor_and_shape_mismatch_name_the_tensor(converted, tmp_path):

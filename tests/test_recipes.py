@@ -16,6 +16,7 @@ import yaml
 
 from mcp_context.recipes import RecipeConfig, RecipeError, load_recipe, save_recipe, validate_recipe
 from mcp_context.recipes.__main__ import main as recipes_cli
+from mcp_context.recipes.schema import gpt_model_kwargs, transformer_config_kwargs
 from mcp_context.megatron_lm import format_megatron_command, megatron_split
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
@@ -196,7 +197,7 @@ def test_transformer_config_kwargs_build_a_real_transformer_config(path):
     from megatron.core.transformer import TransformerConfig
 
     cfg = load_recipe(path)
-    tc = TransformerConfig(**cfg.to_transformer_config_kwargs())
+    tc = TransformerConfig(**transformer_config_kwargs(cfg.model))
     m = cfg.model
     assert tc.context_parallel_size == m.context_parallel_size
     assert tc.hierarchical_context_parallel_sizes == m.hierarchical_context_parallel_sizes
@@ -206,16 +207,35 @@ def test_transformer_config_kwargs_build_a_real_transformer_config(path):
     assert tc.ffn_hidden_size == m.ffn_hidden_size
     assert tc.activation_func is F.silu and tc.gated_linear_unit
     assert tc.params_dtype == getattr(torch, m.params_dtype)
-    gpt = cfg.to_gpt_model_kwargs(tokenizer_vocab_size=128256)
+    gpt = gpt_model_kwargs(cfg.model, cfg.padded_vocab_size(128256))
     multiple = m.make_vocab_size_divisible_by * m.tensor_model_parallel_size
     assert gpt["vocab_size"] % multiple == 0 and 0 <= gpt["vocab_size"] - 128256 < multiple
     assert gpt["max_sequence_length"] == m.seq_length
 
 
+def test_every_megatron_model_the_package_builds_comes_from_the_one_translation():
+    """Pretraining and the converter build ``TransformerConfig`` and ``GPTModel`` only from
+    ``transformer_config_kwargs`` / ``gpt_model_kwargs``: no second translation can drift."""
+    import ast
+
+    translation = {"TransformerConfig": "transformer_config_kwargs", "GPTModel": "gpt_model_kwargs"}
+    builders = []
+    for path in sorted((RECIPES_DIR.parent / "mcp_context").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in translation:
+                spread = [kw.value.func.id for kw in node.keywords if kw.arg is None
+                          and isinstance(kw.value, ast.Call) and isinstance(kw.value.func, ast.Name)]
+                builders.append((path.parent.name, node.func.id, spread))
+    assert sorted(builders) == [
+        ("convert", "GPTModel", ["gpt_model_kwargs"]), ("convert", "TransformerConfig", ["transformer_config_kwargs"]),
+        ("pretrain", "GPTModel", ["gpt_model_kwargs"]), ("pretrain", "TransformerConfig", ["transformer_config_kwargs"]),
+    ]
+
+
 def test_allgather_alias_is_passed_on_in_transformer_engine_spelling():
     cfg = load_recipe(None, ["model.cp_comm_type=allgather", "model.hierarchical_context_parallel_sizes=null"])
     validate_recipe(cfg)
-    assert cfg.to_transformer_config_kwargs()["cp_comm_type"] == "all_gather"
+    assert transformer_config_kwargs(cfg.model)["cp_comm_type"] == "all_gather"
     argv = shlex.split(_command_argv(format_megatron_command(cfg)))
     assert argv[argv.index("--cp-comm-type") + 1] == "all_gather"
 
@@ -254,6 +274,7 @@ def _megatron_lm_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-rope-fusion", action="store_false", dest="apply_rope_fusion")
     p.add_argument("--no-persist-layer-norm", action="store_false", dest="persist_layer_norm")
     p.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion")
+    p.add_argument("--window-size", type=lambda x: tuple(int(i) for i in x.strip("()").split(",")), default=None)
     return p
 
 

@@ -29,6 +29,8 @@ OUT_OF_RANGE = [
     ("model.rotary_percent=0", "model.rotary_percent=0.0 must be a finite number with 0 < model.rotary_percent <= 1"),
     ("model.hierarchical_context_parallel_sizes=[0, 4]",
      "model.hierarchical_context_parallel_sizes[0]=0 must be a positive integer"),
+    ("model.window_size=[-2, 0]",
+     "model.window_size[0]=-2 must be an integer with model.window_size[0] >= -1 (-1: unbounded on that side)"),
     ("optimizer.adam_eps=-1e-8", "optimizer.adam_eps=-1e-08 must be a finite number with 0 < optimizer.adam_eps < 1"),
     ("optimizer.clip_grad=-1", "optimizer.clip_grad=-1.0 must be a finite number with optimizer.clip_grad >= 0"),
     ("optimizer.weight_decay=-0.1", "optimizer.weight_decay=-0.1 must be a finite number with optimizer.weight_decay >= 0"),

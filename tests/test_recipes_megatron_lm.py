@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mcp_context.megatron_lm import LOCAL_IMPL_FLAGS, format_megatron_command, megatron_split
-from mcp_context.recipes import RecipeError, load_recipe
+from mcp_context.recipes import RecipeError, load_recipe, validate_recipe
 from mcp_context.recipes.__main__ import main as recipes_cli
 from tests.test_recipes import _command_argv, _megatron_lm_parser
 
@@ -98,3 +98,20 @@ def test_no_module_imports_one_above_it(path):
     module = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
     above = sorted(m for m in _imports(path) if _layer(m) > _layer(module))
     assert not above, f"{module} imports {above}, which sit above it"
+
+
+def test_a_float_rotary_base_prints_as_megatron_lms_integer_or_is_refused():
+    """``model.rotary_base`` takes a float (a converted model's ``rope_theta``); Megatron-LM's
+    ``--rotary-base`` takes an integer, so a whole float prints as one and a fraction is refused."""
+    a = _parsed(format_megatron_command(load_recipe(None, ["model.rotary_base=5.0e+5"])))
+    assert a.rotary_base == 500000
+    with pytest.raises(RecipeError, match=r"model.rotary_base=10000.5 has no Megatron-LM spelling"):
+        format_megatron_command(load_recipe(None, ["model.rotary_base=10000.5"]))
+
+
+def test_a_sliding_window_recipe_prints_megatron_lms_window_size():
+    """``model.window_size`` reaches Megatron-LM as ``--window-size left,right`` (its ``tuple_type``)."""
+    cfg = load_recipe(None, ["model.window_size=[63, 0]"])
+    validate_recipe(cfg)
+    assert _parsed(format_megatron_command(cfg)).window_size == (63, 0)
+    assert _parsed(format_megatron_command(load_recipe(None))).window_size is None

@@ -97,27 +97,27 @@ def _run(args: argparse.Namespace) -> int:
     show = False if getattr(args, "no_progress", False) else None
     if args.command == "hf-to-mcore":
         arch = converter.hf_to_mcore(args.hf, args.mcore, progress=show)
-        print(f"wrote {args.mcore} ({arch.model_type}, {arch.num_layers} layers)")
+        print(f"wrote {args.mcore} ({arch.model_type}, {arch.shape.num_layers} layers)")
     elif args.command == "mcore-to-hf":
         config = read_json_object(args.hf_config, "a Hugging Face config.json") if args.hf_config else None
         arch = converter.mcore_to_hf(args.mcore, args.hf, max_shard_bytes=args.max_shard_size,
                                      hf_config=config, progress=show)
-        print(f"wrote {args.hf} ({arch.model_type}, {arch.num_layers} layers)")
+        print(f"wrote {args.hf} ({arch.model_type}, {arch.shape.num_layers} layers)")
     elif args.command == "verify":
         from mcp_context.convert.hf_io import HFCheckpointReader
         from mcp_context.convert.mcore_io import McoreCheckpointReader
-        from mcp_context.convert.model_config import architecture_from_hf_config
+        from mcp_context.convert.model_config import hf_model_from_config
         from mcp_context.convert.verify import (check_same_model, differing_tensors, max_logit_difference,
                                                 prompt_token_ids)
 
         hf, mcore = HFCheckpointReader(args.hf), McoreCheckpointReader(args.mcore)
-        arch = architecture_from_hf_config(hf.config)
+        arch = hf_model_from_config(hf.config)
         check_same_model(hf, mcore, arch)
-        ids = prompt_token_ids(args.hf, args.prompt, arch.vocab_size)
-        diff = max_logit_difference(args.hf, args.mcore, arch, ids)
+        ids = prompt_token_ids(args.hf, args.prompt, arch.shape.vocab_size)
+        diff = max_logit_difference(args.hf, args.mcore, arch.shape, ids)
         print(f"max |logit difference| = {diff:.3e} over {ids.shape[1]} tokens (tolerance {args.tolerance:.1e})")
         if not diff <= args.tolerance:
-            differ = differing_tensors(hf, mcore, arch)
+            differ = differing_tensors(hf, mcore, arch.shape)
             why = (f"{len(differ)} tensor(s) differ between --hf and --mcore, e.g. {differ[:4]}" if differ else
                    "every tensor is identical on both sides, so the models compute differently")
             print(f"verify: FAILED: {why}", file=sys.stderr)

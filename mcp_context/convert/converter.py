@@ -21,8 +21,8 @@ from mcp_context.convert.hf_io import (DEFAULT_MAX_SHARD_BYTES, HFCheckpointRead
 from mcp_context.convert.mapping import (EXTRA_STATE_MODULES, LAYER_KEY_PREFIX, TensorMap, hf_tensors, layer_indices,
                                          tensor_maps)
 from mcp_context.convert.mcore_io import EXTRA_DIR, McoreCheckpointReader, TensorChunk, save_chunks
-from mcp_context.convert.model_config import (LlamaArchitecture, architecture_from_hf_config,
-                                              hf_config_from_architecture)
+from mcp_context.convert.model_config import HFModel, hf_config_from_model, hf_model_from_config
+from mcp_context.recipes.schema import ModelConfig
 
 ARCH_RECORD = f"{EXTRA_DIR}/architecture.json"
 HF_SIDE_DIR = f"{EXTRA_DIR}/hf"
@@ -41,26 +41,27 @@ def _progress(total: int, desc: str, enabled: Optional[bool]) -> Any:
     return tqdm(total=total, desc=desc, unit="tensor", disable=None if enabled is None else not enabled)
 
 
-def check_hf_tensors(reader: HFCheckpointReader, arch: LlamaArchitecture) -> None:
+def check_hf_tensors(reader: HFCheckpointReader, arch: HFModel) -> None:
     """Raise unless ``reader`` holds exactly the tensors ``arch`` needs, with the shapes it implies."""
-    expected = {name: shape for name, shape, _ in hf_tensors(arch)}
+    m = arch.shape
+    expected = {name: shape for name, shape, _ in hf_tensors(m)}
     present = set(reader.names())
     missing = [n for n in expected if n not in present]
     if missing:
         raise MissingTensorError(
             f"checkpoint {reader.dir} lacks {len(missing)} tensor(s) a {arch.model_type} with "
-            f"num_hidden_layers={arch.num_layers} needs, e.g. {missing[:4]}; the checkpoint is incomplete "
+            f"num_hidden_layers={m.num_layers} needs, e.g. {missing[:4]}; the checkpoint is incomplete "
             f"or config.json does not describe it")
     for name, shape in expected.items():
         actual = reader.info(name).shape
         if actual != shape:
             raise ValueError(f"tensor {name!r} has shape {list(actual)} but config.json implies {list(shape)} "
-                             f"(hidden_size={arch.hidden_size}, num_attention_heads={arch.num_attention_heads}, "
-                             f"num_key_value_heads={arch.num_query_groups}, head_dim={arch.head_dim}, "
-                             f"intermediate_size={arch.intermediate_size}, vocab_size={arch.vocab_size}); "
+                             f"(hidden_size={m.hidden_size}, num_attention_heads={m.num_attention_heads}, "
+                             f"num_key_value_heads={m.num_query_groups}, head_dim={m.kv_channels}, "
+                             f"intermediate_size={m.ffn_hidden_size}, vocab_size={m.vocab_size}); "
                              f"fix config.json or the weights")
     leftover = sorted(n for n in present - set(expected) if not n.endswith(_IGNORED_HF_SUFFIXES))
-    if arch.tie_word_embeddings and leftover == ["lm_head.weight"]:
+    if m.share_embeddings_and_output_weights and leftover == ["lm_head.weight"]:
         if torch.equal(reader.read("lm_head.weight"), reader.read("model.embed_tokens.weight")):
             leftover = []
         else:
@@ -80,15 +81,15 @@ def _common_dtype(reader: HFCheckpointReader, names: list[str]) -> torch.dtype:
     return dtypes.pop()
 
 
-def _hf_chunks(reader: HFCheckpointReader, arch: LlamaArchitecture) -> list[TensorChunk]:
+def _hf_chunks(reader: HFCheckpointReader, model: ModelConfig) -> list[TensorChunk]:
     chunks = []
-    for tmap in tensor_maps(arch):
-        for layer in layer_indices(tmap, arch):
+    for tmap in tensor_maps(model):
+        for layer in layer_indices(tmap, model):
             names = tmap.hf_names_for(layer)
             dtype = _common_dtype(reader, names)
             shape = tmap.mcore_shape
             if tmap.per_layer:
-                global_shape, offsets, sizes = (arch.num_layers, *shape), (layer,) + (0,) * len(shape), (1, *shape)
+                global_shape, offsets, sizes = (model.num_layers, *shape), (layer,) + (0,) * len(shape), (1, *shape)
             else:
                 global_shape, offsets, sizes = shape, (0,) * len(shape), shape
 
@@ -99,50 +100,50 @@ def _hf_chunks(reader: HFCheckpointReader, arch: LlamaArchitecture) -> list[Tens
     return chunks
 
 
-def _extra_state_objects(arch: LlamaArchitecture) -> dict[str, bytes]:
+def _extra_state_objects(model: ModelConfig) -> dict[str, bytes]:
     """``_extra_state`` entries megatron-core's loader asks for (``None`` payloads, as a fresh model has)."""
     buf = io.BytesIO()
     torch.save([None], buf)
-    return {f"{LAYER_KEY_PREFIX}{module}._extra_state/shard_{layer}_{arch.num_layers}": buf.getvalue()
-            for layer in range(arch.num_layers) for module in EXTRA_STATE_MODULES}
+    return {f"{LAYER_KEY_PREFIX}{module}._extra_state/shard_{layer}_{model.num_layers}": buf.getvalue()
+            for layer in range(model.num_layers) for module in EXTRA_STATE_MODULES}
 
 
 def hf_to_mcore(hf_dir: str | os.PathLike, mcore_dir: str | os.PathLike,
-                progress: Optional[bool] = None) -> LlamaArchitecture:
+                progress: Optional[bool] = None) -> HFModel:
     """Convert a Hugging Face Llama / Mistral / Qwen2 safetensors checkpoint to a megatron-core
-    ``torch_dist`` checkpoint (loadable at any TP / PP / CP). Returns the architecture."""
+    ``torch_dist`` checkpoint (loadable at any TP / PP / CP). Returns the model."""
     reader = HFCheckpointReader(hf_dir)
-    arch = architecture_from_hf_config(reader.config)
+    arch = hf_model_from_config(reader.config)
     check_hf_tensors(reader, arch)
-    chunks = _hf_chunks(reader, arch)
-    extra_files = {ARCH_RECORD: json.dumps(arch.to_dict(), indent=2).encode()}
+    chunks = _hf_chunks(reader, arch.shape)
+    extra_files = {ARCH_RECORD: json.dumps(arch.to_record(), indent=2).encode()}
     for name in HF_SIDE_FILES:
         if (reader.dir / name).is_file():
             extra_files[f"{HF_SIDE_DIR}/{name}"] = (reader.dir / name).read_bytes()
     with _progress(len(chunks), "hf-to-mcore", progress) as bar:
-        save_chunks(mcore_dir, chunks, _extra_state_objects(arch), extra_files, on_written=lambda _: bar.update())
+        save_chunks(mcore_dir, chunks, _extra_state_objects(arch.shape), extra_files, on_written=lambda _: bar.update())
     return arch
 
 
-def _architecture_of(reader: McoreCheckpointReader, hf_config: Optional[dict]) -> LlamaArchitecture:
+def _architecture_of(reader: McoreCheckpointReader, hf_config: Optional[dict]) -> HFModel:
     if hf_config is not None:
-        return architecture_from_hf_config(hf_config)
+        return hf_model_from_config(hf_config)
     record = reader.dir / ARCH_RECORD
     if not record.is_file():
         raise FileNotFoundError(f"{reader.dir} has no {ARCH_RECORD} (it was not written by this converter); "
                                 f"pass the Hugging Face config.json of the model (--hf-config)")
     data = read_json_object(record, "the architecture record hf-to-mcore wrote")
     try:
-        return LlamaArchitecture.from_dict(data)
+        return HFModel.from_record(data)
     except ValueError as exc:
         raise ValueError(f"{record}: {exc}") from None
 
 
-def check_mcore_tensors(reader: McoreCheckpointReader, arch: LlamaArchitecture) -> None:
+def check_mcore_tensors(reader: McoreCheckpointReader, arch: HFModel) -> None:
     """Raise unless ``reader`` holds exactly the model tensors ``arch`` needs, with the right global shapes."""
-    maps = tensor_maps(arch)
+    maps = tensor_maps(arch.shape)
     for tmap in maps:
-        expected = ((arch.num_layers,) if tmap.per_layer else ()) + tmap.mcore_shape
+        expected = ((arch.shape.num_layers,) if tmap.per_layer else ()) + tmap.mcore_shape
         actual = reader.shape(tmap.mcore_key)  # raises MissingTensorError naming the key
         if actual != expected:
             raise ValueError(f"tensor {tmap.mcore_key!r} has global shape {list(actual)} but the architecture "
@@ -156,18 +157,18 @@ def check_mcore_tensors(reader: McoreCheckpointReader, arch: LlamaArchitecture) 
 
 def mcore_to_hf(mcore_dir: str | os.PathLike, hf_dir: str | os.PathLike, *,
                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, hf_config: Optional[dict] = None,
-                progress: Optional[bool] = None) -> LlamaArchitecture:
+                progress: Optional[bool] = None) -> HFModel:
     """Convert a megatron-core ``torch_dist`` checkpoint (any TP/PP it was saved at) to Hugging Face
-    safetensors, bit for bit in the checkpoint's dtype. Returns the architecture."""
+    safetensors, bit for bit in the checkpoint's dtype. Returns the model."""
     reader = McoreCheckpointReader(mcore_dir)
     arch = _architecture_of(reader, hf_config)
     check_mcore_tensors(reader, arch)
-    maps = tensor_maps(arch)
-    plan = [(name, shape, reader.dtype(tmap.mcore_key)) for name, shape, tmap in hf_tensors(arch)]
+    maps = tensor_maps(arch.shape)
+    plan = [(name, shape, reader.dtype(tmap.mcore_key)) for name, shape, tmap in hf_tensors(arch.shape)]
     with HFCheckpointWriter(hf_dir, plan, max_shard_bytes) as writer, \
             _progress(len(plan), "mcore-to-hf", progress) as bar:
         for tmap in maps:
-            for layer in layer_indices(tmap, arch):
+            for layer in layer_indices(tmap, arch.shape):
                 fused = reader.read_layer(tmap.mcore_key, layer) if tmap.per_layer else reader.read(tmap.mcore_key)
                 for name, tensor in zip(tmap.hf_names_for(layer), tmap.split(fused)):
                     writer.write(name, tensor)
@@ -178,7 +179,7 @@ def mcore_to_hf(mcore_dir: str | os.PathLike, hf_dir: str | os.PathLike, *,
             if data is not None:
                 writer.add_file(name, data)
         if hf_config is not None or reader.extra_file(f"{HF_SIDE_DIR}/config.json") is None:
-            config = hf_config or hf_config_from_architecture(
+            config = hf_config or hf_config_from_model(
                 arch, str(reader.dtype("embedding.word_embeddings.weight")).removeprefix("torch."))
             writer.add_file("config.json", json.dumps(config, indent=2).encode())
         writer.finish()

@@ -11,7 +11,7 @@ parameter names), the fusing rules and their inverses:
   tensors under one key, so the global tensor is again independent of TP).
 
 It does not read or write files (``hf_io``, ``mcore_io``) and knows nothing about configs beyond
-the shapes in :class:`~mcp_context.convert.model_config.LlamaArchitecture`.
+the model shape (:class:`~mcp_context.recipes.schema.ModelConfig`) of a converted model.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from mcp_context.convert.model_config import LlamaArchitecture
+from mcp_context.recipes.schema import ModelConfig
 
 LAYER_KEY_PREFIX = "decoder.layers."
 # Modules whose ``_extra_state`` megatron-core's loader requests per layer: the four linears of the
@@ -103,10 +103,10 @@ class TensorMap:
         return name.format(layer=layer)
 
 
-def tensor_maps(arch: LlamaArchitecture) -> list[TensorMap]:
-    """The full table for ``arch``, in checkpoint order (embedding, layers, final norm, output)."""
-    h, g, d = arch.num_attention_heads, arch.num_query_groups, arch.head_dim
-    hidden, ffn, vocab = arch.hidden_size, arch.intermediate_size, arch.vocab_size
+def tensor_maps(model: ModelConfig) -> list[TensorMap]:
+    """The full table for ``model``, in checkpoint order (embedding, layers, final norm, output)."""
+    h, g, d = model.num_attention_heads, model.num_query_groups, model.kv_channels
+    hidden, ffn, vocab = model.hidden_size, model.ffn_hidden_size, model.vocab_size
 
     def qkv_split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return split_qkv(t, h, g, d)
@@ -135,7 +135,7 @@ def tensor_maps(arch: LlamaArchitecture) -> list[TensorMap]:
               ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
               ((h * d, hidden), (g * d, hidden), (g * d, hidden)), qkv_fuse, qkv_split),
     ]
-    if arch.qkv_bias:
+    if model.add_qkv_bias:
         maps.append(layer("self_attention.linear_qkv.bias", "self_attention.linear_qkv.bias",
                           ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
                           ((h * d,), (g * d,), (g * d,)), qkv_fuse, qkv_split))
@@ -152,18 +152,18 @@ def tensor_maps(arch: LlamaArchitecture) -> list[TensorMap]:
                   "decoder.final_layernorm.weight", ("model.norm.weight",), ((hidden,),), False,
                   _identity, _unwrap),
     ]
-    if not arch.tie_word_embeddings:
+    if not model.share_embeddings_and_output_weights:
         maps.append(TensorMap("output_layer.weight", "output_layer.weight", "output_layer.weight",
                               ("lm_head.weight",), ((vocab, hidden),), False, _identity, _unwrap))
     return maps
 
 
-def layer_indices(tmap: TensorMap, arch: LlamaArchitecture) -> list[int | None]:
+def layer_indices(tmap: TensorMap, model: ModelConfig) -> list[int | None]:
     """The layers a map covers: ``0..num_layers-1`` for per-layer tensors, ``[None]`` otherwise."""
-    return list(range(arch.num_layers)) if tmap.per_layer else [None]
+    return list(range(model.num_layers)) if tmap.per_layer else [None]
 
 
-def hf_tensors(arch: LlamaArchitecture) -> list[tuple[str, tuple[int, ...], TensorMap]]:
-    """Every Hugging Face tensor of ``arch`` as ``(name, shape, its TensorMap)``, in mapping order."""
-    return [(name, shape, tmap) for tmap in tensor_maps(arch) for layer in layer_indices(tmap, arch)
+def hf_tensors(model: ModelConfig) -> list[tuple[str, tuple[int, ...], TensorMap]]:
+    """Every Hugging Face tensor of ``model`` as ``(name, shape, its TensorMap)``, in mapping order."""
+    return [(name, shape, tmap) for tmap in tensor_maps(model) for layer in layer_indices(tmap, model)
             for name, shape in zip(tmap.hf_names_for(layer), tmap.hf_shapes)]

@@ -1,10 +1,13 @@
-"""Hugging Face Llama-family ``config.json`` <-> Megatron-Core ``TransformerConfig`` / ``GPTModel``.
+"""Hugging Face Llama-family ``config.json`` <-> the package's model shape (``ModelConfig``).
 
-Owns :class:`LlamaArchitecture` (the few numbers both sides agree on), its validation against what
-megatron-core can represent, and the builder of the matching ``GPTModel``. Unsupported features
-(other model types, biases Megatron cannot place, RoPE variants megatron-core 0.16 lacks) are
-refused with an error naming the config field, its value and what to do; nothing is dropped quietly.
-It does not touch weights (``mapping``) or files (``hf_io``, ``mcore_io``).
+Owns :class:`HFModel` (a model's shape in megatron-core's names, plus ``model_type``, the one fact
+only the Hugging Face side needs), the reading of ``config.json`` into it with its validation against
+what megatron-core can represent, the writing of ``config.json`` from it, and the architecture record
+a converted checkpoint carries. Unsupported features (other model types, biases Megatron cannot
+place, RoPE variants megatron-core 0.16 lacks) are refused with an error naming the config field, its
+value and what to do; nothing is dropped quietly. The translation of the shape into
+``TransformerConfig`` / ``GPTModel`` arguments is the recipes' (``mcp_context.recipes.schema``), the
+same one pretraining uses. It does not touch weights (``mapping``) or files (``hf_io``, ``mcore_io``).
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import torch
+from mcp_context.recipes.schema import ModelConfig
 
 SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                          "qwen2": "Qwen2ForCausalLM"}
@@ -21,6 +24,12 @@ SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCaus
 # is configurable (GPTModel(rope_scaling=True, rope_scaling_factor=...)).
 MCORE_LLAMA3_ROPE_CONSTANTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                "original_max_position_embeddings": 8192}
+# The fields of the architecture record converters before the shared ModelConfig wrote; such a
+# record still loads (``HFModel.from_record``), through the config.json it stands for.
+_LEGACY_RECORD_FIELDS = {"model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                         "num_attention_heads", "num_query_groups", "head_dim", "rms_norm_eps", "rope_theta",
+                         "max_position_embeddings", "rope_scaling_factor", "qkv_bias", "tie_word_embeddings",
+                         "sliding_window"}
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -28,37 +37,42 @@ class UnsupportedArchitectureError(ValueError):
 
 
 @dataclass(frozen=True)
-class LlamaArchitecture:
-    """Shape and numerics of a dense Llama-family decoder (Llama 2/3, Mistral, Qwen2)."""
+class HFModel:
+    """A dense Llama-family decoder (Llama 2/3, Mistral, Qwen2) as the converter sees it: its shape
+    (TP = PP = CP = 1; a loader sets its own layout) and its Hugging Face ``model_type``."""
 
     model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_attention_heads: int
-    num_query_groups: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    rope_scaling_factor: Optional[float] = None  # Llama-3 style scaling; None = plain RoPE
-    qkv_bias: bool = False
-    tie_word_embeddings: bool = False
-    sliding_window: Optional[int] = None
+    shape: ModelConfig
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    def to_record(self) -> dict[str, Any]:
+        """The architecture record a converted checkpoint carries (JSON-ready)."""
+        return {"model_type": self.model_type, "shape": dataclasses.asdict(self.shape)}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "LlamaArchitecture":
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - set(fields))
-        missing = sorted(n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING)
+    def from_record(cls, data: dict[str, Any]) -> "HFModel":
+        """Inverse of :meth:`to_record`; a record in the earlier flat format is read through the
+        ``config.json`` it describes, so checkpoints converted before still load."""
+        if set(data) <= _LEGACY_RECORD_FIELDS and "model_type" in data:
+            return hf_model_from_config(_legacy_record_to_hf_config(data))
+        shape = data.get("shape") if isinstance(data.get("shape"), dict) else {}
+        unknown = sorted(set(data) - {"model_type", "shape"}) + sorted(
+            f"shape.{name}" for name in set(shape) - {f.name for f in dataclasses.fields(ModelConfig)})
+        missing = sorted({"model_type", "shape"} - set(data)) or ([] if shape else ["shape (a mapping)"])
         if unknown or missing:
             raise ValueError(f"architecture record has unknown fields {unknown} and lacks fields {missing}; it "
                              f"was written by a different version of mcp_context.convert")
-        return cls(**data)
+        return cls(data["model_type"], ModelConfig(**shape))
+
+
+def _legacy_record_to_hf_config(data: dict[str, Any]) -> dict[str, Any]:
+    names = {"num_layers": "num_hidden_layers", "num_query_groups": "num_key_value_heads"}
+    cfg = {names.get(k, k): v for k, v in data.items()
+           if k not in ("rope_scaling_factor", "qkv_bias", "sliding_window")}
+    if data.get("rope_scaling_factor") is not None:
+        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": data["rope_scaling_factor"]}
+    if data.get("model_type") == "mistral":
+        cfg["sliding_window"] = data.get("sliding_window")
+    return cfg
 
 
 def _refuse(field: str, value: Any, why: str) -> UnsupportedArchitectureError:
@@ -107,8 +121,8 @@ def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, Optional[float]]:
     return theta, _positive_float(params.get("factor"), "rope_scaling.factor")
 
 
-def architecture_from_hf_config(cfg: dict[str, Any]) -> LlamaArchitecture:
-    """Validate a Hugging Face ``config.json`` dict and return its :class:`LlamaArchitecture`."""
+def hf_model_from_config(cfg: dict[str, Any]) -> HFModel:
+    """Validate a Hugging Face ``config.json`` dict and return its :class:`HFModel`."""
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise _refuse("model_type", model_type,
@@ -141,89 +155,45 @@ def architecture_from_hf_config(cfg: dict[str, Any]) -> LlamaArchitecture:
     tied = cfg.get("tie_word_embeddings", False)
     if not isinstance(tied, bool):
         raise ValueError(f"config.json field tie_word_embeddings={tied!r}: must be true or false; fix config.json")
+    max_positions = _positive_int(cfg, "max_position_embeddings", default=4096)
     sliding_window = _positive_int(cfg, "sliding_window", default=0) if model_type == "mistral" else 0
-    return LlamaArchitecture(
-        model_type=model_type, vocab_size=_positive_int(cfg, "vocab_size"), hidden_size=hidden,
-        intermediate_size=_positive_int(cfg, "intermediate_size"), num_layers=_positive_int(cfg, "num_hidden_layers"),
-        num_attention_heads=heads, num_query_groups=kv_heads, head_dim=head_dim,
-        rms_norm_eps=_positive_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps"), rope_theta=theta,
-        max_position_embeddings=_positive_int(cfg, "max_position_embeddings", default=4096),
-        rope_scaling_factor=factor, qkv_bias=model_type == "qwen2", tie_word_embeddings=tied,
-        sliding_window=sliding_window or None,
+    # HF: key j is visible to query i iff i - j < sliding_window; a window as long as the position
+    # table masks nothing
+    window = [sliding_window - 1, 0] if 0 < sliding_window < max_positions else None
+    shape = ModelConfig(
+        num_layers=_positive_int(cfg, "num_hidden_layers"), hidden_size=hidden,
+        ffn_hidden_size=_positive_int(cfg, "intermediate_size"), num_attention_heads=heads,
+        num_query_groups=kv_heads, kv_channels=head_dim, seq_length=max_positions,
+        max_position_embeddings=max_positions, vocab_size=_positive_int(cfg, "vocab_size"),
+        position_embedding_type="rope", rotary_base=theta, rotary_percent=1.0, rope_scaling=factor is not None,
+        rope_scaling_factor=factor if factor is not None else ModelConfig.rope_scaling_factor,
+        share_embeddings_and_output_weights=tied, normalization="RMSNorm",
+        layernorm_epsilon=_positive_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
+        gated_linear_unit=True, activation_func="silu", add_bias_linear=False, add_qkv_bias=model_type == "qwen2",
+        window_size=window, attention_dropout=0.0, hidden_dropout=0.0, tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1, context_parallel_size=1, hierarchical_context_parallel_sizes=None,
+        cp_comm_type="p2p",
     )
+    return HFModel(model_type, shape)
 
 
-def hf_config_from_architecture(arch: LlamaArchitecture, torch_dtype: str = "float32") -> dict[str, Any]:
-    """A Hugging Face ``config.json`` dict describing ``arch`` (legacy-compatible field names)."""
+def hf_config_from_model(model: HFModel, torch_dtype: str = "float32") -> dict[str, Any]:
+    """A Hugging Face ``config.json`` dict describing ``model`` (legacy-compatible field names)."""
+    m = model.shape
     cfg: dict[str, Any] = {
-        "architectures": [SUPPORTED_MODEL_TYPES[arch.model_type]], "model_type": arch.model_type,
-        "vocab_size": arch.vocab_size, "hidden_size": arch.hidden_size,
-        "intermediate_size": arch.intermediate_size, "num_hidden_layers": arch.num_layers,
-        "num_attention_heads": arch.num_attention_heads, "num_key_value_heads": arch.num_query_groups,
-        "head_dim": arch.head_dim, "hidden_act": "silu", "rms_norm_eps": arch.rms_norm_eps,
-        "max_position_embeddings": arch.max_position_embeddings, "rope_theta": arch.rope_theta,
-        "tie_word_embeddings": arch.tie_word_embeddings, "torch_dtype": torch_dtype,
+        "architectures": [SUPPORTED_MODEL_TYPES[model.model_type]], "model_type": model.model_type,
+        "vocab_size": m.vocab_size, "hidden_size": m.hidden_size,
+        "intermediate_size": m.ffn_hidden_size, "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_attention_heads, "num_key_value_heads": m.num_query_groups,
+        "head_dim": m.kv_channels, "hidden_act": "silu", "rms_norm_eps": m.layernorm_epsilon,
+        "max_position_embeddings": m.max_position_embeddings, "rope_theta": float(m.rotary_base),
+        "tie_word_embeddings": m.share_embeddings_and_output_weights, "torch_dtype": torch_dtype,
     }
-    if arch.rope_scaling_factor is not None:
-        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": arch.rope_scaling_factor,
+    if m.rope_scaling:
+        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": m.rope_scaling_factor,
                                **MCORE_LLAMA3_ROPE_CONSTANTS}
-    if arch.model_type == "mistral":
-        cfg["sliding_window"] = arch.sliding_window
-    if arch.model_type == "qwen2":
+    if model.model_type == "mistral":
+        cfg["sliding_window"] = m.window_size[0] + 1 if m.window_size is not None else None
+    if model.model_type == "qwen2":
         cfg["use_sliding_window"] = False
     return cfg
-
-
-def transformer_config_kwargs(arch: LlamaArchitecture) -> dict[str, Any]:
-    """``TransformerConfig`` fields that make a megatron-core decoder compute what HF computes."""
-    kwargs: dict[str, Any] = dict(
-        num_layers=arch.num_layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.intermediate_size,
-        num_attention_heads=arch.num_attention_heads, num_query_groups=arch.num_query_groups,
-        kv_channels=arch.head_dim, normalization="RMSNorm", layernorm_epsilon=arch.rms_norm_eps,
-        gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
-        add_qkv_bias=arch.qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        rotary_interleaved=False,
-    )
-    if arch.sliding_window is not None and arch.sliding_window < arch.max_position_embeddings:
-        kwargs["window_size"] = (arch.sliding_window - 1, 0)  # HF: key j visible iff i - j < window
-    return kwargs
-
-
-def gpt_model_kwargs(arch: LlamaArchitecture) -> dict[str, Any]:
-    """``GPTModel`` constructor arguments (besides config and layer spec) for ``arch``."""
-    return dict(
-        vocab_size=arch.vocab_size, max_sequence_length=arch.max_position_embeddings,
-        position_embedding_type="rope", rotary_percent=1.0, rotary_base=arch.rope_theta,
-        rope_scaling=arch.rope_scaling_factor is not None,
-        rope_scaling_factor=arch.rope_scaling_factor if arch.rope_scaling_factor is not None else 8.0,
-        share_embeddings_and_output_weights=arch.tie_word_embeddings,
-    )
-
-
-def build_gpt_model(arch: LlamaArchitecture, layer_spec: Any = None, *, params_dtype: torch.dtype = torch.float32,
-                    **config_overrides: Any) -> torch.nn.Module:
-    """A megatron-core ``GPTModel`` for ``arch``: this rank's pipeline stage on the current parallel state.
-
-    ``layer_spec`` defaults to megatron-core's local spec with RMSNorm; ``config_overrides`` are
-    extra ``TransformerConfig`` fields (``tensor_model_parallel_size``, ``context_parallel_size``,
-    ``pipeline_model_parallel_size``, ...), which must agree with the initialised parallel state.
-    """
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
-
-    if layer_spec is None:
-        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    kwargs = transformer_config_kwargs(arch)
-    kwargs.update(params_dtype=params_dtype, pipeline_dtype=params_dtype,
-                  use_cpu_initialization=not torch.cuda.is_available(),
-                  bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16)
-    kwargs.update(config_overrides)
-    config = TransformerConfig(**kwargs)
-    return GPTModel(config, layer_spec, pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
-                    post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
-                    **gpt_model_kwargs(arch))
-

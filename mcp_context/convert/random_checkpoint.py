@@ -14,14 +14,14 @@ from tqdm.auto import tqdm
 
 from mcp_context.convert.hf_io import DEFAULT_MAX_SHARD_BYTES, HFCheckpointWriter
 from mcp_context.convert.mapping import hf_tensors
-from mcp_context.convert.model_config import architecture_from_hf_config
+from mcp_context.convert.model_config import hf_model_from_config
 
 
 def write_random_hf_checkpoint(out_dir: str | os.PathLike, config: dict, dtype: torch.dtype = torch.bfloat16,
                                seed: int = 0, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> int:
     """Write ``config`` (an HF ``config.json`` dict) and random weights to ``out_dir``; return the bytes written."""
-    arch = architecture_from_hf_config(config)
-    tensors = [(name, shape, dtype) for name, shape, _ in hf_tensors(arch)]
+    model = hf_model_from_config(config).shape
+    tensors = [(name, shape, dtype) for name, shape, _ in hf_tensors(model)]
     generator = torch.Generator().manual_seed(seed)
     total = 0
     with HFCheckpointWriter(out_dir, tensors, max_shard_bytes) as writer:

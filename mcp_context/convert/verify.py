@@ -2,15 +2,17 @@
 
 Owns checking that the two sides hold the same model (every tensor present with the shape the HF
 config implies, on both sides), loading each side for inference in fp32 on one process (the
-Megatron side through megatron-core's own ``dist_checkpointing.load``, as training would load it,
-with ``safe_pickle``'s load strategies), comparing their logits on one prompt and, when they
-differ, naming the tensors that differ. The Megatron side may be a conversion or a training
+Megatron side built from the model shape through the ``TransformerConfig`` / ``GPTModel``
+translation pretraining uses, and loaded through megatron-core's own ``dist_checkpointing.load``,
+as training would load it, with ``safe_pickle``'s load strategies), comparing their logits on one
+prompt and, when they differ, naming the tensors that differ. The Megatron side may be a conversion or a training
 checkpoint (its optimizer state, RNG and scheduler entries are not read). It does not convert
 anything (``converter``).
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import tempfile
 from typing import Any, Iterator, Optional
@@ -21,7 +23,8 @@ from mcp_context.convert.converter import check_hf_tensors, check_mcore_tensors
 from mcp_context.convert.hf_io import HFCheckpointReader, MissingTensorError
 from mcp_context.convert.mapping import layer_indices, tensor_maps
 from mcp_context.convert.mcore_io import McoreCheckpointReader
-from mcp_context.convert.model_config import LlamaArchitecture, build_gpt_model
+from mcp_context.convert.model_config import HFModel
+from mcp_context.recipes.schema import ModelConfig, gpt_model_kwargs, transformer_config_kwargs
 
 
 @contextlib.contextmanager
@@ -53,9 +56,31 @@ def single_process_megatron(seed: int = 0) -> Iterator[None]:
                 dist.destroy_process_group()
 
 
-def load_mcore_model(mcore_dir: str | os.PathLike, arch: LlamaArchitecture, layer_spec: Any = None,
-                     **config_overrides: Any) -> torch.nn.Module:
-    """Build the ``GPTModel`` for ``arch`` on the current parallel state and load ``mcore_dir`` into it
+def build_gpt_model(model: ModelConfig, layer_spec: Any = None, **layout: Any) -> torch.nn.Module:
+    """A megatron-core ``GPTModel`` for ``model``: this rank's pipeline stage on the current parallel state.
+
+    ``layer_spec`` defaults to megatron-core's local spec with RMSNorm; ``layout`` replaces
+    ``ModelConfig`` fields (``tensor_model_parallel_size``, ``context_parallel_size``,
+    ``cp_comm_type``, ``pipeline_model_parallel_size``, ...), which must agree with the initialised
+    parallel state.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    if layer_spec is None:
+        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    model = dataclasses.replace(model, **layout)
+    config = TransformerConfig(**transformer_config_kwargs(model), use_cpu_initialization=not torch.cuda.is_available())
+    return GPTModel(config, layer_spec, pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
+                    post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+                    **gpt_model_kwargs(model, model.vocab_size))
+
+
+def load_mcore_model(mcore_dir: str | os.PathLike, model: ModelConfig, layer_spec: Any = None,
+                     **layout: Any) -> torch.nn.Module:
+    """Build the ``GPTModel`` for ``model`` on the current parallel state and load ``mcore_dir`` into it
     with megatron-core's ``dist_checkpointing.load`` (through ``safe_pickle``'s strategies, which run
     no code from the checkpoint). Only the model's own entries are taken: a training checkpoint's
     common state (optimizer groups, scheduler, step, layout) comes back from ``load`` too."""
@@ -63,13 +88,13 @@ def load_mcore_model(mcore_dir: str | os.PathLike, arch: LlamaArchitecture, laye
 
     from mcp_context.safe_pickle import mcore_load_strategies
 
-    model = build_gpt_model(arch, layer_spec, **config_overrides)
-    sharded = model.sharded_state_dict()
+    gpt = build_gpt_model(model, layer_spec, **layout)
+    sharded = gpt.sharded_state_dict()
     sharded_strategy, common_strategy = mcore_load_strategies()
     state = dist_checkpointing.load(sharded, str(mcore_dir), sharded_strategy=sharded_strategy,
                                     common_strategy=common_strategy)
-    model.load_state_dict({key: state[key] for key in sharded})
-    return model.eval()
+    gpt.load_state_dict({key: state[key] for key in sharded})
+    return gpt.eval()
 
 
 def causal_mask(seq_len: int) -> torch.Tensor:
@@ -104,16 +129,16 @@ def prompt_token_ids(hf_dir: str | os.PathLike, prompt: Optional[str], vocab_siz
     return AutoTokenizer.from_pretrained(str(hf_dir))(prompt, return_tensors="pt").input_ids
 
 
-def max_logit_difference(hf_dir: str | os.PathLike, mcore_dir: str | os.PathLike, arch: LlamaArchitecture,
+def max_logit_difference(hf_dir: str | os.PathLike, mcore_dir: str | os.PathLike, model: ModelConfig,
                          token_ids: torch.Tensor) -> float:
     """Largest absolute difference between the two sides' logits on ``token_ids``."""
     reference = hf_logits(hf_dir, token_ids)
     with single_process_megatron():
-        ours = mcore_logits(load_mcore_model(mcore_dir, arch), token_ids)
+        ours = mcore_logits(load_mcore_model(mcore_dir, model), token_ids)
     return (ours - reference).abs().max().item()
 
 
-def check_same_model(hf: HFCheckpointReader, mcore: McoreCheckpointReader, arch: LlamaArchitecture) -> None:
+def check_same_model(hf: HFCheckpointReader, mcore: McoreCheckpointReader, arch: HFModel) -> None:
     """Raise a ``ValueError`` naming the tensor unless both checkpoints hold exactly the tensors of
     ``arch`` (the HF config's model) with its shapes."""
     for check, reader in ((check_hf_tensors, hf), (check_mcore_tensors, mcore)):
@@ -123,11 +148,11 @@ def check_same_model(hf: HFCheckpointReader, mcore: McoreCheckpointReader, arch:
             raise ValueError(f"--hf {hf.dir} and --mcore {mcore.dir} do not hold the same model: {exc}") from None
 
 
-def differing_tensors(hf: HFCheckpointReader, mcore: McoreCheckpointReader, arch: LlamaArchitecture) -> list[str]:
+def differing_tensors(hf: HFCheckpointReader, mcore: McoreCheckpointReader, model: ModelConfig) -> list[str]:
     """HF names of the tensors whose dtype or bits differ between the two sides (one layer at a time)."""
     differ = []
-    for tmap in tensor_maps(arch):
-        for layer in layer_indices(tmap, arch):
+    for tmap in tensor_maps(model):
+        for layer in layer_indices(tmap, model):
             fused = mcore.read_layer(tmap.mcore_key, layer) if tmap.per_layer else mcore.read(tmap.mcore_key)
             for name, ours in zip(tmap.hf_names_for(layer), tmap.split(fused)):
                 theirs = hf.read(name)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from mcp_context.recipes import RecipeConfig, RecipeError
+from mcp_context.recipes.schema import gpt_model_kwargs, transformer_config_kwargs
 
 
 def train_device(cfg: RecipeConfig) -> torch.device:
@@ -87,7 +88,7 @@ def transformer_config(cfg: RecipeConfig, device: torch.device):
     if device.type == "cpu":
         runtime.update(use_cpu_initialization=True, masked_softmax_fusion=False, bias_activation_fusion=False,
                        apply_rope_fusion=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False)
-    return TransformerConfig(**cfg.to_transformer_config_kwargs(), **runtime)
+    return TransformerConfig(**transformer_config_kwargs(cfg.model), **runtime)
 
 
 def build_model(cfg: RecipeConfig, tokenizer_vocab_size: int, device: torch.device):
@@ -104,7 +105,7 @@ def build_model(cfg: RecipeConfig, tokenizer_vocab_size: int, device: torch.devi
 
     config = transformer_config(cfg, device)
     spec = get_gpt_layer_hcp_spec(normalization=cfg.model.normalization, use_te=cfg.model.layer_spec == "te")
-    model = GPTModel(config, spec, **cfg.to_gpt_model_kwargs(tokenizer_vocab_size))
+    model = GPTModel(config, spec, **gpt_model_kwargs(cfg.model, cfg.padded_vocab_size(tokenizer_vocab_size)))
     if device.type == "cuda":
         model.cuda(device)
     if config.bf16 or config.fp16:

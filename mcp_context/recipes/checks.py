@@ -230,6 +230,7 @@ RANGES: dict[str, Range] = {
     "model.rotary_base": _POSITIVE,
     "model.rotary_percent": Range(0, 1, lo_open=True, why="the fraction of each head that RoPE rotates"),
     "model.rope_scaling_factor": _POSITIVE_REAL,
+    "model.window_size": Range(-1, why="-1: unbounded on that side"),
     "model.layernorm_epsilon": Range(0, 1, lo_open=True, hi_open=True),
     "model.attention_dropout": _PROBABILITY,
     "model.hidden_dropout": _PROBABILITY,

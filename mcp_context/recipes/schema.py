@@ -1,11 +1,16 @@
-"""Recipe schema: one dataclass per section, with defaults and docstrings, and the translation of
-a recipe into megatron-core's keyword arguments.
+"""Recipe schema: one dataclass per section, with defaults and docstrings, and the one translation
+of a model shape into megatron-core's keyword arguments.
 
 A recipe is a YAML file with the sections ``model``, ``data``, ``train``, ``optimizer``,
 ``checkpoint`` and ``logging`` (NeMo / Megatron-Bridge style). Field names follow megatron-core:
 ``ModelConfig`` uses ``TransformerConfig`` / ``ModelParallelConfig`` names (plus the few ``GPTModel``
 arguments a GPT needs), ``OptimizerConfig`` uses ``megatron.core.optimizer.OptimizerConfig`` names.
 The dataclass defaults *are* the tiny CPU recipe (``recipes/tiny_cpu.yaml`` repeats them).
+
+``ModelConfig`` is also *the* model shape of the package: the pretrain entry, the checkpoint
+converter (``mcp_context.convert``, which maps a Hugging Face ``config.json`` to and from it) and
+the planner (``mcp_context.plan``) all describe a model with it, and ``transformer_config_kwargs`` /
+``gpt_model_kwargs`` are the only translation into ``TransformerConfig`` / ``GPTModel``.
 Reading a recipe is ``reader``'s job, checking one is ``checks``'s.
 """
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import List, Literal, Optional
+from typing import Any, List, Literal, Optional, Union
 
 from mcp_context.cp_rules import COMM_ALIASES
 
@@ -49,8 +54,8 @@ class ModelConfig:
     """Pad the vocabulary to a multiple of this times tensor_model_parallel_size."""
     position_embedding_type: Literal["rope", "learned_absolute", "none"] = "rope"
     """Position encoding (GPTModel argument)."""
-    rotary_base: int = 10000
-    """RoPE base (500000 for Llama-3)."""
+    rotary_base: Union[int, float] = 10000
+    """RoPE base (500000 for Llama-3); a float where a converted model's ``rope_theta`` is one."""
     rotary_percent: float = 1.0
     """Fraction of the head dimension that RoPE rotates."""
     rope_scaling: bool = False
@@ -66,11 +71,15 @@ class ModelConfig:
     gated_linear_unit: bool = True
     """Gated MLP (with activation_func=silu this is SwiGLU)."""
     activation_func: Literal["silu", "gelu", "relu", "squared_relu"] = "silu"
-    """MLP activation, by name (mapped to the torch function in to_transformer_config_kwargs)."""
+    """MLP activation, by name (mapped to the torch function in transformer_config_kwargs)."""
     add_bias_linear: bool = False
     """Biases in the linear layers."""
     add_qkv_bias: bool = False
-    """Bias in the QKV projection only."""
+    """Bias in the QKV projection only (Qwen2)."""
+    window_size: Optional[List[int]] = None
+    """Sliding-window attention ``[left, right]`` on every layer: query i sees keys i - left .. i +
+    right (-1: unbounded on that side); None: full causal attention. Mistral's ``sliding_window`` w
+    is ``[w - 1, 0]``."""
     attention_dropout: float = 0.0
     """Dropout on attention probabilities."""
     hidden_dropout: float = 0.0
@@ -259,36 +268,6 @@ class RecipeConfig:
         """Plain nested dict of the recipe (what ``save_recipe`` writes)."""
         return dataclasses.asdict(self)
 
-    def to_transformer_config_kwargs(self) -> dict:
-        """Keyword arguments for ``megatron.core.transformer.TransformerConfig``.
-
-        Names map one to one; ``activation_func`` and ``params_dtype`` become the torch objects,
-        ``pipeline_dtype`` is set to ``params_dtype`` when PP > 1 (TransformerConfig requires it).
-        Runtime-only fields (``use_cpu_initialization``, fusions) are left to the caller.
-        """
-        import torch
-        import torch.nn.functional as F
-
-        kwargs = {
-            f.name: getattr(self.model, f.name)
-            for f in dataclasses.fields(ModelConfig)
-            if f.name not in _GPT_MODEL_FIELDS
-        }
-        activations = {
-            "silu": F.silu,
-            "gelu": F.gelu,
-            "relu": F.relu,
-            "squared_relu": lambda x: torch.pow(F.relu(x), 2),
-        }
-        kwargs["activation_func"] = activations[self.model.activation_func]
-        kwargs["cp_comm_type"] = COMM_ALIASES.get(kwargs["cp_comm_type"], kwargs["cp_comm_type"])  # TE spelling
-        kwargs["params_dtype"] = getattr(torch, self.model.params_dtype)
-        if self.model.hierarchical_context_parallel_sizes is not None:
-            kwargs["hierarchical_context_parallel_sizes"] = list(self.model.hierarchical_context_parallel_sizes)
-        if self.model.pipeline_model_parallel_size > 1:
-            kwargs["pipeline_dtype"] = kwargs["params_dtype"]
-        return kwargs
-
     def padded_vocab_size(self, tokenizer_vocab_size: int) -> int:
         """``model.vocab_size`` if set, else the tokenizer's size rounded up to a multiple of
         ``make_vocab_size_divisible_by * tensor_model_parallel_size`` (Megatron-LM's rule)."""
@@ -297,23 +276,60 @@ class RecipeConfig:
         multiple = self.model.make_vocab_size_divisible_by * self.model.tensor_model_parallel_size
         return int(math.ceil(tokenizer_vocab_size / multiple) * multiple)
 
-    def to_gpt_model_kwargs(self, tokenizer_vocab_size: int) -> dict:
-        """Keyword arguments for ``megatron.core.models.gpt.GPTModel`` besides config and spec."""
-        m = self.model
-        return {
-            "vocab_size": self.padded_vocab_size(tokenizer_vocab_size),
-            "max_sequence_length": m.max_position_embeddings or m.seq_length,
-            "position_embedding_type": m.position_embedding_type,
-            "rotary_base": m.rotary_base,
-            "rotary_percent": m.rotary_percent,
-            "rope_scaling": m.rope_scaling,
-            "rope_scaling_factor": m.rope_scaling_factor,
-            "share_embeddings_and_output_weights": m.share_embeddings_and_output_weights,
-        }
-
     def to_optimizer_config_kwargs(self) -> dict:
         """Keyword arguments for ``megatron.core.optimizer.OptimizerConfig``."""
         kwargs = dataclasses.asdict(self.optimizer)
         kwargs["bf16"] = self.model.bf16
-        kwargs["params_dtype"] = self.to_transformer_config_kwargs()["params_dtype"]
+        kwargs["params_dtype"] = transformer_config_kwargs(self.model)["params_dtype"]
         return kwargs
+
+
+def transformer_config_kwargs(model: ModelConfig) -> dict[str, Any]:
+    """Keyword arguments for ``megatron.core.transformer.TransformerConfig`` describing ``model``.
+
+    Names map one to one; ``activation_func`` and ``params_dtype`` become the torch objects,
+    ``cp_comm_type`` takes Transformer Engine's spelling, ``window_size`` becomes a tuple and
+    ``pipeline_dtype`` is set to ``params_dtype`` when PP > 1 (TransformerConfig requires it).
+    Runtime-only fields (``use_cpu_initialization``, fusions, loss scaling) are left to the caller.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    kwargs = {
+        f.name: getattr(model, f.name)
+        for f in dataclasses.fields(ModelConfig)
+        if f.name not in _GPT_MODEL_FIELDS
+    }
+    activations = {
+        "silu": F.silu,
+        "gelu": F.gelu,
+        "relu": F.relu,
+        "squared_relu": lambda x: torch.pow(F.relu(x), 2),
+    }
+    kwargs["activation_func"] = activations[model.activation_func]
+    kwargs["cp_comm_type"] = COMM_ALIASES.get(kwargs["cp_comm_type"], kwargs["cp_comm_type"])  # TE spelling
+    kwargs["params_dtype"] = getattr(torch, model.params_dtype)
+    if model.hierarchical_context_parallel_sizes is not None:
+        kwargs["hierarchical_context_parallel_sizes"] = list(model.hierarchical_context_parallel_sizes)
+    if model.window_size is not None:
+        kwargs["window_size"] = tuple(model.window_size)
+    if model.pipeline_model_parallel_size > 1:
+        kwargs["pipeline_dtype"] = kwargs["params_dtype"]
+    return kwargs
+
+
+def gpt_model_kwargs(model: ModelConfig, vocab_size: int) -> dict[str, Any]:
+    """Keyword arguments for ``megatron.core.models.gpt.GPTModel`` besides config and layer spec.
+
+    ``vocab_size`` is the embedding's row count (a recipe's ``padded_vocab_size``, a converted
+    model's own ``vocab_size``)."""
+    return {
+        "vocab_size": vocab_size,
+        "max_sequence_length": model.max_position_embeddings or model.seq_length,
+        "position_embedding_type": model.position_embedding_type,
+        "rotary_base": model.rotary_base,
+        "rotary_percent": model.rotary_percent,
+        "rope_scaling": model.rope_scaling,
+        "rope_scaling_factor": model.rope_scaling_factor,
+        "share_embeddings_and_output_weights": model.share_embeddings_and_output_weights,
+    }
