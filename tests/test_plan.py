@@ -16,10 +16,12 @@ import pytest
 import torch
 
 from mcp_context.layouts import layout_spans, spans_positions
-from mcp_context.plan import Candidate, ModelShape, PlanRequest, RankShape, dry_run_rank, evaluate, load_profile, plan
+from mcp_context.plan import Candidate, PlanRequest, RankShape, dry_run_rank, evaluate, load_profile, plan
 from mcp_context.plan.__main__ import main
 from mcp_context.plan.cost import Fabric, predict, step_pairs
+from mcp_context.plan.model import parameters, planning_shape
 from mcp_context.plan.profiles import PROFILE_DIR, MachineProfile
+from mcp_context.recipes.schema import ModelConfig
 from mcp_context.schedule import layout_schedule, load_balance
 from tests._dist import run_distributed
 
@@ -60,7 +62,8 @@ def _brute_force_balance(layout, cp, seq, inner):
 
 
 def _request(profile, seq=SEQ, gpus=4, tp=1, pp=1, model=None):
-    model = model or ModelShape.build(2, H * D, H, 2, D, 64, vocab_size=256)
+    model = model or ModelConfig(num_layers=2, hidden_size=H * D, num_attention_heads=H, num_query_groups=2,
+                                 kv_channels=D, ffn_hidden_size=64, vocab_size=256)
     return PlanRequest(model, seq, gpus, profile, tp, pp, B, True, torch.float32)
 
 
@@ -145,8 +148,9 @@ def test_recommends_no_cp_when_it_fits_and_says_why(h100):
 def test_llama3_70b_memory_falls_with_cp_and_fits_only_on_the_larger_gpu(h100):
     """Llama-3-70B (70.6e9 parameters), 1M tokens, 64 GPUs, TP8 PP1: CP8 needs less than CP2; on
     80 GiB neither fits (model state alone is ~62 GiB), on 141 GiB CP8 does."""
-    model = ModelShape.build(80, 8192, 64, 8, 128, 28672)
-    assert model.parameters() == pytest.approx(70.6e9, rel=0.01)
+    model = ModelConfig(num_layers=80, hidden_size=8192, num_attention_heads=64, num_query_groups=8, kv_channels=128,
+                        ffn_hidden_size=28672, vocab_size=None)
+    assert parameters(planning_shape(model)) == pytest.approx(70.6e9, rel=0.01)
     h100_rows = {c: evaluate(PlanRequest(model, 2 ** 20, 64, h100, tp=8), Candidate(c, (c,), "p2p", "zigzag"))
                  for c in (2, 8)}
     assert h100_rows[8].memory_bytes < h100_rows[2].memory_bytes
@@ -262,3 +266,29 @@ def test_worker_processes_give_the_same_plan(h100):
     here, workers = plan(req), plan(req, jobs=2)
     assert [r.__dict__ for r in workers.rows] == [r.__dict__ for r in here.rows] and len(here.rows) > 2
     assert workers.reasons == here.reasons
+
+
+def test_planner_reads_the_shape_that_recipes_and_the_converter_give(h100):
+    """One model shape: a recipe's model section and a converted Hugging Face config.json plan as
+    given, and the same model described both ways gets the same numbers and the same plan."""
+    from mcp_context.convert.model_config import hf_model_from_config
+    from mcp_context.plan.model import PLANNED_FIELDS
+    from mcp_context.recipes import load_recipe
+
+    recipe = load_recipe("recipes/llama3_8b_128k_hcp.yaml").model
+    llama3_8b = hf_model_from_config({
+        "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "rope_theta": 500000.0,
+        "max_position_embeddings": 131072}).shape
+    from_recipe = PlanRequest(recipe, 2 ** 17, 64, h100, tp=4, pp=2)
+    from_hf = PlanRequest(llama3_8b, 2 ** 17, 64, h100, tp=4, pp=2)
+    assert from_hf.model == llama3_8b  # every size given: nothing filled in
+    assert {f: getattr(from_recipe.model, f) for f in PLANNED_FIELDS} == \
+        {f: getattr(llama3_8b, f) for f in PLANNED_FIELDS}
+    assert parameters(llama3_8b) == pytest.approx(8.03e9, rel=0.01)
+    cand = Candidate(8, (2, 4), "a2a+p2p", "zigzag")
+    a, b = evaluate(from_recipe, cand), evaluate(from_hf, cand)
+    assert (a.model_state_bytes, a.activation_bytes, a.memory_bytes) == \
+        (b.model_state_bytes, b.activation_bytes, b.memory_bytes)
+    with pytest.raises(ValueError, match="num_attention_heads=32 is not a multiple of num_query_groups=5"):
+        PlanRequest(dataclasses.replace(recipe, num_query_groups=5), 2 ** 17, 64, h100, tp=4, pp=2)

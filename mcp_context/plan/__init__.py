@@ -6,9 +6,9 @@ machine profile, and recommends one with its reasons. CLI: ``python -m mcp_conte
 """
 from .candidates import Candidate, enumerate_candidates
 from .dryrun import RankShape, RankTraffic, dry_run_rank
-from .model import ModelShape
+from .model import planning_shape
 from .planner import Plan, PlanRequest, PlanRow, evaluate, plan
 from .profiles import MachineProfile, load_profile, shipped_profiles
 
-__all__ = ["Candidate", "enumerate_candidates", "RankShape", "RankTraffic", "dry_run_rank", "ModelShape", "Plan",
+__all__ = ["Candidate", "enumerate_candidates", "RankShape", "RankTraffic", "dry_run_rank", "planning_shape", "Plan",
            "PlanRequest", "PlanRow", "evaluate", "plan", "MachineProfile", "load_profile", "shipped_profiles"]

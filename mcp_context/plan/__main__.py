@@ -9,12 +9,13 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 from typing import NoReturn, Optional, Sequence
 
-from .model import ModelShape
+from ..recipes.schema import ModelConfig
 from .planner import PlanRequest, plan, with_gpus_per_node
 from .profiles import load_profile, shipped_profiles
 from .report import plan_dict, plan_table
@@ -87,20 +88,18 @@ def _request(args: argparse.Namespace) -> PlanRequest:
         if not Path(args.recipe).is_file():
             raise ValueError(f"--recipe={args.recipe}: no such file; give the path of a recipe YAML "
                              f"(e.g. recipes/llama3_8b_128k_hcp.yaml)")
-        cfg = load_recipe(args.recipe).model
-        model = ModelShape.from_recipe(cfg)
-        tp, pp = tp or cfg.tensor_model_parallel_size, pp or cfg.pipeline_model_parallel_size
-        seq = seq or cfg.seq_length
+        model = load_recipe(args.recipe).model
+        tp, pp = tp or model.tensor_model_parallel_size, pp or model.pipeline_model_parallel_size
+        seq = seq or model.seq_length
         if args.vocab:
-            model = ModelShape.build(model.num_layers, model.hidden_size, model.num_attention_heads,
-                                     model.num_query_groups, model.kv_channels, model.ffn_hidden_size, args.vocab,
-                                     model.gated_linear_unit)
+            model = dataclasses.replace(model, vocab_size=args.vocab)
     else:
         missing = [f"--{n}" for n in ("layers", "hidden", "heads") if getattr(args, n) is None]
         if missing:
             raise ValueError(f"give the model with --recipe FILE or with {', '.join(missing)}")
-        model = ModelShape.build(args.layers, args.hidden, args.heads, args.kv_heads, args.head_dim,
-                                 args.ffn_hidden, args.vocab)
+        model = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                            num_query_groups=args.kv_heads, kv_channels=args.head_dim,
+                            ffn_hidden_size=args.ffn_hidden, vocab_size=args.vocab)
     if seq is None:
         raise ValueError("give the sequence length with --seq-len (or a recipe's model.seq_length)")
     profile = with_gpus_per_node(load_profile(args.profile), args.gpus_per_node)

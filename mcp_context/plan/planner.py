@@ -20,7 +20,8 @@ from ..schedule import layout_schedule, load_balance, masked_waste
 from .candidates import Candidate, cp_sizes_for, enumerate_candidates, heads_per_tp_rank
 from .cost import Fabric, Prediction, predict
 from .dryrun import RankShape, RankTraffic, dry_run_rank
-from .model import ModelShape
+from ..recipes.schema import ModelConfig
+from .model import checkpointed_activation_bytes, layer_working_bytes, model_state_bytes, planning_shape
 from .profiles import MachineProfile
 
 ALL_RANKS_UP_TO = 16
@@ -30,7 +31,8 @@ GIB = 2 ** 30
 
 @dataclass(frozen=True)
 class PlanRequest:
-    model: ModelShape
+    model: ModelConfig
+    """The model's shape; sizes left unset take megatron-core's defaults (``planning_shape``)."""
     seq_len: int
     gpus: int
     profile: MachineProfile
@@ -43,6 +45,7 @@ class PlanRequest:
     """Only these context_parallel_sizes (default: every one that divides gpus / (tp * pp))."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "model", planning_shape(self.model))
         for name in ("seq_len", "gpus", "tp", "pp", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be a positive integer")
@@ -126,9 +129,9 @@ def evaluate(req: PlanRequest, cand: Candidate, ranks: Optional[list[int]] = Non
     s_local = req.seq_len // cand.cp_size
     dp = req.gpus // (req.tp * req.pp * cand.cp_size)
     peak = max(tr.peak_bytes for tr in traffics)
-    activation = (req.model.checkpointed_activation_bytes(s_local, req.micro_batch_size, req.tp, req.pp)
-                  + req.model.layer_working_bytes(s_local, req.micro_batch_size, req.tp) + peak)
-    state = req.model.model_state_bytes(req.tp, req.pp, dp * cand.cp_size)
+    activation = (checkpointed_activation_bytes(req.model, s_local, req.micro_batch_size, req.tp, req.pp)
+                  + layer_working_bytes(req.model, s_local, req.micro_batch_size, req.tp) + peak)
+    state = model_state_bytes(req.model, req.tp, req.pp, dp * cand.cp_size)
     return PlanRow(cand, dp, load_balance(schedule), masked_waste(schedule), traffics[worst].forward,
                    traffics[worst].backward, *splits[worst],
                    predict(schedule, shape, cand.a2a_degree, traffics, fabric),

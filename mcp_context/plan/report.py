@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from .model import PLANNED_FIELDS
 from .planner import GIB, Plan, PlanRow
 
 MIB = 2 ** 20
@@ -36,7 +37,7 @@ def row_dict(row: PlanRow) -> dict:
 def plan_dict(plan: Plan) -> dict:
     req = plan.request
     return {
-        "request": {"model": dataclasses.asdict(req.model), "seq_len": req.seq_len, "gpus": req.gpus,
+        "request": {"model": {name: getattr(req.model, name) for name in PLANNED_FIELDS}, "seq_len": req.seq_len, "gpus": req.gpus,
                     "tensor_model_parallel_size": req.tp, "pipeline_model_parallel_size": req.pp,
                     "micro_batch_size": req.micro_batch_size, "causal": req.causal, "dtype": str(req.dtype),
                     "profile": dataclasses.asdict(req.profile),
