@@ -12,15 +12,18 @@ kernels declare in ``Capabilities.masks``:
 - ``anticausal``: ``b >= a`` on a square block (the lower edge of a window);
 - ``band``: anything else (a window narrower than the block: both edges cross it).
 
-A document mask would be one more mask type whose ``span_blocks`` returns a rectangle per pair of
-documents' rows; the schedule and the kernels already take any list of banded rectangles.
+``Documents`` (packed sequences, Megatron/TE ``thd``) is one more mask: the band of its ``within`` mask
+applies inside each document and nothing crosses a document boundary, so ``span_blocks`` returns one
+banded rectangle per document both spans touch; padding rows (between ``cu_seqlens`` and
+``cu_seqlens_padded``) are in no rectangle: they see nothing and nothing sees them.
 
 Nothing here imports the rest of the package (kernels import it).
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
-from typing import Optional, Protocol, Union
+from typing import Optional, Protocol, Sequence, Union
 
 import torch
 
@@ -133,6 +136,19 @@ class _BandMask:
         return [(0, n, 0, m, BlockMask(None if blo is None or blo <= -(n - 1) else blo,
                                        None if bhi is None or bhi >= m - 1 else bhi))]
 
+    def blocks(self, q_spans: Sequence[SpanLike], kv_spans: Sequence[SpanLike]) -> list[list[Rect]]:
+        """Rectangles in local rows for a shard of ``q_spans`` against one of ``kv_spans``, in groups whose
+        full pieces may be fused (here: one group)."""
+        rects: list[Rect] = []
+        qo = 0
+        for qs in q_spans:
+            ko = 0
+            for ks in kv_spans:
+                rects += [(qo + a0, qo + a1, ko + b0, ko + b1, m) for a0, a1, b0, b1, m in self.span_blocks(qs, ks)]
+                ko += ks.count
+            qo += qs.count
+        return [rects]
+
 
 @dataclass(frozen=True)
 class Full(_BandMask):
@@ -165,8 +181,97 @@ class SlidingWindow(_BandMask):
         return (None if self.left == -1 else -self.left), (None if self.right == -1 else self.right)
 
 
-Mask = Union[Full, Causal, SlidingWindow]
 FULL, CAUSAL = Full(), Causal()
+Rect = tuple[int, int, int, int, BlockMask]
+
+
+@dataclass(frozen=True)
+class _SubSpan:
+    start: int
+    count: int
+    stride: int
+
+
+@dataclass(frozen=True)
+class Documents:
+    """Packed documents (Megatron/TE ``thd``): document ``d`` holds positions ``[p_d, p_d + n_d)`` with
+    ``p = cu_seqlens_padded`` (``cu_seqlens`` when None) and ``n_d = cu_seqlens[d+1] - cu_seqlens[d]``;
+    rows ``[p_d + n_d, p_{d+1})`` are padding. Query ``i`` sees key ``j`` iff both are valid rows of one
+    document and ``within`` (``Causal()``, ``Full()`` or a ``SlidingWindow``) shows ``j`` to ``i``.
+
+    Build it with ``documents_mask`` (which checks the offsets and names the fix)."""
+
+    cu_seqlens: tuple[int, ...]
+    cu_seqlens_padded: Optional[tuple[int, ...]] = None
+    within: _BandMask = CAUSAL
+
+    @property
+    def starts(self) -> tuple[int, ...]:
+        """Every document's first position (and the sequence length last)."""
+        return self.cu_seqlens if self.cu_seqlens_padded is None else self.cu_seqlens_padded
+
+    @property
+    def seq_len(self) -> int:
+        return self.starts[-1]
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        """Valid (unpadded) rows of each document."""
+        cu = self.cu_seqlens
+        return tuple(cu[d + 1] - cu[d] for d in range(len(cu) - 1))
+
+    def intervals(self) -> list[tuple[int, int]]:
+        """``[start, stop)`` of each document's valid rows."""
+        return [(p, p + n) for p, n in zip(self.starts, self.lengths)]
+
+    def band(self) -> tuple[Optional[int], Optional[int]]:
+        return self.within.band()
+
+    @property
+    def window_size(self) -> tuple[int, int]:
+        return self.within.window_size
+
+    @property
+    def hides_future(self) -> bool:
+        return self.within.hides_future
+
+    def _pieces(self, spans: Sequence[SpanLike]) -> dict[int, list[tuple[int, _SubSpan]]]:
+        """Per document, ``(local row offset, sub-span)`` of the rows of ``spans`` that are valid rows of it."""
+        intervals = self.intervals()
+        ends = [b for _, b in intervals]
+        out: dict[int, list[tuple[int, _SubSpan]]] = {}
+        offset = 0
+        for s in spans:
+            last = s.start + (s.count - 1) * s.stride
+            d = bisect_right(ends, s.start)  # first document ending after the span's first position
+            while d < len(intervals) and intervals[d][0] <= last:
+                a, b = intervals[d]
+                r0 = max(0, -((s.start - a) // s.stride))  # first row at or after a: ceil((a - start) / stride)
+                r1 = min(s.count, -((s.start - b) // s.stride))
+                if r1 > r0:
+                    out.setdefault(d, []).append((offset + r0, _SubSpan(s.start + r0 * s.stride, r1 - r0, s.stride)))
+                d += 1
+            offset += s.count
+        return out
+
+    def span_blocks(self, qs: SpanLike, ks: SpanLike) -> list[Rect]:
+        """One banded rectangle per document both spans hold valid rows of (span-local rows)."""
+        return [r for group in self.blocks([qs], [ks]) for r in group]
+
+    def blocks(self, q_spans: Sequence[SpanLike], kv_spans: Sequence[SpanLike]) -> list[list[Rect]]:
+        """Rectangles in local rows, one group per document (documents never share a query or key row, so
+        full pieces of different documents never fuse)."""
+        kv = self._pieces(kv_spans)
+        groups = []
+        for d, q_pieces in self._pieces(q_spans).items():
+            rects = [(qo + a0, qo + a1, ko + b0, ko + b1, m) for qo, qs in q_pieces for ko, ks in kv.get(d, ())
+                     for a0, a1, b0, b1, m in self.within.span_blocks(qs, ks)]
+            if rects:
+                groups.append(rects)
+        return groups
+
+
+Mask = Union[Full, Causal, SlidingWindow, Documents]
 
 
 def _check_window(left: object, right: object) -> None:
@@ -197,10 +302,69 @@ def attention_mask(causal: bool, window_size: Optional[tuple[int, int]] = None) 
     return SlidingWindow(left, right)
 
 
+def _offsets(name: str, x: object) -> tuple[int, ...]:
+    """``x`` (a 1-D int32/int64 tensor, or a sequence of ints) as a tuple, or a ValueError naming the fix."""
+    if isinstance(x, torch.Tensor):
+        if x.dim() != 1 or x.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be a 1-D int32 (or int64) tensor [n_docs + 1] of document offsets, got "
+                             f"dtype {x.dtype} shape {tuple(x.shape)}; build it with torch.tensor(offsets, "
+                             f"dtype=torch.int32)")
+        values = tuple(x.tolist())
+    elif isinstance(x, (tuple, list)) and all(isinstance(v, int) and not isinstance(v, bool) for v in x):
+        values = tuple(x)
+    else:
+        raise ValueError(f"{name} must be a 1-D int32 tensor [n_docs + 1] of document offsets, got "
+                         f"{type(x).__name__}")
+    if len(values) < 2:
+        raise ValueError(f"{name}={list(values)} needs at least two offsets [0, ..., seq_len] (one document)")
+    if values[0] != 0:
+        raise ValueError(f"{name}={_short(values)} must start at 0 (the first document's first row); prepend 0")
+    bad = next((i for i in range(len(values) - 1) if values[i + 1] < values[i]), None)
+    if bad is not None:
+        raise ValueError(f"{name}={_short(values)} is not increasing: {name}[{bad + 1}]={values[bad + 1]} < "
+                         f"{name}[{bad}]={values[bad]}; give cumulative document lengths (offsets that never "
+                         f"decrease)")
+    return values
+
+
+def _short(values: tuple[int, ...]) -> str:
+    return str(list(values)) if len(values) <= 12 else f"[{', '.join(map(str, values[:6]))}, ..., {values[-1]}]"
+
+
+def documents_mask(cu_seqlens: object, cu_seqlens_padded: object = None, within: Optional[_BandMask] = None,
+                   seq_len: Optional[int] = None) -> Documents:
+    """The ``Documents`` mask for Megatron/TE ``cu_seqlens`` (and ``cu_seqlens_padded``), checked.
+
+    ``within``: the mask inside each document (default causal). ``seq_len``: the packed sequence's
+    length, which the last (padded) offset must equal."""
+    cu = _offsets("cu_seqlens", cu_seqlens)
+    padded = None if cu_seqlens_padded is None else _offsets("cu_seqlens_padded", cu_seqlens_padded)
+    if padded is not None:
+        if len(padded) != len(cu):
+            raise ValueError(f"cu_seqlens_padded has {len(padded)} offsets but cu_seqlens has {len(cu)}; give one "
+                             f"padded offset per document boundary")
+        short = next((d for d in range(len(cu) - 1) if padded[d + 1] - padded[d] < cu[d + 1] - cu[d]), None)
+        if short is not None:
+            raise ValueError(f"document {short} has {cu[short + 1] - cu[short]} rows (cu_seqlens) but only "
+                             f"{padded[short + 1] - padded[short]} padded rows (cu_seqlens_padded); a padded length "
+                             f"must be at least the document's length")
+    ends = padded if padded is not None else cu
+    name = "cu_seqlens_padded" if padded is not None else "cu_seqlens"
+    if seq_len is not None and ends[-1] != seq_len:
+        raise ValueError(f"{name} ends at {ends[-1]} but the packed sequence has {seq_len} rows (s_local * cp); "
+                         f"its last offset must be the sequence length: pad the last document to it with "
+                         f"cu_seqlens_padded, or fix the offsets")
+    mask = Documents(cu, padded if padded != cu else None, CAUSAL if within is None else as_mask(within))
+    if isinstance(mask.within, Documents):
+        raise ValueError("documents cannot nest: within must be Causal(), Full() or a SlidingWindow")
+    return mask
+
+
 def as_mask(mask: Union[bool, Mask]) -> Mask:
     """A schedule's mask argument as a mask value (``True``/``False`` still mean causal/full)."""
     if isinstance(mask, bool):
         return CAUSAL if mask else FULL
-    if not isinstance(mask, _BandMask):
-        raise TypeError(f"mask={mask!r} must be Full(), Causal(), SlidingWindow(left, right) or a bool")
+    if not isinstance(mask, (_BandMask, Documents)):
+        raise TypeError(f"mask={mask!r} must be Full(), Causal(), SlidingWindow(left, right), Documents(...) or "
+                        f"a bool")
     return mask

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 from .layouts import Span, canonical_member_spans, layout_spans
-from .masks import (BLOCK_MASK_KINDS, CAUSAL, CAUSAL_BLOCK, FULL, FULL_BLOCK, BlockMask, Mask, as_mask,
-                    block_mask)
+from .masks import (BLOCK_MASK_KINDS, CAUSAL, CAUSAL_BLOCK, FULL, FULL_BLOCK, BlockMask, Documents, Mask, as_mask,
+                    block_mask, documents_mask)
 
 ALL_BLOCK_MASKS = frozenset(BLOCK_MASK_KINDS)
 
@@ -178,15 +178,10 @@ def step_tasks(q_spans: Sequence[Span], kv_spans: Sequence[Span], mask: Union[bo
     if mask == CAUSAL and _is_one_causal_block(q_spans, kv_spans):
         return (BlockTask((0, nq), (0, nk), CAUSAL_BLOCK),)
     tasks: list[BlockTask] = []
-    qo = 0
-    for qs in q_spans:
-        ko = 0
-        for ks in kv_spans:
-            for a0, a1, b0, b1, block in mask.span_blocks(qs, ks):
-                tasks += _pieces(qo + a0, qo + a1, ko + b0, ko + b1, block.lo, block.hi, kernel_masks)
-            ko += ks.count
-        qo += qs.count
-    return tuple(_fuse_full_tasks(tasks))
+    for group in mask.blocks(q_spans, kv_spans):  # full pieces fuse within a group (a document)
+        tasks += _fuse_full_tasks([t for a0, a1, b0, b1, block in group
+                                   for t in _pieces(a0, a1, b0, b1, block.lo, block.hi, kernel_masks)])
+    return tuple(sorted(tasks, key=lambda t: (t.q, t.kv)))
 
 
 def build_schedule(member_spans: Sequence[Sequence[Span]], mask: Union[bool, Mask],
@@ -204,12 +199,14 @@ def layout_schedule(layout: str, cp_size: int, seq_len: int, mask: Union[bool, M
                     kernel_masks: frozenset = ALL_BLOCK_MASKS) -> Schedule:
     """The schedule of a ring over groups of ``inner_size`` adjacent CP ranks (1: the flat ring).
 
-    ``mask``: a ``masks`` value, or a bool (causal/full). ``kernel_masks``: the block-mask kinds the
+    ``mask``: a ``masks`` value, or a bool (causal/full); with ``Documents`` the layout places the
+    documents (``layouts.layout_spans``). ``kernel_masks``: the block-mask kinds the
     kernel computes natively (its ``Capabilities.masks``; default: all, as the math kernel).
     With ``inner_size > 1`` a member is a level-0 all-to-all group whose tokens were gathered and
     put in position order (``canonical_member_spans``); ``inner_size == cp_size`` is plain Ulysses.
     """
-    ranks = [layout_spans(layout, cp_size, r, seq_len) for r in range(cp_size)]
+    documents = mask if isinstance(mask, Documents) else None
+    ranks = [layout_spans(layout, cp_size, r, seq_len, documents) for r in range(cp_size)]
     members = [canonical_member_spans(ranks[g:g + inner_size])[0] for g in range(0, cp_size, inner_size)]
     return build_schedule(members, mask, kernel_masks)
 
@@ -229,3 +226,27 @@ def masked_waste(schedule: Schedule, tile: int = 128) -> float:
 def attention_flops(schedule: Schedule, batch: int, heads: int, head_dim: int) -> list[int]:
     """Forward attention FLOPs per member (``4 * d`` per visible pair and head: QK^T and PV)."""
     return [4 * p * batch * heads * head_dim for p in schedule.useful_pairs()]
+
+
+def packed_figures(lengths: Sequence[int], cp_size: int, layout: str) -> dict[str, float]:
+    """What a packed layout costs for documents of ``lengths`` packed into one sequence, from the schedule.
+
+    ``layout="zigzag"`` pads every document to a multiple of ``2 * cp_size`` (Megatron/TE's per-document
+    zigzag); ``"balanced"`` pads only the sequence's tail to a multiple of ``cp_size``. Returns
+    ``balance`` (``load_balance``: max over ranks of causal pairs / mean), ``padding`` (rows added /
+    document rows), ``rows_read`` (max over ranks of the K/V rows its tasks read from other ranks'
+    shards: what the halo rotation moves per walk) and ``ring_rows`` (``(P - 1) * S / P``: what the
+    ring moves per walk)."""
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    if layout == "zigzag":
+        padded = [0]
+        for n in lengths:
+            padded.append(padded[-1] + n + (-n % (2 * cp_size)))
+    else:
+        padded = cu[:-1] + [cu[-1] + (-cu[-1] % cp_size)]
+    sch = layout_schedule(layout, cp_size, padded[-1], documents_mask(cu, padded), 1)
+    rows_read = max(sum(b - a for t in range(1, cp_size) for a, b in sch.kv_rows(m, t)) for m in range(cp_size))
+    return {"balance": load_balance(sch), "padding": (padded[-1] - cu[-1]) / cu[-1], "rows_read": rows_read,
+            "ring_rows": (cp_size - 1) * padded[-1] // cp_size}

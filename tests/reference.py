@@ -5,14 +5,28 @@ positions), so agreement means the sharded algorithms are exact, not that two co
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
+def document_ids(seq_len: int, cu_seqlens: list[int], cu_seqlens_padded: Optional[list[int]] = None) -> torch.Tensor:
+    """``[seq_len]``: the document each row belongs to, -1 for padding rows (between the document's
+    ``cu_seqlens`` length and its ``cu_seqlens_padded`` end)."""
+    starts = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens
+    ids = torch.full((seq_len,), -1)
+    for d in range(len(cu_seqlens) - 1):
+        ids[starts[d]:starts[d] + cu_seqlens[d + 1] - cu_seqlens[d]] = d
+    return ids
+
+
 def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                   window: tuple[int, int] = (-1, -1)):
+                   window: tuple[int, int] = (-1, -1), documents: Optional[torch.Tensor] = None):
     """``q [S, b, h, d]``, ``k, v [S, b, h_kv, d]`` (fp64) -> ``out [S, b, h, d]``, ``lse [S, b, h]``.
 
-    ``window=(left, right)``: query ``i`` also needs ``i - left <= j <= i + right`` (-1: unbounded)."""
+    ``window=(left, right)``: query ``i`` also needs ``i - left <= j <= i + right`` (-1: unbounded).
+    ``documents``: ``document_ids``; a query sees only keys of its own document, and a padding row
+    (-1) sees nothing: its ``out`` is 0 and its ``lse`` ``-inf``, with zero gradients."""
     rep = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     scores = torch.einsum("qbhd,kbhd->bhqk", q, k) * scale
@@ -24,8 +38,13 @@ def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
         scores = scores.masked_fill(pos[None, :] < pos[:, None] - left, float("-inf"))
     if right >= 0:
         scores = scores.masked_fill(pos[None, :] > pos[:, None] + right, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.einsum("bhqk,kbhd->qbhd", torch.softmax(scores, dim=-1), v)
+    if documents is not None:
+        same = (documents[None, :] == documents[:, None]) & (documents[:, None] >= 0)
+        scores = scores.masked_fill(~same, float("-inf"))
+    seen = torch.isfinite(scores).any(-1, keepdim=True)  # rows that see a key (finite math for the rest)
+    scores = scores.masked_fill(~seen, 0.0)
+    lse = torch.logsumexp(scores, dim=-1).masked_fill(~seen[..., 0], float("-inf"))
+    out = torch.einsum("bhqk,kbhd->qbhd", torch.softmax(scores, dim=-1) * seen, v)
     return out, lse.permute(2, 0, 1)
 
 
