@@ -29,6 +29,8 @@ def context_parallel_attention(
     dropout_seed: Optional[int] = None,
     check_ranks: Optional[bool] = None,
     window_size: Optional[tuple[int, int]] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens_padded: Optional[torch.Tensor] = None,
 ):
     """Exact attention over a sequence sharded across the context-parallel ranks of ``groups``.
 
@@ -44,10 +46,20 @@ def context_parallel_attention(
     keys ``j`` with ``i - left <= j <= i + right``; ``-1`` leaves a side unbounded; ``causal=True``
     caps ``right`` at 0; ``None`` or ``(-1, -1)`` is plain causal or full attention. Ring steps whose
     keys no local query can see are not computed.
+    ``cu_seqlens``: a packed sequence (Megatron/TE ``thd`` semantics): a global int32 tensor
+    ``[n_docs + 1]`` of the documents' cumulative lengths; ``cu_seqlens_padded`` (optional) their
+    offsets in the sequence when each is followed by padding rows. Then ``b = 1`` (``q [s_local, 1, h,
+    d]``), no query sees another document (``causal`` and ``window_size`` apply inside each), padding
+    rows see nothing, are seen by nothing and get zero gradients (``out`` 0, ``lse`` ``-inf``), and
+    ring steps and blocks no query of a document reaches are skipped. ``layout="zigzag"`` is then the
+    per-document zigzag of Megatron/TE (each document padded to a multiple of ``2 * cp``);
+    ``layout="balanced"`` places documents so the causal work is balanced with no per-document padding
+    (the sequence length a multiple of ``cp``). Shard with ``shard_sequence(..., cu_seqlens=...)``.
     ``check_ranks``: check that all CP ranks agree on shapes and configuration first (default: on
     for gloo groups, off for NCCL unless ``MCP_CONTEXT_CHECK_RANKS=1``).
     """
     engine = ContextParallelAttention(groups, causal=causal, layout=layout, comm=comm, softmax_scale=softmax_scale,
                                       backend=backend, dropout_p=dropout_p, check_ranks=check_ranks,
                                       window_size=window_size)
-    return engine(q, k, v, return_lse=return_lse, dropout_seed=dropout_seed)
+    return engine(q, k, v, return_lse=return_lse, dropout_seed=dropout_seed, cu_seqlens=cu_seqlens,
+                  cu_seqlens_padded=cu_seqlens_padded)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import zlib
 from typing import Optional, Union
 
 import torch
@@ -25,11 +26,26 @@ from torch.distributed import ProcessGroup
 
 from .algorithms import Scheme, resolve_scheme
 from .comm import HCPGroups
-from .cp_rules import COMM_TYPES, LAYOUTS, a2a_degree, check_heads, check_layout, check_seq_len, normalize_comm
+from .cp_rules import COMM_TYPES, a2a_degree, check_heads, check_seq_len, normalize_comm
 from .kernels import BACKENDS, get_kernel
-from .masks import attention_mask
+from .layouts import ALL_LAYOUTS, check_packed_layout
+from .masks import Documents, Mask, attention_mask, documents_mask
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+_PACKED_SCHEMES = 8  # schemes kept per engine for packings (cu_seqlens) seen last
+
+
+def _digest(cu_seqlens, cu_seqlens_padded) -> int:
+    """A cheap fingerprint of the packing for the ranks' agreement row (0: none; -1: not readable), the
+    same in every process (a CRC of the offsets' text, not Python's per-process ``hash``)."""
+    if cu_seqlens is None:
+        return 0
+    try:
+        values = [torch.as_tensor(x).reshape(-1).tolist() if x is not None else None
+                  for x in (cu_seqlens, cu_seqlens_padded)]
+    except (TypeError, ValueError, RuntimeError):
+        return -1
+    return zlib.crc32(repr(values).encode()) + 1
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -91,7 +107,7 @@ class ContextParallelAttention:
                  dropout_p: float = 0.0, check_ranks: Optional[bool] = None,
                  window_size: Optional[tuple[int, int]] = None):
         self.comm = normalize_comm(comm)
-        check_layout(layout)
+        check_packed_layout(layout, packed=True)  # a packed-only layout needs cu_seqlens: checked per call
         if not isinstance(causal, bool):
             raise TypeError(f"causal={causal!r} must be a bool (True for causal attention, False for full), "
                             f"not {type(causal).__name__}")
@@ -116,13 +132,15 @@ class ContextParallelAttention:
             check_ranks = (os.environ.get("MCP_CONTEXT_CHECK_RANKS", "") == "1"
                            or dist.get_backend(groups.cp_group) == "gloo")
         self.check_ranks = check_ranks and groups.cp_size > 1
-        self._config = (int(causal), *self.mask.window_size, LAYOUTS.index(layout), COMM_TYPES.index(self.comm),
+        self._config = (int(causal), *self.mask.window_size, ALL_LAYOUTS.index(layout), COMM_TYPES.index(self.comm),
                         BACKENDS.index(backend), int(self.dropout_p > 0))
         self._schemes: dict[tuple, Scheme] = {}
+        self._packed_keys: list[tuple] = []  # packed schemes, oldest first (at most _PACKED_SCHEMES)
 
-    def check_agreement(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """All CP ranks raise the same ValueError when their inputs or configurations differ."""
-        row = _tensor_row(q) + _tensor_row(k) + _tensor_row(v) + list(self._config)
+    def check_agreement(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: int = 0) -> None:
+        """All CP ranks raise the same ValueError when their inputs, configurations or packings differ
+        (``packing``: ``_digest`` of cu_seqlens)."""
+        row = _tensor_row(q) + _tensor_row(k) + _tensor_row(v) + list(self._config) + [packing]
         mine = torch.tensor(row, dtype=torch.int64)
         if dist.get_backend(self.groups.cp_group) == "nccl":
             mine = mine.cuda()
@@ -130,33 +148,57 @@ class ContextParallelAttention:
         dist.all_gather_into_tensor(rows, mine, group=self.groups.cp_group)
         rows_list = rows.view(self.groups.cp_size, len(row)).tolist()
         if any(r != rows_list[0] for r in rows_list):
-            differ = [f"CP rank {i}: {_describe(r)}" + (" (configuration differs)" if r[21:] != rows_list[0][21:]
-                                                         else "") for i, r in enumerate(rows_list)]
+            differ = [f"CP rank {i}: {_describe(r)}" + (" (configuration differs)" if r[21:-1] != rows_list[0][21:-1]
+                                                         else "")
+                      + (" (cu_seqlens differ)" if r[-1] != rows_list[0][-1] else "") for i, r in enumerate(rows_list)]
             raise ValueError("CP ranks disagree on the attention inputs (" + "; ".join(differ) + "); every CP rank "
                              "must pass shards of one shape and dtype, with the same causal/window_size/layout/comm/"
-                             "backend")
+                             "backend (and the same cu_seqlens, cu_seqlens_padded for a packed sequence)")
 
-    def scheme(self, q: torch.Tensor, k: torch.Tensor) -> Scheme:
-        """The resolved scheme for shards shaped like ``q`` and ``k`` (built on first use)."""
-        key = (q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.dtype, q.device)
+    def documents(self, q: torch.Tensor, cu_seqlens, cu_seqlens_padded) -> Mask:
+        """The mask of a call: this engine's, or with ``cu_seqlens`` its ``Documents`` (checked, fix named)."""
+        if cu_seqlens is None:
+            if cu_seqlens_padded is not None:
+                raise ValueError("cu_seqlens_padded was given without cu_seqlens; pass both (cu_seqlens: the "
+                                 "documents' cumulative lengths, cu_seqlens_padded: their padded offsets)")
+            check_packed_layout(self.layout, packed=False)
+            return self.mask
+        if q.shape[1] != 1:
+            raise ValueError(f"a packed sequence (cu_seqlens) is one sequence: q must be [s_local, 1, h, d] (b = 1), "
+                             f"got shape {tuple(q.shape)}; pack the batch's documents into one sequence")
+        return documents_mask(cu_seqlens, cu_seqlens_padded, within=self.mask, seq_len=q.shape[0] * self.groups.cp_size)
+
+    def scheme(self, q: torch.Tensor, k: torch.Tensor, mask: Optional[Mask] = None) -> Scheme:
+        """The resolved scheme for shards shaped like ``q`` and ``k`` (built on first use); ``mask``: a
+        call's ``Documents`` (schemes of the last few packings are kept)."""
+        packed = isinstance(mask, Documents)
+        key = (q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.dtype, q.device) + ((mask,) if packed else ())
         scheme = self._schemes.get(key)
         if scheme is None:
             cp_size = self.groups.cp_size
-            check_seq_len(q.shape[0] * cp_size, cp_size, self.layout)
+            if not packed:  # a packed layout checks the documents it places
+                check_seq_len(q.shape[0] * cp_size, cp_size, self.layout)
             check_heads(q.shape[2], k.shape[2], a2a_degree(self.comm, self.groups.sizes), self.comm)
             kernel = get_kernel(self.backend, q.device, q.dtype, dropout=self.dropout_p > 0, head_dim=q.shape[3])
             scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
-            scheme = resolve_scheme(self.groups, self.comm, self.layout, self.mask, q.shape[0], k.shape[2], kernel,
-                                    scale, self.dropout_p)
+            scheme = resolve_scheme(self.groups, self.comm, self.layout, mask if packed else self.mask, q.shape[0],
+                                    k.shape[2], kernel, scale, self.dropout_p)
             self._schemes[key] = scheme
+            if packed:
+                self._packed_keys.append(key)
+                if len(self._packed_keys) > _PACKED_SCHEMES:
+                    del self._schemes[self._packed_keys.pop(0)]
         return scheme
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool = False,
-                 dropout_seed: Optional[int] = None):
+                 dropout_seed: Optional[int] = None, cu_seqlens: Optional[torch.Tensor] = None,
+                 cu_seqlens_padded: Optional[torch.Tensor] = None):
+        """Attention over this rank's shards; ``cu_seqlens`` (and ``cu_seqlens_padded``): the documents of
+        a packed sequence (see ``context_parallel_attention``)."""
         if self.check_ranks:
-            self.check_agreement(q, k, v)
+            self.check_agreement(q, k, v, _digest(cu_seqlens, cu_seqlens_padded))
         _check_qkv(q, k, v)
-        scheme = self.scheme(q, k)
+        scheme = self.scheme(q, k, self.documents(q, cu_seqlens, cu_seqlens_padded))
         if self.dropout_p > 0 and dropout_seed is None:
             dropout_seed = int(torch.randint(0, 2**62, (1,)).item())
         return scheme.run(q, k, v, return_lse, dropout_seed or 0)

@@ -33,7 +33,7 @@ from ..comm import HCPGroups, RingExchange, gather_seq, heads_to_seq, seq_to_hea
 from ..cp_rules import a2a_degree
 from ..kernels import Kernel
 from ..layouts import canonical_member_spans, layout_spans
-from ..masks import CAUSAL, FULL, Mask, as_mask
+from ..masks import CAUSAL, FULL, Documents, Mask, as_mask
 from ..schedule import Schedule, layout_schedule
 from .executor import RingAttention, RingPlan
 from .halo import HaloRotation, halo_fits
@@ -45,11 +45,18 @@ def _schedule(layout: str, cp_size: int, seq_len: int, mask: Union[bool, Mask], 
     return layout_schedule(layout, cp_size, seq_len, mask, inner, kernel_masks)
 
 
-@lru_cache(maxsize=256)
-def _member_pieces(layout: str, cp_size: int, seq_len: int, inner: int, member: int) -> Optional[tuple]:
+@lru_cache(maxsize=8)  # one per packing (cu_seqlens) in use: a new batch's packing evicts an old one
+def _packed_schedule(layout: str, cp_size: int, seq_len: int, mask: Documents, inner: int,
+                     kernel_masks: frozenset) -> Schedule:
+    return layout_schedule(layout, cp_size, seq_len, mask, inner, kernel_masks)
+
+
+@lru_cache(maxsize=64)
+def _member_pieces(layout: str, cp_size: int, seq_len: int, inner: int, member: int,
+                   documents: Optional[Documents] = None) -> Optional[tuple]:
     """``(start, count)`` row pieces of the all-to-all output, in the order that sorts them by
     position, and the inverse order; ``None`` when the output is already in position order."""
-    ranks = [layout_spans(layout, cp_size, r, seq_len) for r in range(member * inner, (member + 1) * inner)]
+    ranks = [layout_spans(layout, cp_size, r, seq_len, documents) for r in range(member * inner, (member + 1) * inner)]
     flat = [s for spans in ranks for s in spans]
     _, order = canonical_member_spans(ranks)
     if order == sorted(order):
@@ -108,17 +115,20 @@ def resolve_scheme(groups: HCPGroups, comm: str, layout: str, mask: Union[bool, 
     """Everything this CP rank needs to run ``comm`` on ``[s_local, b, h, d]`` shards, worked out once.
 
     ``mask``: a ``masks`` value (or a bool: causal/full); the schedule splits it into block masks
-    ``kernel`` computes natively."""
+    ``kernel`` computes natively. With ``Documents`` the layout places the packed documents, and the
+    schedule (one per packing, a few kept) skips every pair across a document boundary."""
     cp_size, cp_rank = groups.cp_size, groups.cp_rank
     seq_len = s_local * cp_size
     inner = a2a_degree(comm, groups.sizes)
     member, ring_size = cp_rank // inner, cp_size // inner
-    schedule = _schedule(layout, cp_size, seq_len, mask, inner, kernel.capabilities.masks)
+    documents = mask if isinstance(mask, Documents) else None
+    schedule = (_schedule if documents is None else _packed_schedule)(layout, cp_size, seq_len, mask, inner,
+                                                                     kernel.capabilities.masks)
     tasks = schedule.tasks[member]
     a2a_group = pieces = gather_group = None
     if inner > 1:
         a2a_group = groups.cp_group if comm == "a2a" else groups.inner_group
-        pieces = _member_pieces(layout, cp_size, seq_len, inner, member)
+        pieces = _member_pieces(layout, cp_size, seq_len, inner, member, documents)
     if ring_size == 1:
         rotation = LocalRotation(0, 1)
     elif comm == "all_gather":
@@ -127,7 +137,7 @@ def resolve_scheme(groups: HCPGroups, comm: str, layout: str, mask: Union[bool, 
     else:
         cp_ranks = groups.cp_global_ranks
         peers = [cp_ranks[cp_rank % inner + inner * m] for m in range(ring_size)]
-        if as_mask(mask) not in (FULL, CAUSAL) and halo_fits(schedule):  # a window: move only the rows read
+        if as_mask(mask) not in (FULL, CAUSAL) and halo_fits(schedule):  # a window, documents: only rows read
             rotation = HaloRotation(schedule, member, peers, groups.cp_group)
         else:
             rotation = RingRotation(RingExchange(peers, member, groups.cp_group, "ring_kv"),

@@ -1,0 +1,107 @@
+"""Packed sequences: per-document zigzag (Megatron/TE) against the balanced layout, from the schedule.
+
+Two length distributions, each packed into 32K-row sequences (documents cut at a sequence's end, as
+megatron-core's GPTDataset packs them): the bundled corpus's scenes (SentencePiece tokens) and a
+seeded long-tail one (lognormal lengths, about 1 % of documents >= 16K). For P in {4, 8, 16} it
+prints a markdown table of load balance, padding overhead and K/V rows read from other ranks per
+rank (``schedule.packed_figures``), and with ``--plot PATH`` draws the balance and padding.
+
+    python tools/packed_figures.py --plot docs/img/packed.png
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mcp_context.schedule import packed_figures  # noqa: E402
+
+SEQ = 32 * 1024
+CP_SIZES = (4, 8, 16)
+LAYOUTS = ("zigzag", "balanced")
+
+
+def pack(lengths: list[int], seq: int = SEQ) -> list[list[int]]:
+    """Documents laid end to end and cut into sequences of ``seq`` rows (the incomplete last one dropped)."""
+    sequences, current, room = [], [], seq
+    for n in lengths:
+        while n:
+            take = min(n, room)
+            current.append(take)
+            n, room = n - take, room - take
+            if room == 0:
+                sequences.append(current)
+                current, room = [], seq
+    return sequences
+
+
+def corpus_lengths() -> list[int]:
+    """Token counts of the bundled corpus's scenes (its SentencePiece tokenizer), in corpus order."""
+    import sentencepiece
+
+    from mcp_context.data.corpus import BUNDLED_CORPUS, BUNDLED_TOKENIZER, read_documents
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(BUNDLED_TOKENIZER))
+    return [len(sp.encode(text)) for text in read_documents(BUNDLED_CORPUS)]
+
+
+def long_tail_lengths(count: int = 2000, seed: int = 0) -> list[int]:
+    """Lognormal lengths (median 1000 rows, sigma 1.2: about 1 % >= 16K), capped at 32K, seeded."""
+    rng = random.Random(seed)
+    return [max(1, min(SEQ, round(rng.lognormvariate(math.log(1000), 1.2)))) for _ in range(count)]
+
+
+def figures(sequences: list[list[int]], cp_size: int, layout: str) -> dict[str, float]:
+    """``packed_figures`` over ``sequences``: the worst balance, the mean padding, the worst rows read."""
+    per = [packed_figures(lengths, cp_size, layout) for lengths in sequences]
+    return {"balance": max(f["balance"] for f in per), "padding": sum(f["padding"] for f in per) / len(per),
+            "rows_read": max(f["rows_read"] for f in per), "ring_rows": max(f["ring_rows"] for f in per)}
+
+
+def distributions(sequences: int) -> dict[str, list[list[int]]]:
+    return {"corpus scenes": pack(corpus_lengths())[:sequences], "long tail": pack(long_tail_lengths())[:sequences]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sequences", type=int, default=8, help="32K sequences per distribution (default 8)")
+    parser.add_argument("--plot", type=Path, help="write a PNG of balance and padding here")
+    args = parser.parse_args()
+    rows = []
+    print("| distribution | P | layout | load balance (worst) | padding overhead | K/V rows read per rank (worst) "
+          "| ring rows per walk |")
+    print("|---|---|---|---|---|---|---|")
+    for name, sequences in distributions(args.sequences).items():
+        for cp in CP_SIZES:
+            for layout in LAYOUTS:
+                f = figures(sequences, cp, layout)
+                rows.append((name, cp, layout, f))
+                print(f"| {name} | {cp} | {layout} | {f['balance']:.3f} | {100 * f['padding']:.2f} % | "
+                      f"{f['rows_read']} | {f['ring_rows']} |")
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+        for name, style in (("corpus scenes", "-"), ("long tail", "--")):
+            for layout, color in zip(LAYOUTS, ("tab:red", "tab:blue")):
+                sel = [r[3] for r in rows if r[0] == name and r[2] == layout]
+                label = f"{layout if layout == 'balanced' else 'zigzag (TE, padded)'}, {name}"
+                axes[0].plot(CP_SIZES, [f["balance"] for f in sel], style, color=color, marker="o", label=label)
+                axes[1].plot(CP_SIZES, [100 * f["padding"] for f in sel], style, color=color, marker="o", label=label)
+        axes[0].set(xlabel="CP size P", ylabel="load balance (max / mean causal work)", xticks=CP_SIZES)
+        axes[1].set(xlabel="CP size P", ylabel="padding overhead (%)", xticks=CP_SIZES)
+        axes[0].axhline(1.05, color="grey", lw=0.5)
+        axes[1].legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
