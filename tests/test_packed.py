@@ -307,3 +307,34 @@ def _different_packings_case(rank, world):
     except ValueError as err:
         return str(err)
     return "no error"
+
+
+def _local_documents_case(rank, world):
+    from mcp_context import build_hcp_groups, context_parallel_attention
+    from mcp_context.trace import comm_stats
+
+    n = 16
+    cu_list = list(range(0, world * n + 1, n // 2))  # documents of half a shard: each stays on one rank
+    cu = torch.tensor(cu_list, dtype=torch.int32)
+    q, k, v, dout = random_qkv(world * n, 1, 4, 2, 8, seed=7)
+    leaves = [shard_sequence(x, world, rank, "balanced", 0, cu).requires_grad_() for x in (q, k, v)]
+    before, _, before_calls = comm_stats.snapshot()
+    out = context_parallel_attention(*leaves, build_hcp_groups([world]), layout="balanced", comm="p2p",
+                                     cu_seqlens=cu, check_ranks=False)
+    out.backward(shard_sequence(dout, world, rank, "balanced", 0, cu))
+    after, _, after_calls = comm_stats.snapshot()
+    ref = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref_out, _ = full_attention(*ref, True, 8 ** -0.5, documents=document_ids(world * n, cu_list))
+    ref_out.backward(dout)
+    err = max((a - shard_sequence(b, world, rank, "balanced", 0, cu)).abs().max().item()
+              for a, b in zip([out] + [x.grad for x in leaves], [ref_out] + [x.grad for x in ref]))
+    moved = {op: (after.get(op, 0) - before.get(op, 0), after_calls.get(op, 0) - before_calls.get(op, 0))
+             for op in ("ring_kv", "ring_dkv")}
+    return moved, err
+
+
+def test_documents_that_stay_on_their_rank_post_no_transfer():
+    """p2p, 4 ranks, documents of half a shard placed whole: every step but the own one is empty, so the
+    halo rotation posts no K/V or dK/dV transfer at all, and the result is exact."""
+    for moved, err in run_distributed(4, _local_documents_case):
+        assert moved == {"ring_kv": (0, 0), "ring_dkv": (0, 0)} and err <= 1e-10, (moved, err)
