@@ -72,6 +72,8 @@ def layout_spans(layout: str, cp_size: int, cp_rank: int, seq_len: int, document
     check_packed_layout(layout, documents is not None)
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank={cp_rank} is outside [0, {cp_size}) for cp_size={cp_size}")
+    if documents is not None and cp_size == 1:  # one rank holds every document, in order
+        return [Span(0, seq_len)]
     if documents is not None and layout in ("zigzag", "balanced"):
         if documents.seq_len != seq_len:
             raise ValueError(f"the documents end at {documents.seq_len} but the sequence has {seq_len} rows; the "

@@ -11,8 +11,11 @@ it) run the window through every comm type: query ``i`` sees keys ``i - left .. 
 ``right`` capped at 0 for a causal layer.
 
 With ``attn_mask_type=causal`` the ``attention_mask`` argument is ignored, as in
-``TEDotProductAttention``: the mask is implied by the positions each CP rank holds. Arbitrary masks,
-attention bias and packed sequences are refused with a clear error.
+``TEDotProductAttention``: the mask is implied by the positions each CP rank holds. Packed sequences
+(``packed_seq_params`` with ``qkv_format="thd"``: ``q [t, np, hn]``, global ``cu_seqlens_q`` and
+``cu_seqlens_q_padded``) run with a document mask on megatron-core's per-document zigzag (what its thd
+RoPE and ``slice_batch_for_cp`` assume). Arbitrary masks, attention bias, other packed formats and
+keys packed differently from queries are refused with a clear error.
 """
 from __future__ import annotations
 
@@ -41,6 +44,27 @@ def _hcp_groups(pg_collection: Any) -> HCPGroups:
     if not levels:
         return HCPGroups.flat(cp)
     return HCPGroups(cp, levels[0], tuple(torch.distributed.get_world_size(g) for g in levels))
+
+
+def _packed_documents(params: Any) -> dict:
+    """``cu_seqlens`` / ``cu_seqlens_padded`` for the engine from megatron-core's ``PackedSeqParams`` (empty
+    without one); other formats and keys packed differently from queries are refused naming the fix."""
+    if params is None:
+        return {}
+    fmt = getattr(params, "qkv_format", None)
+    if fmt != "thd":
+        raise NotImplementedError(f"HCPDotProductAttention does not support packed sequences with "
+                                  f"packed_seq_params.qkv_format={fmt!r}; pass megatron-core's PackedSeqParams with "
+                                  f"qkv_format='thd', or no packed_seq_params")
+    for q_name, kv_name in (("cu_seqlens_q", "cu_seqlens_kv"), ("cu_seqlens_q_padded", "cu_seqlens_kv_padded")):
+        q, kv = getattr(params, q_name), getattr(params, kv_name)
+        if kv is not None and (q is None or not torch.equal(q.cpu(), kv.cpu())):
+            raise NotImplementedError(f"packed_seq_params.{kv_name} differs from {q_name}: HCPDotProductAttention "
+                                      f"runs self-attention over one packing; pass the same offsets for both")
+    if params.cu_seqlens_q is None:
+        raise ValueError("packed_seq_params.cu_seqlens_q is None; set it to the documents' cumulative lengths "
+                         "(int32 [n_docs + 1])")
+    return {"cu_seqlens": params.cu_seqlens_q, "cu_seqlens_padded": params.cu_seqlens_q_padded}
 
 
 class HCPDotProductAttention(MegatronModule):
@@ -85,13 +109,11 @@ class HCPDotProductAttention(MegatronModule):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
                 attention_bias: Optional[torch.Tensor] = None, packed_seq_params: Any = None) -> torch.Tensor:
-        if packed_seq_params is not None:
-            raise NotImplementedError("HCPDotProductAttention does not support packed sequences (thd) yet; "
-                                      "pack documents into fixed-length sequences without packed_seq_params")
+        packed = _packed_documents(packed_seq_params)
         if attention_bias is not None:
             raise NotImplementedError("HCPDotProductAttention does not support attention_bias")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-        if mask_type == AttnMaskType.causal:
+        if mask_type == AttnMaskType.causal or (packed and mask_type == AttnMaskType.padding_causal):
             causal = True
         elif mask_type == AttnMaskType.no_mask or (mask_type == AttnMaskType.padding and attention_mask is None):
             causal = False
@@ -99,10 +121,13 @@ class HCPDotProductAttention(MegatronModule):
             raise NotImplementedError(f"attn_mask_type={mask_type.name} with an explicit attention_mask is not "
                                       f"supported by HCPDotProductAttention; use causal or no_mask")
         dropout = self.training and self.dropout_p > 0
+        if packed:  # thd: [t, np, hn], the batch dimension squeezed out by megatron-core
+            query, key, value = (x.unsqueeze(1) for x in (query, key, value))
         out = self._engine(causal, dropout)(query, key, value,
-                                            dropout_seed=self._dropout_seed(query.device) if dropout else None)
+                                            dropout_seed=self._dropout_seed(query.device) if dropout else None,
+                                            **packed)
         s, b, h, d = out.shape
-        return out.reshape(s, b, h * d)
+        return out.reshape(s, h * d) if packed else out.reshape(s, b, h * d)
 
     def _engine(self, causal: bool, dropout: bool) -> ContextParallelAttention:
         """The engine for this mask and train/eval mode, built on first use and kept for the layer's life."""
