@@ -121,6 +121,53 @@ def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, Optional[float]]:
     return theta, _positive_float(params.get("factor"), "rope_scaling.factor")
 
 
+def _sliding_layers(cfg: dict[str, Any], num_layers: int) -> list[bool]:
+    """Which layers of a Qwen2 config slide, as transformers 5 decides: an explicit ``layer_types``
+    wins; otherwise layers ``i >= max_window_layers`` when ``use_sliding_window``."""
+    use = cfg.get("use_sliding_window", False)
+    if not isinstance(use, bool):
+        raise ValueError(f"config.json field use_sliding_window={use!r}: must be true or false; fix config.json")
+    types = cfg.get("layer_types")
+    if types is None:
+        first = cfg.get("max_window_layers", 28)  # Qwen2Config's default
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise ValueError(f"config.json field max_window_layers={first!r}: must be an integer >= 0; "
+                             f"fix config.json")
+        return [use and i >= first for i in range(num_layers)]
+    if not isinstance(types, list) or len(types) != num_layers or \
+            any(t not in ("full_attention", "sliding_attention") for t in types):
+        raise _refuse("layer_types", types, f"must list 'full_attention' or 'sliding_attention' for each of the "
+                      f"num_hidden_layers={num_layers} layers")
+    sliding = [t == "sliding_attention" for t in types]
+    if any(sliding) and not use:
+        raise _refuse("layer_types", types, "names sliding_attention layers but use_sliding_window is false, so "
+                      "transformers has no window for them; set use_sliding_window=true (with sliding_window) "
+                      "or make them full_attention")
+    return sliding
+
+
+def _window_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int,
+                    max_positions: int) -> tuple[Optional[list[int]], Optional[list[int]]]:
+    """``(window_size, window_attn_skip_freq)`` of the config's sliding-window layers.
+
+    transformers lets query i see key j of a sliding layer iff ``0 <= i - j < sliding_window``
+    (``masking_utils.sliding_window_overlay`` on the causal mask): ``window_size = [w - 1, 0]``. Mistral
+    slides on every layer, Qwen2 on the layers ``_sliding_layers`` picks; a list of 0/1 says which
+    (None: all of them). A window as long as the position table masks nothing and is dropped."""
+    if model_type == "mistral":
+        sliding = [True] * num_layers
+    elif model_type == "qwen2":
+        sliding = _sliding_layers(cfg, num_layers)
+    else:
+        return None, None
+    if cfg.get("sliding_window", 4096) is None or not any(sliding):
+        return None, None
+    width = _positive_int(cfg, "sliding_window", default=4096)  # both configs' default for an absent field
+    if width >= max_positions:
+        return None, None
+    return [width - 1, 0], None if all(sliding) else [int(x) for x in sliding]
+
+
 def hf_model_from_config(cfg: dict[str, Any]) -> HFModel:
     """Validate a Hugging Face ``config.json`` dict and return its :class:`HFModel`."""
     model_type = cfg.get("model_type")
@@ -141,10 +188,6 @@ def hf_model_from_config(cfg: dict[str, Any]) -> HFModel:
                           "biases HF does not have")
     if cfg.get("partial_rotary_factor", 1.0) != 1.0:
         raise _refuse("partial_rotary_factor", cfg["partial_rotary_factor"], "only full RoPE is supported")
-    if model_type == "qwen2" and cfg.get("use_sliding_window", False):
-        raise _refuse("use_sliding_window", True,
-                      "Qwen2 per-layer sliding windows (max_window_layers) have no megatron-core "
-                      "equivalent; set it to false if the model was trained without them")
     heads = _positive_int(cfg, "num_attention_heads")
     kv_heads = _positive_int(cfg, "num_key_value_heads", default=heads)
     if heads % kv_heads:
@@ -156,12 +199,10 @@ def hf_model_from_config(cfg: dict[str, Any]) -> HFModel:
     if not isinstance(tied, bool):
         raise ValueError(f"config.json field tie_word_embeddings={tied!r}: must be true or false; fix config.json")
     max_positions = _positive_int(cfg, "max_position_embeddings", default=4096)
-    sliding_window = _positive_int(cfg, "sliding_window", default=0) if model_type == "mistral" else 0
-    # HF: key j is visible to query i iff i - j < sliding_window; a window as long as the position
-    # table masks nothing
-    window = [sliding_window - 1, 0] if 0 < sliding_window < max_positions else None
+    num_layers = _positive_int(cfg, "num_hidden_layers")
+    window, skip_freq = _window_from_hf(cfg, model_type, num_layers, max_positions)
     shape = ModelConfig(
-        num_layers=_positive_int(cfg, "num_hidden_layers"), hidden_size=hidden,
+        num_layers=num_layers, hidden_size=hidden,
         ffn_hidden_size=_positive_int(cfg, "intermediate_size"), num_attention_heads=heads,
         num_query_groups=kv_heads, kv_channels=head_dim, seq_length=max_positions,
         max_position_embeddings=max_positions, vocab_size=_positive_int(cfg, "vocab_size"),
@@ -170,7 +211,7 @@ def hf_model_from_config(cfg: dict[str, Any]) -> HFModel:
         share_embeddings_and_output_weights=tied, normalization="RMSNorm",
         layernorm_epsilon=_positive_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
         gated_linear_unit=True, activation_func="silu", add_bias_linear=False, add_qkv_bias=model_type == "qwen2",
-        window_size=window, attention_dropout=0.0, hidden_dropout=0.0, tensor_model_parallel_size=1,
+        window_size=window, window_attn_skip_freq=skip_freq, attention_dropout=0.0, hidden_dropout=0.0, tensor_model_parallel_size=1,
         pipeline_model_parallel_size=1, context_parallel_size=1, hierarchical_context_parallel_sizes=None,
         cp_comm_type="p2p",
     )
@@ -192,8 +233,31 @@ def hf_config_from_model(model: HFModel, torch_dtype: str = "float32") -> dict[s
     if m.rope_scaling:
         cfg["rope_scaling"] = {"rope_type": "llama3", "factor": m.rope_scaling_factor,
                                **MCORE_LLAMA3_ROPE_CONSTANTS}
-    if model.model_type == "mistral":
-        cfg["sliding_window"] = m.window_size[0] + 1 if m.window_size is not None else None
-    if model.model_type == "qwen2":
-        cfg["use_sliding_window"] = False
+    cfg.update(_hf_window_fields(model))
     return cfg
+
+
+def _hf_window_fields(model: HFModel) -> dict[str, Any]:
+    """The ``config.json`` fields of ``model``'s sliding windows: Mistral's ``sliding_window``; Qwen2's
+    ``use_sliding_window``, ``sliding_window`` and ``layer_types`` (with ``max_window_layers`` where the
+    window layers are the upper ones, as Qwen2 counts them). Refuses a window HF cannot express."""
+    m = model.shape
+    if m.window_size is None:
+        return {"mistral": {"sliding_window": None}, "qwen2": {"use_sliding_window": False}}.get(model.model_type, {})
+    left, right = m.window_size
+    freq = m.window_attn_skip_freq  # read as megatron-core's is_layer_window_attention (1-based layers)
+    sliding = [freq is None or (bool(freq[i]) if isinstance(freq, list) else (i + 1) % freq != 0)
+               for i in range(m.num_layers)]
+    if model.model_type not in ("mistral", "qwen2") or left < 0 or right != 0 or \
+            (model.model_type == "mistral" and not all(sliding)):
+        raise ValueError(f"window_size={m.window_size} with window_attn_skip_freq={freq!r} has no "
+                         f"{SUPPORTED_MODEL_TYPES[model.model_type]} config.json spelling (Mistral: [w - 1, 0] on "
+                         f"every layer; Qwen2: [w - 1, 0] on any layers); convert a model without it")
+    if model.model_type == "mistral":
+        return {"sliding_window": left + 1}
+    fields: dict[str, Any] = {"use_sliding_window": True, "sliding_window": left + 1,
+                              "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding]}
+    first = sliding.index(True) if any(sliding) else m.num_layers
+    if all(sliding[first:]):
+        fields["max_window_layers"] = first
+    return fields

@@ -80,6 +80,10 @@ class ModelConfig:
     """Sliding-window attention ``[left, right]`` on every layer: query i sees keys i - left .. i +
     right (-1: unbounded on that side); None: full causal attention. Mistral's ``sliding_window`` w
     is ``[w - 1, 0]``."""
+    window_attn_skip_freq: Optional[Union[int, List[int]]] = None
+    """Which layers have ``window_size`` (megatron-core's ``is_layer_window_attention``): None: every
+    layer; an int n: every layer but each n-th (layers n, 2n, ... attend in full); a list of 0/1, one
+    per layer: 1 has the window, 0 attends in full (Qwen2's ``max_window_layers`` is such a list)."""
     attention_dropout: float = 0.0
     """Dropout on attention probabilities."""
     hidden_dropout: float = 0.0
@@ -288,8 +292,9 @@ def transformer_config_kwargs(model: ModelConfig) -> dict[str, Any]:
     """Keyword arguments for ``megatron.core.transformer.TransformerConfig`` describing ``model``.
 
     Names map one to one; ``activation_func`` and ``params_dtype`` become the torch objects,
-    ``cp_comm_type`` takes Transformer Engine's spelling, ``window_size`` becomes a tuple and
-    ``pipeline_dtype`` is set to ``params_dtype`` when PP > 1 (TransformerConfig requires it).
+    ``cp_comm_type`` takes Transformer Engine's spelling, ``window_size`` becomes a tuple (a
+    ``window_attn_skip_freq`` list is copied) and ``pipeline_dtype`` is set to ``params_dtype`` when
+    PP > 1 (TransformerConfig requires it).
     Runtime-only fields (``use_cpu_initialization``, fusions, loss scaling) are left to the caller.
     """
     import torch
@@ -313,6 +318,8 @@ def transformer_config_kwargs(model: ModelConfig) -> dict[str, Any]:
         kwargs["hierarchical_context_parallel_sizes"] = list(model.hierarchical_context_parallel_sizes)
     if model.window_size is not None:
         kwargs["window_size"] = tuple(model.window_size)
+    if isinstance(model.window_attn_skip_freq, list):
+        kwargs["window_attn_skip_freq"] = list(model.window_attn_skip_freq)
     if model.pipeline_model_parallel_size > 1:
         kwargs["pipeline_dtype"] = kwargs["params_dtype"]
     return kwargs

@@ -1,0 +1,118 @@
+"""Shared pieces of the checkpoint-conversion tests (``tests/test_convert_*.py``).
+
+Small random-weight models are built with ``transformers`` from configs (no downloads): Llama with
+GQA and Llama-3 RoPE scaling, Mistral with a sliding window on every layer, Qwen2 with QKV bias and
+tied embeddings, and Qwen2 with a sliding window on its upper layers only (``max_window_layers``).
+The test files load this module as a pytest plugin (``pytest_plugins``), so the session fixture
+``converted`` converts each model once, whichever file asks first.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from mcp_context.convert.converter import hf_to_mcore, mcore_to_hf
+
+SEQ, BATCH = 24, 2
+# fp32 megatron vs fp32 HF on logits of magnitude ~1-10 (measured differences ~1e-6); the issue's bound
+LOGIT_ATOL = 1e-4
+WINDOW = 8  # the window models' sliding_window: a third of SEQ
+_COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+               rms_norm_eps=1e-5)
+MODELS = {
+    "llama_gqa_rope3": ("LlamaConfig", "LlamaForCausalLM", dict(
+        rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})),
+    "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(rope_theta=10000.0, sliding_window=WINDOW)),
+    "qwen2_bias_tied": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1e6, tie_word_embeddings=True)),
+    # layer 0 attends in full, layers 1 and 2 slide (transformers: layers i >= max_window_layers)
+    "qwen2_upper_window": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        rope_theta=1e6, num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
+}
+WINDOW_MODELS = ("mistral_window", "qwen2_upper_window")
+
+
+def build_hf_model(name: str) -> torch.nn.Module:
+    """The table's model ``name`` with seeded O(1) weights, in eval mode with eager attention."""
+    import transformers
+
+    config_cls, model_cls, extra = MODELS[name]
+    config = getattr(transformers, config_cls)(**{**_COMMON, **extra})
+    config._attn_implementation = "eager"
+    torch.manual_seed(1234)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():  # O(1) weights so that logits are O(1) and every tensor matters
+        for pname, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.1 if "norm" in pname else 0.15) + (1.0 if "norm" in pname else 0.0))
+    return model
+
+
+def tokens(seq: int = SEQ) -> torch.Tensor:
+    """``[BATCH, seq]`` seeded token ids."""
+    return torch.randint(0, _COMMON["vocab_size"], (BATCH, seq), generator=torch.Generator().manual_seed(7))
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory):
+    """name -> (hf_dir, mcore_dir, architecture record, HF reference logits [b, s, v] on ``tokens()``)."""
+    out = {}
+    for name in MODELS:
+        root = tmp_path_factory.mktemp(name)
+        model = build_hf_model(name)
+        model.save_pretrained(root / "hf")
+        with torch.no_grad():
+            reference = model(tokens()).logits.float()
+        arch = hf_to_mcore(root / "hf", root / "mcore", progress=False)
+        out[name] = (root / "hf", root / "mcore", arch.to_record(), reference)
+    return out
+
+
+def load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the ``*.safetensors`` files in ``path``, read by the ``safetensors`` package."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for file in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+def assert_same_tensors(back: dict, original: dict) -> None:
+    """Same names, and every tensor equal bit for bit in value and dtype."""
+    assert sorted(back) == sorted(original)
+    for key, tensor in original.items():
+        assert back[key].dtype == tensor.dtype and torch.equal(back[key], tensor), key
+
+
+def assert_converts_back_bit_for_bit(saved_dir, hf_dir, out_dir) -> None:
+    """A checkpoint saved from a (TP- or PP-split) model converts back to exactly the original HF tensors."""
+    import json
+
+    mcore_to_hf(saved_dir, out_dir, hf_config=json.loads((hf_dir / "config.json").read_text()), progress=False)
+    assert_same_tensors(load_safetensors_dir(out_dir), load_safetensors_dir(hf_dir))
+
+
+def init_megatron(tp: int = 1, cp: int = 1, **kwargs) -> None:
+    """megatron-core's parallel state on this gloo rank (CPU shims applied), seeded."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_patches.cpu_shims import apply_cpu_shims
+
+    apply_cpu_shims()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp, **kwargs)
+    model_parallel_cuda_manual_seed(0)
+
+
+def gather_vocab(logits: torch.Tensor) -> torch.Tensor:
+    """Logits are vocab-sharded over TP (parallel_output=True); gather them along the last dim."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, logits.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
