@@ -85,6 +85,10 @@ def to_megatron_args(cfg: RecipeConfig) -> list[str]:
         add("--add-qkv-bias")
     if m.window_size is not None:
         add("--window-size", ",".join(str(w) for w in m.window_size))
+    if isinstance(m.window_attn_skip_freq, int):
+        add("--window-attn-skip-freq", m.window_attn_skip_freq)
+    elif m.window_attn_skip_freq is not None:  # Megatron-LM evaluates a list expression without spaces
+        add("--window-attn-skip-freq", "[" + ",".join(str(v) for v in m.window_attn_skip_freq) + "]")
     if not m.share_embeddings_and_output_weights:
         add("--untie-embeddings-and-output-weights")
     add("--attention-dropout", m.attention_dropout)

@@ -31,6 +31,8 @@ OUT_OF_RANGE = [
      "model.hierarchical_context_parallel_sizes[0]=0 must be a positive integer"),
     ("model.window_size=[-2, 0]",
      "model.window_size[0]=-2 must be an integer with model.window_size[0] >= -1 (-1: unbounded on that side)"),
+    ("model.window_attn_skip_freq=[1, -1]",
+     "model.window_attn_skip_freq[1]=-1 must be a non-negative integer (an int n >= 1: each n-th layer attends"),
     ("optimizer.adam_eps=-1e-8", "optimizer.adam_eps=-1e-08 must be a finite number with 0 < optimizer.adam_eps < 1"),
     ("optimizer.clip_grad=-1", "optimizer.clip_grad=-1.0 must be a finite number with optimizer.clip_grad >= 0"),
     ("optimizer.weight_decay=-0.1", "optimizer.weight_decay=-0.1 must be a finite number with optimizer.weight_decay >= 0"),
@@ -81,6 +83,27 @@ def test_every_numeric_field_has_a_range():
 def test_the_shipped_defaults_sit_inside_every_range():
     for path in sorted((REPO / "recipes").glob("*.yaml")):
         validate_recipe(load_recipe(path))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.window_attn_skip_freq=2"], "model.window_attn_skip_freq=2 picks the sliding-window layers, but "
+                                        "model.window_size is null; set model.window_size"),
+    (["model.window_size=[7, 0]", "model.window_attn_skip_freq=0"],
+     "model.window_attn_skip_freq=0 must be an integer n >= 1 (every n-th layer attends in full)"),
+    (["model.window_size=[7, 0]", "model.window_attn_skip_freq=[0, 1, 1]"],
+     "model.window_attn_skip_freq=[0, 1, 1] must hold one 0 (full attention) or 1 (window) per layer: "
+     "model.num_layers=2 entries"),
+    (["model.window_size=[7, 0]", "model.window_attn_skip_freq=[0, 2]"],
+     "model.window_attn_skip_freq=[0, 2] must hold one 0 (full attention) or 1 (window) per layer"),
+])
+def test_window_layers_are_checked_as_megatron_core_reads_them(overrides, message):
+    """``window_attn_skip_freq`` divides the layer number (an int) or is indexed by it (a list), and
+    only means something with a window: each misuse is refused naming the key and the fix."""
+    with pytest.raises(RecipeError) as err:
+        validate_recipe(load_recipe(None, overrides))
+    assert message in str(err.value)
+    for freq in ("2", "[0, 1]", "null"):
+        validate_recipe(load_recipe(None, ["model.window_size=[7, 0]", f"model.window_attn_skip_freq={freq}"]))
 
 
 def test_checkpoint_paths_that_are_files_are_refused(tmp_path):

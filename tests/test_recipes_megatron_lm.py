@@ -6,6 +6,7 @@ translation sits above ``data``, which sits above ``recipes`` — no import runs
 from __future__ import annotations
 
 import ast
+import re
 import shlex
 from pathlib import Path
 
@@ -115,3 +116,26 @@ def test_a_sliding_window_recipe_prints_megatron_lms_window_size():
     validate_recipe(cfg)
     assert _parsed(format_megatron_command(cfg)).window_size == (63, 0)
     assert _parsed(format_megatron_command(load_recipe(None))).window_size is None
+
+
+def _megatron_lm_freq(x: str):
+    """Megatron-LM's ``moe_freq_type`` (``--window-attn-skip-freq``'s parser): an int, or a list
+    expression of digits, commas, brackets, parentheses, ``+`` and ``*`` only, which it evaluates
+    (a plain list literal here)."""
+    if "[" not in x:
+        return int(x)
+    assert not re.search(r"[^,\d\[\]\(\)\+\*]", x), f"Megatron-LM refuses the pattern {x!r}"
+    return ast.literal_eval(x)
+
+
+@pytest.mark.parametrize("freq", [2, [0, 1]])
+def test_window_attn_skip_freq_prints_as_megatron_lms_flag(freq):
+    """``model.window_attn_skip_freq`` reaches Megatron-LM as ``--window-attn-skip-freq``: an int as
+    it is, a list as the list expression its parser evaluates (no spaces, which it refuses)."""
+    cfg = load_recipe(None, ["model.window_size=[7, 0]", f"model.window_attn_skip_freq={freq}"])
+    validate_recipe(cfg)
+    parser = _megatron_lm_parser()
+    parser.add_argument("--window-attn-skip-freq", type=_megatron_lm_freq, default=None)
+    args = parser.parse_args(shlex.split(_command_argv(format_megatron_command(cfg))))
+    assert (args.window_size, args.window_attn_skip_freq) == ((7, 0), freq)
+    assert "--window-attn-skip-freq" not in format_megatron_command(load_recipe(None, ["model.window_size=[7, 0]"]))

@@ -53,6 +53,7 @@ def validate_recipe(cfg: RecipeConfig, world_size: Optional[int] = None) -> None
         validate_cp_config(m, seq_length=m.seq_length, prefix="model.")
     except HCPConfigError as err:
         raise RecipeError(str(err)) from err
+    _validate_window_layers(m)
     _validate_tensor_parallel_kv_heads(m)
     if m.num_layers % m.pipeline_model_parallel_size:
         raise RecipeError(
@@ -77,6 +78,23 @@ def validate_recipe(cfg: RecipeConfig, world_size: Optional[int] = None) -> None
     _validate_schedule(cfg)
     _validate_data(cfg.data)
     _validate_paths(cfg)
+
+
+def _validate_window_layers(m: ModelConfig) -> None:
+    """``window_attn_skip_freq`` as megatron-core's ``is_layer_window_attention`` reads it: an int
+    divides the layer number (0 would divide by zero), a list is indexed by it (one entry a layer)."""
+    freq, key = m.window_attn_skip_freq, "model.window_attn_skip_freq"
+    if freq is None:
+        return
+    if m.window_size is None:
+        raise RecipeError(f"{key}={freq!r} picks the sliding-window layers, but model.window_size is null; set "
+                          f"model.window_size (e.g. [4095, 0]) or set {key} to null")
+    if isinstance(freq, int) and freq < 1:
+        raise RecipeError(f"{key}={freq} must be an integer n >= 1 (every n-th layer attends in full) or a list "
+                          f"of 0/1, one per layer; use null for a window on every layer")
+    if isinstance(freq, list) and (len(freq) != m.num_layers or any(v not in (0, 1) for v in freq)):
+        raise RecipeError(f"{key}={freq!r} must hold one 0 (full attention) or 1 (window) per layer: "
+                          f"model.num_layers={m.num_layers} entries")
 
 
 def _validate_tensor_parallel_kv_heads(m: ModelConfig) -> None:
@@ -231,6 +249,8 @@ RANGES: dict[str, Range] = {
     "model.rotary_percent": Range(0, 1, lo_open=True, why="the fraction of each head that RoPE rotates"),
     "model.rope_scaling_factor": _POSITIVE_REAL,
     "model.window_size": Range(-1, why="-1: unbounded on that side"),
+    "model.window_attn_skip_freq": Range(0, why="an int n >= 1: each n-th layer attends in full; a list: 0 or 1 "
+                                                "per layer"),
     "model.layernorm_epsilon": Range(0, 1, lo_open=True, hi_open=True),
     "model.attention_dropout": _PROBABILITY,
     "model.hidden_dropout": _PROBABILITY,
