@@ -211,9 +211,9 @@ def hf_model_from_config(cfg: dict[str, Any]) -> HFModel:
         share_embeddings_and_output_weights=tied, normalization="RMSNorm",
         layernorm_epsilon=_positive_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
         gated_linear_unit=True, activation_func="silu", add_bias_linear=False, add_qkv_bias=model_type == "qwen2",
-        window_size=window, window_attn_skip_freq=skip_freq, attention_dropout=0.0, hidden_dropout=0.0, tensor_model_parallel_size=1,
-        pipeline_model_parallel_size=1, context_parallel_size=1, hierarchical_context_parallel_sizes=None,
-        cp_comm_type="p2p",
+        window_size=window, window_attn_skip_freq=skip_freq, attention_dropout=0.0, hidden_dropout=0.0,
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
+        hierarchical_context_parallel_sizes=None, cp_comm_type="p2p",
     )
     return HFModel(model_type, shape)
 
