@@ -4,7 +4,8 @@ The engine validates its configuration when built (comm, layout, groups, mask, s
 backend) and, the first time it sees a shard shape, resolves everything a call needs — the kernel
 (probed for that device, dtype and head dim), this member's schedule row, ring peers and all-to-all
 pieces — so a training step only runs it. The Megatron core attention holds one per layer;
-``context_parallel_attention`` is the functional form.
+``context_parallel_attention`` is the functional form. A packed sequence's documents (``cu_seqlens``)
+come with each call; the scheme is resolved per packing and the last few are kept.
 
 Before anything collective, every call checks that all CP ranks agree on the shapes, dtypes and
 configuration (one all-gather of a few integers): ranks that disagree all raise the same error

@@ -228,10 +228,6 @@ class Documents:
         return self.within.band()
 
     @property
-    def window_size(self) -> tuple[int, int]:
-        return self.within.window_size
-
-    @property
     def hides_future(self) -> bool:
         return self.within.hides_future
 

@@ -461,3 +461,33 @@ def test_slice_batch_for_cp_cuts_packed_batches_per_document():
     """cp = 2: rank r holds chunks r and 3-r of each document (1 and 2 rows), positions restart per document."""
     assert run_distributed(2, _slice_packed_case) == [([[0, 3, 4, 5, 10, 11]], [[0, 3, 0, 1, 6, 7]], None),
                                                       ([[1, 2, 6, 7, 8, 9]], [[1, 2, 2, 3, 4, 5]], None)]
+
+
+def _truncated_ring_case(rank, world):
+    from mcp_context import build_hcp_groups, context_parallel_attention
+    from mcp_context.trace import comm_stats
+
+    n = 8
+    cu_list = [0, 7 * n // 2, 7 * n, 8 * n]  # contiguous: documents of 3.5, 3.5 and 1 shards
+    cu = torch.tensor(cu_list, dtype=torch.int32)
+    q, k, v, dout = random_qkv(world * n, 1, 2, 2, 4, seed=11)
+    leaves = [shard_sequence(x, world, rank, "contiguous", 0, cu).requires_grad_() for x in (q, k, v)]
+    _, _, before = comm_stats.snapshot()
+    out = context_parallel_attention(*leaves, build_hcp_groups([world]), layout="contiguous", comm="p2p",
+                                     cu_seqlens=cu, check_ranks=False)
+    out.backward(shard_sequence(dout, world, rank, "contiguous", 0, cu))
+    _, _, after = comm_stats.snapshot()
+    ref = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref_out, _ = full_attention(*ref, True, 4 ** -0.5, documents=document_ids(world * n, cu_list))
+    ref_out.backward(dout)
+    err = max((a - shard_sequence(b, world, rank, "contiguous", 0, cu)).abs().max().item()
+              for a, b in zip([out] + [x.grad for x in leaves], [ref_out] + [x.grad for x in ref]))
+    return {op: after.get(op, 0) - before.get(op, 0) for op in ("ring_kv", "ring_dkv")}, err
+
+
+def test_the_ring_stops_after_the_last_step_any_member_reads():
+    """P = 8, contiguous, documents of 3.5 shards: a member reads at most 3 shards back (more than the halo's
+    two, so the ring runs), so the ring walks 4 steps, not 8: 3 K/V transfers per walk (forward and
+    backward) and 4 dK/dV sends (3 hops, then straight home) instead of 7, 7 and 8; results exact."""
+    for calls, err in run_distributed(8, _truncated_ring_case):
+        assert calls == {"ring_kv": 6, "ring_dkv": 4} and err <= 1e-10, (calls, err)

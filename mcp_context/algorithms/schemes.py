@@ -140,8 +140,10 @@ def resolve_scheme(groups: HCPGroups, comm: str, layout: str, mask: Union[bool, 
         if as_mask(mask) not in (FULL, CAUSAL) and halo_fits(schedule):  # a window, documents: only rows read
             rotation = HaloRotation(schedule, member, peers, groups.cp_group)
         else:
+            busy = [t for t in range(ring_size) if any(schedule.tasks[m][t] for m in range(ring_size))]
             rotation = RingRotation(RingExchange(peers, member, groups.cp_group, "ring_kv"),
-                                    RingExchange(peers, member, groups.cp_group, "ring_dkv"), ring_size)
+                                    RingExchange(peers, member, groups.cp_group, "ring_dkv"), ring_size,
+                                    steps=max(busy, default=0) + 1)  # no member reads after the last busy step
     plan = RingPlan.build(tasks, rotation, kernel, scale, s_local * inner, dropout_p)
     kv_repeat = inner // kv_heads if kv_heads < inner else 1
     return Scheme(cp_rank, inner, a2a_group, kv_repeat, pieces, gather_group, plan)
