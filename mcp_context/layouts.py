@@ -118,7 +118,10 @@ def _packed_spans(layout: str, cp_size: int, starts: tuple[int, ...], lengths: t
                 for r in range(cp_size):
                     ranks[r] += chunks[2 * r:2 * r + 2]
     else:
-        check_seq_len(starts[-1], cp_size, "contiguous", what="packed sequence length")
+        if starts[-1] % cp_size:
+            raise ValueError(f"layout='balanced' gives every rank S/cp rows, but the packed sequence has {starts[-1]} "
+                             f"rows, not divisible by cp={cp_size}; pad its tail to {starts[-1] + -starts[-1] % cp_size} "
+                             f"rows (the last offset of cu_seqlens_padded)")
         ranks = _balanced_ranges(cp_size, starts, lengths)
     return tuple(tuple(_merge(pieces)) for pieces in ranks)
 

@@ -293,6 +293,9 @@ def test_other_bad_uses_are_refused_naming_the_fix():
         assert errors[0] == errors[1] and re.search(match, errors[0]), errors
     with pytest.raises(ValueError, match=r"layout='balanced' places the documents of a packed sequence"):
         shard_sequence(torch.zeros(8), 2, 0, "balanced")
+    with pytest.raises(ValueError, match=r"layout='balanced' gives every rank S/cp rows, but the packed sequence "
+                                         r"has 10 rows, not divisible by cp=4; pad its tail to 12 rows"):
+        shard_sequence(torch.zeros(10), 4, 0, "balanced", 0, torch.tensor([0, 3, 10], dtype=torch.int32))
     errors = run_distributed(2, _different_packings_case)
     assert errors[0] == errors[1] and "(cu_seqlens differ)" in errors[1], errors
 
