@@ -228,6 +228,21 @@ def attention_flops(schedule: Schedule, batch: int, heads: int, head_dim: int) -
     return [4 * p * batch * heads * head_dim for p in schedule.useful_pairs()]
 
 
+def packed_offsets(lengths: Sequence[int], cp_size: int, layout: str) -> tuple[list[int], list[int]]:
+    """``(cu_seqlens, cu_seqlens_padded)`` for documents of ``lengths`` packed under ``layout``: every
+    document padded to a multiple of ``2 * cp_size`` for ``zigzag`` (Megatron/TE), only the tail to a
+    multiple of ``cp_size`` otherwise."""
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    if layout == "zigzag":
+        padded = [0]
+        for n in lengths:
+            padded.append(padded[-1] + n + (-n % (2 * cp_size)))
+        return cu, padded
+    return cu, cu[:-1] + [cu[-1] + (-cu[-1] % cp_size)]
+
+
 def packed_figures(lengths: Sequence[int], cp_size: int, layout: str) -> dict[str, float]:
     """What a packed layout costs for documents of ``lengths`` packed into one sequence, from the schedule.
 
@@ -237,15 +252,7 @@ def packed_figures(lengths: Sequence[int], cp_size: int, layout: str) -> dict[st
     document rows), ``rows_read`` (max over ranks of the K/V rows its tasks read from other ranks'
     shards: what the halo rotation moves per walk) and ``ring_rows`` (``(P - 1) * S / P``: what the
     ring moves per walk)."""
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    if layout == "zigzag":
-        padded = [0]
-        for n in lengths:
-            padded.append(padded[-1] + n + (-n % (2 * cp_size)))
-    else:
-        padded = cu[:-1] + [cu[-1] + (-cu[-1] % cp_size)]
+    cu, padded = packed_offsets(lengths, cp_size, layout)
     sch = layout_schedule(layout, cp_size, padded[-1], documents_mask(cu, padded), 1)
     rows_read = max(sum(b - a for t in range(1, cp_size) for a, b in sch.kv_rows(m, t)) for m in range(cp_size))
     return {"balance": load_balance(sch), "padding": (padded[-1] - cu[-1]) / cu[-1], "rows_read": rows_read,
