@@ -17,6 +17,7 @@ import torch
 
 from mcp_context.layouts import layout_spans, spans_positions
 from mcp_context.plan import Candidate, PlanRequest, RankShape, dry_run_rank, evaluate, load_profile, plan
+from mcp_context.plan.planner import explain
 from mcp_context.plan.__main__ import main
 from mcp_context.plan.cost import Fabric, predict, step_pairs
 from mcp_context.plan.model import parameters, planning_shape
@@ -292,3 +293,44 @@ def test_planner_reads_the_shape_that_recipes_and_the_converter_give(h100):
         (b.model_state_bytes, b.activation_bytes, b.memory_bytes)
     with pytest.raises(ValueError, match="num_attention_heads=32 is not a multiple of num_query_groups=5"):
         PlanRequest(dataclasses.replace(recipe, num_query_groups=5), 2 ** 17, 64, h100, tp=4, pp=2)
+
+
+@pytest.mark.parametrize("layout,neighbours,steps", [("contiguous", 1, 2), ("zigzag", 2, 3)])
+def test_a_quarter_shard_window_plans_the_halo_minimum_and_its_skipped_steps(h100, layout, neighbours, steps):
+    """P = 8, causal window w = S/(4P), p2p: the planner's bytes per rank per layer are the analytic
+    minimum of a halo (w rows of K and V to each neighbour that reads them, in the forward and again in
+    the backward walk, and their dK/dV in fp32 back), and its table counts the steps with work (the
+    busiest member: its own shard and the neighbours'); the plan says which ring steps are skipped."""
+    seq, p = 8 * 64, 8
+    w = seq // (4 * p)
+    req = dataclasses.replace(_request(h100, seq=seq, gpus=p), cp_sizes=(p,), window_size=(w, 0))
+    row = evaluate(req, Candidate(p, (p,), "p2p", layout))
+    kv_row = B * 2 * D * 2 * 4  # one position's K and V: batch, 2 KV heads, head dim, fp32 (and dK/dV in fp32)
+    assert row.forward_bytes == {"ring_kv": neighbours * w * kv_row}
+    assert row.backward_bytes == {"ring_kv": neighbours * w * kv_row, "ring_dkv": neighbours * w * kv_row}
+    assert (row.ring_steps, row.ring_steps_with_work) == (p, steps)
+    full = evaluate(dataclasses.replace(req, window_size=(-1, -1)), Candidate(p, (p,), "p2p", layout))
+    assert full.ring_steps_with_work == p and sum(full.forward_bytes.values()) > 3 * sum(row.forward_bytes.values())
+    reasons = explain(req, row, [row, full])
+    assert any(f"window_size=({w}, 0): {steps} of the ring's {p} steps have work; the other {p - steps} are skipped "
+               f"(no compute, no transfer)" in r for r in reasons), reasons
+
+
+def test_the_plan_names_a_layout_that_needs_fewer_bytes(h100):
+    """With a window of S/(4P) zigzag reads from two neighbours and contiguous from one: recommending
+    zigzag, the plan says contiguous needs fewer bytes; recommending contiguous, it says nothing."""
+    seq, p = 8 * 64, 8
+    req = dataclasses.replace(_request(h100, seq=seq, gpus=p), cp_sizes=(p,), window_size=(seq // (4 * p), 0))
+    zigzag, contiguous = (evaluate(req, Candidate(p, (p,), "p2p", layout)) for layout in ("zigzag", "contiguous"))
+    line = [r for r in explain(req, zigzag, [zigzag, contiguous]) if "needs fewer bytes" in r]
+    assert len(line) == 1 and line[0].startswith("cp8 p2p contiguous needs fewer bytes"), line
+    assert not [r for r in explain(req, contiguous, [contiguous, zigzag]) if "needs fewer bytes" in r]
+
+
+def test_a_bad_window_is_refused_before_planning(h100, capsys):
+    with pytest.raises(ValueError, match=r"window_size=\(-3, 0\): left=-3 is negative"):
+        dataclasses.replace(_request(h100), window_size=(-3, 0))
+    with pytest.raises(SystemExit) as exit_:
+        main(["--layers", "2", "--hidden", "32", "--heads", "8", "--seq-len", "64", "--gpus", "4", "--window-size", "8"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and "argument --window-size: '8' is not LEFT,RIGHT" in err

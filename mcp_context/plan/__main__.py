@@ -46,6 +46,17 @@ _MODEL_FLAGS = {"--layers": "num_layers", "--hidden": "hidden_size", "--heads": 
                 "--ffn-hidden": "ffn_hidden_size (default: 4 * hidden)"}
 
 
+def _window(text: str) -> tuple[int, int]:
+    """``LEFT,RIGHT`` as two ints (the range is the mask's own check, with its message)."""
+    parts = text.split(",")
+    try:
+        left, right = (int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not LEFT,RIGHT (two integers, -1 for unbounded), "
+                                         f"e.g. 4095,0") from None
+    return left, right
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = _OneLineParser(prog="python -m mcp_context.plan", description=__doc__.split("\n")[0],
                         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -60,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--tp", type=_positive_int, help="tensor_model_parallel_size (default: recipe's, else 1)")
     ap.add_argument("--pp", type=_positive_int, help="pipeline_model_parallel_size (default: recipe's, else 1)")
     ap.add_argument("--micro-batch-size", type=_positive_int, default=1)
+    ap.add_argument("--window-size", type=_window, metavar="LEFT,RIGHT",
+                    help="sliding window of the planned attention layer, Megatron-LM's form (e.g. 4095,0; -1 is "
+                         "unbounded; -1,-1 plans a layer without one); default: the recipe's model.window_size")
     ap.add_argument("--cp-sizes", type=_positive_int, nargs="+", metavar="CP",
                     help="evaluate only these context_parallel_sizes (default: every divisor of gpus / (tp * pp))")
     ap.add_argument("--profile", default="h100_nvlink_ib",
@@ -104,7 +118,7 @@ def _request(args: argparse.Namespace) -> PlanRequest:
         raise ValueError("give the sequence length with --seq-len (or a recipe's model.seq_length)")
     profile = with_gpus_per_node(load_profile(args.profile), args.gpus_per_node)
     return PlanRequest(model, seq, args.gpus, profile, tp or 1, pp or 1, args.micro_batch_size,
-                       cp_sizes=tuple(args.cp_sizes) if args.cp_sizes else None)
+                       cp_sizes=tuple(args.cp_sizes) if args.cp_sizes else None, window_size=args.window_size)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -23,7 +23,7 @@ import warnings
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Iterator, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_leaves
 from ..algorithms import resolve_scheme
 from ..comm import build_hcp_groups
 from ..kernels.torch_sdpa import cpu_flash_kernel
+from ..masks import Mask
 from ..trace import comm_stats
 
 
@@ -135,9 +136,10 @@ class StorageBytes(TorchDispatchMode):
         self.current -= self._sizes.pop(key)[1]
 
 
-def dry_run_rank(comm: str, sizes: Sequence[int], layout: str, causal: bool, shape: RankShape,
+def dry_run_rank(comm: str, sizes: Sequence[int], layout: str, mask: Union[bool, Mask], shape: RankShape,
                  cp_rank: int) -> RankTraffic:
-    """Run one attention layer's forward and backward as CP rank ``cp_rank`` of ``prod(sizes)``."""
+    """Run one attention layer's forward and backward as CP rank ``cp_rank`` of ``prod(sizes)`` with
+    ``mask`` (causal/full as a bool, or a ``masks`` value such as a sliding window)."""
     cp_size = 1
     for s in sizes:
         cp_size *= s
@@ -151,7 +153,7 @@ def dry_run_rank(comm: str, sizes: Sequence[int], layout: str, causal: bool, sha
             with tracker:
                 q, k, v = (torch.empty(s_local, shape.batch, h, shape.head_dim, device="meta", dtype=shape.dtype,
                                        requires_grad=True) for h in (shape.heads, shape.kv_heads, shape.kv_heads))
-                scheme = resolve_scheme(groups, comm, layout, causal, s_local, shape.kv_heads, cpu_flash_kernel(),
+                scheme = resolve_scheme(groups, comm, layout, mask, s_local, shape.kv_heads, cpu_flash_kernel(),
                                         shape.head_dim ** -0.5)
                 out = scheme.run(q, k, v, False)
                 saved = tracker.current

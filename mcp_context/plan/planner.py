@@ -16,7 +16,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ..schedule import layout_schedule, load_balance, masked_waste
+from ..masks import Mask, attention_mask
+from ..schedule import Schedule, layout_schedule, load_balance, masked_waste
 from .candidates import Candidate, cp_sizes_for, enumerate_candidates, heads_per_tp_rank
 from .cost import Fabric, Prediction, predict
 from .dryrun import RankShape, RankTraffic, dry_run_rank
@@ -43,15 +44,26 @@ class PlanRequest:
     dtype: torch.dtype = torch.bfloat16
     cp_sizes: Optional[tuple[int, ...]] = None
     """Only these context_parallel_sizes (default: every one that divides gpus / (tp * pp))."""
+    window_size: Optional[tuple[int, int]] = None
+    """The attention layer's sliding window ``(left, right)``; default: the model's ``window_size``
+    (``(-1, -1)`` plans a layer without one)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", planning_shape(self.model))
+        if self.window_size is None and self.model.window_size is not None:
+            object.__setattr__(self, "window_size", tuple(self.model.window_size))
         for name in ("seq_len", "gpus", "tp", "pp", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be a positive integer")
         if self.model.num_layers % self.pp:
             raise ValueError(f"num_layers={self.model.num_layers} is not divisible by pipeline_model_parallel_size="
                              f"{self.pp}; choose a PP size that divides it")
+        self.mask  # a bad window is refused here, before any dry run
+
+    @property
+    def mask(self) -> Mask:
+        """The attention mask every candidate is planned with (causal or full, with the window)."""
+        return attention_mask(self.causal, self.window_size)
 
 
 @dataclass
@@ -62,6 +74,10 @@ class PlanRow:
     data_parallel_size: int
     load_balance: float
     masked_waste: float
+    ring_steps: int
+    """Ring steps (P / all-to-all degree); with a window some of them have nothing to compute."""
+    ring_steps_with_work: int
+    """Steps with work for the busiest member: the others are skipped, compute and transfer."""
     forward_bytes: dict[str, int]
     backward_bytes: dict[str, int]
     intra_node_bytes: int
@@ -120,9 +136,9 @@ def evaluate(req: PlanRequest, cand: Candidate, ranks: Optional[list[int]] = Non
     shape = rank_shape(req)
     fabric = Fabric(req.profile, req.tp)
     ranks = ranks if ranks is not None else dry_run_ranks(cand.cp_size, req.tp, req.profile.gpus_per_node)
-    traffics: list[RankTraffic] = [dry_run_rank(cand.engine_comm, cand.sizes, cand.layout, req.causal, shape, r)
+    traffics: list[RankTraffic] = [dry_run_rank(cand.engine_comm, cand.sizes, cand.layout, req.mask, shape, r)
                                    for r in ranks]
-    schedule = layout_schedule(cand.layout, cand.cp_size, req.seq_len, req.causal, cand.a2a_degree)
+    schedule = layout_schedule(cand.layout, cand.cp_size, req.seq_len, req.mask, cand.a2a_degree)
     splits = [fabric.split(tr, {op: tr.forward.get(op, 0) + tr.backward.get(op, 0)
                                 for op in set(tr.forward) | set(tr.backward)}) for tr in traffics]
     worst = max(range(len(traffics)), key=lambda i: (splits[i][1], sum(splits[i])))
@@ -132,11 +148,17 @@ def evaluate(req: PlanRequest, cand: Candidate, ranks: Optional[list[int]] = Non
     activation = (checkpointed_activation_bytes(req.model, s_local, req.micro_batch_size, req.tp, req.pp)
                   + layer_working_bytes(req.model, s_local, req.micro_batch_size, req.tp) + peak)
     state = model_state_bytes(req.model, req.tp, req.pp, dp * cand.cp_size)
-    return PlanRow(cand, dp, load_balance(schedule), masked_waste(schedule), traffics[worst].forward,
+    return PlanRow(cand, dp, load_balance(schedule), masked_waste(schedule), schedule.ring_size,
+                   steps_with_work(schedule), traffics[worst].forward,
                    traffics[worst].backward, *splits[worst],
                    predict(schedule, shape, cand.a2a_degree, traffics, fabric),
                    max(tr.saved_bytes for tr in traffics), peak, activation, state,
                    activation + state <= req.profile.memory_gib * GIB, list(ranks))
+
+
+def steps_with_work(schedule: Schedule) -> int:
+    """Ring steps at which the busiest member has a block to compute (the rest are skipped)."""
+    return max(sum(1 for step in member if step) for member in schedule.tasks)
 
 
 def _choose(rows: list[PlanRow]) -> PlanRow:
@@ -249,6 +271,18 @@ def explain(req: PlanRequest, best: PlanRow, rows: list[PlanRow]) -> list[str]:
     reasons.append(f"load balance {best.load_balance:.3f} (1.0 is perfect), masked waste {best.masked_waste:.4f}; "
                    f"per rank per layer {best.intra_node_bytes / 2**20:.1f} MiB over NVLink and "
                    f"{best.inter_node_bytes / 2**20:.1f} MiB over the network")
+    if req.mask.window_size != (-1, -1) and req.mask.window_size != (-1, 0):
+        reasons.append(f"window_size={req.mask.window_size}: {best.ring_steps_with_work} of the ring's "
+                       f"{best.ring_steps} steps have work; the other {best.ring_steps - best.ring_steps_with_work} "
+                       f"are skipped (no compute, no transfer)")
+    pool = fitting if best.fits else rows
+    fewest = min(pool, key=lambda r: r.intra_node_bytes + r.inter_node_bytes)
+    sent = best.intra_node_bytes + best.inter_node_bytes
+    if fewest.intra_node_bytes + fewest.inter_node_bytes < sent:
+        reasons.append(f"{fewest.candidate.label()} needs fewer bytes: "
+                       f"{(fewest.intra_node_bytes + fewest.inter_node_bytes) / 2**20:.1f} MiB per rank per layer "
+                       f"against {sent / 2**20:.1f} MiB ({fewest.seconds_per_sequence / best.seconds_per_sequence:.3f}x "
+                       f"the time per sequence)")
     others = [r for r in rows[1:] if r.fits == best.fits]
     hierarchical = [r for r in others if r.candidate.comm == "a2a+p2p"] if c.comm != "a2a+p2p" else []
     for what, pool in (("runner-up", others), ("best hierarchical layout", hierarchical)):

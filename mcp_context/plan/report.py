@@ -19,6 +19,8 @@ def row_dict(row: PlanRow) -> dict:
         "data_parallel_size": row.data_parallel_size,
         "load_balance": row.load_balance,
         "masked_waste": row.masked_waste,
+        "ring_steps": row.ring_steps,
+        "ring_steps_with_work": row.ring_steps_with_work,
         "bytes_per_rank": {"forward": row.forward_bytes, "backward": row.backward_bytes,
                            "by_level": row.bytes_by_level(), "intra_node": row.intra_node_bytes,
                            "inter_node": row.inter_node_bytes},
@@ -39,7 +41,8 @@ def plan_dict(plan: Plan) -> dict:
     return {
         "request": {"model": {name: getattr(req.model, name) for name in PLANNED_FIELDS}, "seq_len": req.seq_len, "gpus": req.gpus,
                     "tensor_model_parallel_size": req.tp, "pipeline_model_parallel_size": req.pp,
-                    "micro_batch_size": req.micro_batch_size, "causal": req.causal, "dtype": str(req.dtype),
+                    "micro_batch_size": req.micro_batch_size, "causal": req.causal,
+                    "window_size": list(req.mask.window_size), "dtype": str(req.dtype),
                     "profile": dataclasses.asdict(req.profile),
                     "cp_sizes": list(req.cp_sizes) if req.cp_sizes else "all"},
         "recommended": row_dict(plan.recommended) if plan.recommended else None,
@@ -49,13 +52,14 @@ def plan_dict(plan: Plan) -> dict:
     }
 
 
-COLUMNS = ["layout", "dp", "balance", "L0 a2a MiB", "ring MiB", "AG MiB", "inter MiB", "fwd ms", "bwd ms",
+COLUMNS = ["layout", "dp", "balance", "steps", "L0 a2a MiB", "ring MiB", "AG MiB", "inter MiB", "fwd ms", "bwd ms",
            "no-ovl ms", "ms/seq", "attn GiB", "act GiB", "mem GiB", "fits"]
 
 
 def _cells(row: PlanRow) -> list[str]:
     lv, p = row.bytes_by_level(), row.prediction
     return [row.candidate.label(), str(row.data_parallel_size), f"{row.load_balance:.3f}",
+            f"{row.ring_steps_with_work}/{row.ring_steps}",
             f"{lv['level0_all_to_all'] / MIB:.0f}", f"{lv['outer_ring'] / MIB:.0f}", f"{lv['all_gather'] / MIB:.0f}",
             f"{row.inter_node_bytes / MIB:.0f}", f"{p.forward_s * 1e3:.2f}", f"{p.backward_s * 1e3:.2f}",
             f"{p.total_no_overlap_s * 1e3:.2f}", f"{row.seconds_per_sequence * 1e3:.3f}",
@@ -71,7 +75,8 @@ def plan_table(plan: Plan) -> str:
     lines = [f"{req.model.num_layers} layers, hidden {req.model.hidden_size}, heads {req.model.num_attention_heads}/"
              f"{req.model.num_query_groups} kv, head dim {req.model.kv_channels}; {req.seq_len} tokens, "
              f"{req.gpus} GPUs ({req.profile.gpus_per_node} a node, {req.profile.name}), TP{req.tp} PP{req.pp}"
-             f"{f', CP sizes {list(req.cp_sizes)} only' if req.cp_sizes else ''}; "
+             f"{f', CP sizes {list(req.cp_sizes)} only' if req.cp_sizes else ''}"
+             f"{f', window_size {req.mask.window_size}' if req.mask.window_size not in ((-1, -1), (-1, 0)) else ''}; "
              f"per rank, per layer; MiB = forward+backward bytes sent"]
     lines += ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths)))
               for r in rows]
