@@ -164,7 +164,7 @@ def _balanced_ranges(cp_size: int, starts: tuple[int, ...], lengths: tuple[int, 
         balance = max(loads) * cp_size / max(total, 1)
         if best is None or balance < best[0]:
             best = (balance, ranks)
-        if balance <= 1.01 or factor > 4 * seq_len:
+        if balance <= 1.01 or total / cp_size / factor < 1:  # below 1 every document of 2P rows is cut
             return [sorted(pieces) for pieces in best[1]]
         factor *= 2
 
