@@ -1,7 +1,7 @@
 """``to-megatron-args`` prints a command that runs as printed: a local-impl recipe turns off the
 fusions that need Transformer Engine or apex, and a split Megatron-LM's dataset builder would loop
-on is refused (empty train/valid) or adjusted with a note (empty test). Also: the Megatron-LM
-translation sits above ``data``, which sits above ``recipes`` — no import runs back up.
+on is refused (empty train/valid) or adjusted with a note (empty test). (That the Megatron-LM
+translation sits above ``data``, which sits above ``recipes``, is tests/test_layering.py's check.)
 """
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from mcp_context.recipes.__main__ import main as recipes_cli
 from tests.test_recipes import _command_argv, _megatron_lm_parser
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGE = REPO / "mcp_context"
 
 
 def _parsed(command: str):
@@ -62,43 +61,6 @@ def test_a_split_with_documents_everywhere_is_printed_unchanged():
     assert _parsed(format_megatron_command(cfg)).split == "90,8,2"
 
 
-# Lower layers first; a module may import only from its own layer or one below.
-LAYERS = [
-    ["mcp_context.atomic"],
-    ["mcp_context.recipes.schema", "mcp_context.recipes.reader", "mcp_context.recipes.checks",
-     "mcp_context.recipes"],
-    ["mcp_context.data"],
-    ["mcp_context.megatron_lm"],
-]
-
-
-def _layer(module: str) -> int:
-    for i, names in enumerate(LAYERS):
-        if any(module == n or module.startswith(n + ".") for n in names):
-            return i
-    return -1
-
-
-def _imports(path: Path) -> set[str]:
-    """Every mcp_context module a file imports, at the top or inside a function, TYPE_CHECKING included."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-    return {m for m in found if m.startswith("mcp_context")}
-
-
-@pytest.mark.parametrize("path", sorted([*PACKAGE.glob("recipes/*.py"), *PACKAGE.glob("data/*.py"),
-                                         PACKAGE / "megatron_lm.py"]), ids=lambda p: str(p.relative_to(PACKAGE)))
-def test_no_module_imports_one_above_it(path):
-    """``__main__`` files are entry points (nothing imports them), so they sit on top."""
-    if path.name == "__main__.py":
-        return
-    module = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
-    above = sorted(m for m in _imports(path) if _layer(m) > _layer(module))
-    assert not above, f"{module} imports {above}, which sit above it"
 
 
 def test_a_float_rotary_base_prints_as_megatron_lms_integer_or_is_refused():
