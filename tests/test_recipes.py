@@ -150,8 +150,8 @@ BAD_LAYOUTS = [
     (["optimizer.min_lr=1.0"], "optimizer.min_lr=1.0 must be between 0 and optimizer.lr=0.003"),
     (["data.split=90-10"], "data.split='90-10' must be up to three non-negative train,valid,test weights"),
     (["data.tokenizer_type=HuggingFaceTokenizer"], "needs data.tokenizer_model"),
-    (["data.reset_attention_mask=true"], "data.reset_attention_mask=true asks for per-document attention masks, "
-                                         "which the HCP core attention does not apply yet"),
+    (["data.reset_attention_mask=true", "data.create_attention_mask=true"],
+     "data.create_attention_mask=true would build an [s, s] mask per sample that the packed attention cannot take"),
 ]
 
 

@@ -5,7 +5,8 @@
 
 Modules, one job each: ``cli`` (the command line, ``main``), ``launch`` (checks before any process
 group starts; the run directory), ``build`` (process groups, model, optimizer, LR schedule),
-``batches`` (which samples each step reads), ``loop`` (the training loop), ``checkpoint`` (save /
+``batches`` (which samples each step reads), ``packing`` (documents packed for
+``data.reset_attention_mask``), ``loop`` (the training loop), ``checkpoint`` (save /
 resume), ``metrics`` (metrics.jsonl and the progress bar). See docs/pretrain.md.
 """
 from mcp_context.pretrain.cli import main

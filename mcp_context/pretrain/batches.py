@@ -10,7 +10,7 @@ a step is the same at every layout.
 """
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
 from torch.utils.data import DataLoader, Dataset
 
@@ -43,11 +43,14 @@ class MicroBatchSampler:
 
 
 def step_batches(dataset: Dataset, sampler: MicroBatchSampler, num_workers: int = 0,
-                 pin_memory: bool = False) -> Iterator[list[dict]]:
+                 pin_memory: bool = False, packing: Optional[Callable[[dict], dict]] = None
+                 ) -> Iterator[list[dict]]:
     """Yield, for each step of ``sampler``, the list of this DP rank's micro-batches (dicts of
-    ``[micro_batch_size, seq_length]`` tensors: tokens, labels, loss_mask, position_ids[, attention_mask]);
-    ``pin_memory`` for a run on CUDA."""
+    ``[micro_batch_size, seq_length]`` tensors: tokens, labels, loss_mask, position_ids[, attention_mask]),
+    each passed through ``packing`` when given (``packing.DocumentPacking``: one packed sequence of
+    documents); ``pin_memory`` for a run on CUDA."""
     loader = DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory)
     micro_batches = iter(loader)
     for _ in range(sampler.first_step, sampler.last_step):
-        yield [next(micro_batches) for _ in range(sampler.micro_batches_per_step)]
+        step = [next(micro_batches) for _ in range(sampler.micro_batches_per_step)]
+        yield step if packing is None else [packing(micro_batch) for micro_batch in step]

@@ -1,7 +1,8 @@
 """The training loop: build, (resume,) loop over steps, log, evaluate, checkpoint.
 
 ``train(cfg, run_dir)`` is the whole run on every rank; ``train_step`` is one optimizer step:
-forward/backward of this rank's micro-batches (each cut to this CP rank's zigzag shard), then
+forward/backward of this rank's micro-batches (each cut to this CP rank's zigzag shard; with
+``data.reset_attention_mask`` packed as documents first, see ``packing``), then
 megatron-core's ``finalize_model_grads`` sums the gradients over the DP x CP ranks and divides them
 by the global number of valid tokens (per-token loss), then the optimizer clips and steps and the
 scheduler moves the learning rate. The reported loss is the mean over every valid token of the
@@ -27,6 +28,7 @@ from mcp_context.pretrain.checkpoint import (checkpoint_to_resume, load_checkpoi
                                              remove_run_history, save_checkpoint)
 from mcp_context.pretrain.launch import METRICS_FILENAME
 from mcp_context.pretrain.metrics import MetricsLog, read_metrics_lines
+from mcp_context.pretrain.packing import POSITIONS, DocumentPacking, packed_seq_params
 from mcp_context.recipes import RecipeConfig, save_recipe
 
 
@@ -49,12 +51,20 @@ class TrainingDiverged(FloatingPointError):
 
 
 def _forward_loss_sum(model, micro_batch: dict, cp_group, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum of the per-token losses over this CP rank's valid tokens of ``micro_batch``, and their count."""
+    """Sum of the per-token losses over this CP rank's valid tokens of ``micro_batch``, and their count.
+
+    A packed micro-batch (``packing.DocumentPacking``: ``cu_seqlens`` present) is sliced per document and
+    runs with megatron-core's ``PackedSeqParams`` (thd), so no token attends across a document boundary."""
     from mcp_context.megatron import slice_batch_for_cp
 
     micro_batch = {key: value.to(device, non_blocking=True) for key, value in micro_batch.items()}
-    local = slice_batch_for_cp(micro_batch, cp_group)
-    per_token = model(local["tokens"], local["position_ids"], local.get("attention_mask"), labels=local["labels"])
+    params, positions = None, "position_ids"
+    if "cu_seqlens" in micro_batch:
+        params = packed_seq_params(micro_batch.pop("cu_seqlens"), micro_batch.pop("cu_seqlens_padded"), cp_group)
+        positions = POSITIONS
+    local = slice_batch_for_cp(micro_batch, cp_group, params)
+    per_token = model(local["tokens"], local[positions], local.get("attention_mask"), labels=local["labels"],
+                      packed_seq_params=params)
     mask = local["loss_mask"].float()
     return (per_token.float() * mask).sum(), mask.sum()
 
@@ -116,7 +126,8 @@ def evaluate(model, dataset, cfg: RecipeConfig, device: torch.device) -> float:
     totals = torch.zeros(2, dtype=torch.float32, device=device)
     model.eval()
     try:
-        for micro_batches in step_batches(dataset, sampler, cfg.data.num_workers, device.type == "cuda"):
+        for micro_batches in step_batches(dataset, sampler, cfg.data.num_workers, device.type == "cuda",
+                                          _packing(cfg, dataset)):
             for micro_batch in micro_batches:
                 local_sum, local_tokens = _forward_loss_sum(model, micro_batch, cp_group, device)
                 totals += torch.stack([local_sum, local_tokens])
@@ -132,6 +143,17 @@ def _sampler(cfg: RecipeConfig, first_step: int, last_step: int) -> MicroBatchSa
     return MicroBatchSampler(first_step, last_step, cfg.train.global_batch_size, cfg.train.micro_batch_size,
                              dp_rank=parallel_state.get_data_parallel_rank(),
                              dp_size=parallel_state.get_data_parallel_world_size())
+
+
+def _packing(cfg: RecipeConfig, dataset) -> Optional[DocumentPacking]:
+    """With ``data.reset_attention_mask``, each micro-batch packed as documents ending at the dataset's
+    end-of-document token, each padded to a multiple of 2 * CP (megatron-core's per-document zigzag),
+    times TP under sequence parallelism (every rank's rows split evenly over the TP ranks)."""
+    m = cfg.model
+    if not cfg.data.reset_attention_mask:
+        return None
+    multiple = 2 * m.context_parallel_size * (m.tensor_model_parallel_size if m.sequence_parallel else 1)
+    return DocumentPacking(dataset.config.tokenizer.eod, multiple)
 
 
 def _prepare_data(cfg: RecipeConfig):
@@ -202,7 +224,7 @@ def train(cfg: RecipeConfig, run_dir: Path, progress: bool = False, resume_from:
         tokens_per_step = t.global_batch_size * cfg.model.seq_length
         records = []
         batches = step_batches(train_ds, _sampler(cfg, first_step, t.steps), cfg.data.num_workers,
-                               device.type == "cuda")
+                               device.type == "cuda", _packing(cfg, train_ds))
         start = time.perf_counter()
         for step, micro_batches in enumerate(batches, start=first_step + 1):  # step time includes loading
             record = {"step": step, **train_step(model, optimizer, scheduler, micro_batches, device)}

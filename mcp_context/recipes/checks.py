@@ -154,11 +154,11 @@ def _validate_data(d: DataConfig) -> None:
         raise RecipeError(
             "data.tokenizer_type='HuggingFaceTokenizer' needs data.tokenizer_model (a tokenizer directory)"
         )
-    if d.reset_attention_mask:
+    if d.reset_attention_mask and d.create_attention_mask:
         raise RecipeError(
-            "data.reset_attention_mask=true asks for per-document attention masks, which the HCP core attention "
-            "does not apply yet (under a causal mask type it ignores attention_mask, as TEDotProductAttention "
-            "does, so documents would silently attend across boundaries); set it to false"
+            "data.reset_attention_mask=true trains every sample as packed documents whose mask comes from the "
+            "end-of-document tokens (cu_seqlens, thd); data.create_attention_mask=true would build an [s, s] mask "
+            "per sample that the packed attention cannot take: set data.create_attention_mask=false"
         )
 
 
