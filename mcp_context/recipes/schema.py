@@ -171,7 +171,9 @@ class DataConfig:
     reset_position_ids: bool = False
     """Restart position ids after each end-of-document token."""
     reset_attention_mask: bool = False
-    """Block attention across documents (needs create_attention_mask)."""
+    """Attend within documents only: our pretrain entry packs each micro-batch's documents (ended by the
+    end-of-document token) with document masks (thd, ``cu_seqlens``); Megatron-LM applies the flag its
+    own way. Keep create_attention_mask false with it."""
     eod_mask_loss: bool = False
     """Exclude end-of-document tokens from the loss."""
 
