@@ -1,10 +1,11 @@
-"""The functional API: ``context_parallel_attention`` — build an engine for this call and run it.
+"""The functional API: ``context_parallel_attention`` — the engine for this configuration, run once.
 
-Code that calls attention every step with one configuration (a model layer) should hold a
-``ContextParallelAttention`` instead: it resolves the schedule, peers and kernel once.
+Engines are kept per configuration (the last 64), so repeated calls reuse what an engine resolved
+(kernel, schedule, peers). A model layer may as well hold its ``ContextParallelAttention`` itself.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Optional, Union
 
 import torch
@@ -58,8 +59,17 @@ def context_parallel_attention(
     ``check_ranks``: check that all CP ranks agree on shapes and configuration first (default: on
     for gloo groups, off for NCCL unless ``MCP_CONTEXT_CHECK_RANKS=1``).
     """
-    engine = ContextParallelAttention(groups, causal=causal, layout=layout, comm=comm, softmax_scale=softmax_scale,
-                                      backend=backend, dropout_p=dropout_p, check_ranks=check_ranks,
-                                      window_size=window_size)
+    if not isinstance(groups, HCPGroups):
+        groups = HCPGroups.flat(groups)
+    engine = _engine(groups, causal, layout, comm, softmax_scale, backend, dropout_p, check_ranks,
+                     None if window_size is None else tuple(window_size))
     return engine(q, k, v, return_lse=return_lse, dropout_seed=dropout_seed, cu_seqlens=cu_seqlens,
                   cu_seqlens_padded=cu_seqlens_padded)
+
+
+@lru_cache(maxsize=64)
+def _engine(groups: HCPGroups, causal, layout, comm, softmax_scale, backend, dropout_p, check_ranks,
+            window_size) -> ContextParallelAttention:
+    return ContextParallelAttention(groups, causal=causal, layout=layout, comm=comm, softmax_scale=softmax_scale,
+                                    backend=backend, dropout_p=dropout_p, check_ranks=check_ranks,
+                                    window_size=window_size)

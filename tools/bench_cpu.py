@@ -151,6 +151,7 @@ def _bench_config(rank, world, groups, comm, layout, shape: Shape, reps: int) ->
             "ratio_fwd": statistics.median(r["ours_fwd"] / r["full_fwd"] for r in reps_out),
             "ratio_fwd_bwd": statistics.median(r["ours_fwd_bwd"] / r["full_fwd_bwd"] for r in reps_out),
             "rank_check_share_fwd": statistics.median(r["rank_check"] / r["ours_fwd"] for r in reps_out),
+            "rank_check_share_fwd_bwd": statistics.median(r["rank_check"] / r["ours_fwd_bwd"] for r in reps_out),
             "load_balance": load_balance(sched), "masked_waste_tile128": masked_waste(sched),
             "bytes_sent_fwd": bytes_fwd, "bytes_sent_fwd_bwd": bytes_fwd_bwd}
 
@@ -227,7 +228,8 @@ def _cpu_worker(rank, world, init_file, out_file, shape, reps, comms, layouts):
         if res:
             print(f"  P={world} {comm:10s} {layout:10s} fwd {res['ratio_fwd']:.2f}x  "
                   f"fwd+bwd {res['ratio_fwd_bwd']:.2f}x  balance {res['load_balance']:.3f}  "
-                  f"rank check {100 * res['rank_check_share_fwd']:.2f}% of fwd", flush=True)
+                  f"rank check {100 * res['rank_check_share_fwd']:.2f}% of fwd, "
+                  f"{100 * res['rank_check_share_fwd_bwd']:.2f}% of fwd+bwd", flush=True)
         results.append(res)
     timeline = _timeline(rank, world, groups.get((world,)) or build_hcp_groups([world]), shape, reps)
     if rank == 0:
