@@ -133,11 +133,14 @@ def _bench_config(rank, world, groups, comm, layout, shape: Shape, reps: int) ->
     bytes_fwd_bwd = dict(comm_stats.bytes_sent)
     engine = ContextParallelAttention(groups, causal=True, layout=layout, comm=comm, check_ranks=True)
 
-    def rank_check() -> float:
-        """The cross-rank agreement check alone (it is part of every ``ours`` call on gloo)."""
+    def rank_check(calls: int = 20) -> float:
+        """Seconds of one cross-rank agreement check (part of every ``ours`` call on gloo): the mean of
+        ``calls`` back to back after a barrier, so the ranks' skew is not counted as its cost."""
+        dist.barrier()
         t0 = time.perf_counter()
-        engine.check_agreement(*leaves)
-        return time.perf_counter() - t0
+        for _ in range(calls):
+            engine.check_agreement(*leaves)
+        return (time.perf_counter() - t0) / calls
 
     reps_out = []
     for _ in range(reps):  # interleaved: ours and the baseline alternate within each repetition
