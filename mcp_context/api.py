@@ -9,6 +9,7 @@ from functools import lru_cache
 from typing import Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from .comm import HCPGroups
@@ -59,17 +60,21 @@ def context_parallel_attention(
     ``check_ranks``: check that all CP ranks agree on shapes and configuration first (default: on
     for gloo groups, off for NCCL unless ``MCP_CONTEXT_CHECK_RANKS=1``).
     """
-    if not isinstance(groups, HCPGroups):
-        groups = HCPGroups.flat(groups)
-    engine = _engine(groups, causal, layout, comm, softmax_scale, backend, dropout_p, check_ranks,
-                     None if window_size is None else tuple(window_size))
+    if groups is None:  # the default group, by identity: a re-initialised one gets a new engine
+        groups = dist.group.WORLD
+    config = (groups, causal, layout, comm, softmax_scale, backend, dropout_p, check_ranks,
+              tuple(window_size) if isinstance(window_size, list) else window_size)
+    try:
+        engine = _engine(*config)
+    except TypeError:  # an unhashable (so invalid) value: the engine's own checks name it
+        engine = _engine.__wrapped__(*config)
     return engine(q, k, v, return_lse=return_lse, dropout_seed=dropout_seed, cu_seqlens=cu_seqlens,
                   cu_seqlens_padded=cu_seqlens_padded)
 
 
 @lru_cache(maxsize=64)
-def _engine(groups: HCPGroups, causal, layout, comm, softmax_scale, backend, dropout_p, check_ranks,
-            window_size) -> ContextParallelAttention:
+def _engine(groups: Union[HCPGroups, ProcessGroup, None], causal, layout, comm, softmax_scale, backend, dropout_p,
+            check_ranks, window_size) -> ContextParallelAttention:
     return ContextParallelAttention(groups, causal=causal, layout=layout, comm=comm, softmax_scale=softmax_scale,
                                     backend=backend, dropout_p=dropout_p, check_ranks=check_ranks,
                                     window_size=window_size)

@@ -54,3 +54,19 @@ def random_qkv(seq_len: int, batch: int, heads: int, kv_heads: int, head_dim: in
     shapes = [(seq_len, batch, heads, head_dim), (seq_len, batch, kv_heads, head_dim),
               (seq_len, batch, kv_heads, head_dim), (seq_len, batch, heads, head_dim)]
     return [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+
+
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+"""The engine tests' tolerances: max abs error of out, lse, dq, dk, dv (values and gradients are O(1))."""
+
+
+def in_both_dtypes(compare, rank: int, world: int, *args) -> dict:
+    """``compare(rank, world, *args, dtype)`` in fp64 and in fp32 (wrap with ``functools.partial`` to get
+    a distributed case)."""
+    return {dtype: compare(rank, world, *args, dtype) for dtype in (torch.float64, torch.float32)}
+
+
+def assert_within_tolerance(rank: int, dtype: torch.dtype, errors: dict) -> None:
+    """Every ``{name: max abs error}`` of one rank within ``TOL[dtype]``."""
+    for name, err in errors.items():
+        assert err <= TOL[dtype], f"rank {rank} {dtype} {name}: max abs error {err:.3e} > {TOL[dtype]}"

@@ -7,6 +7,7 @@ h_kv in {8, 2, 1}; the fused torch kernel and the math kernel — each axis valu
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -14,9 +15,8 @@ import pytest
 import torch
 
 from tests._dist import run_distributed
-from tests.reference import full_attention, random_qkv
+from tests.reference import assert_within_tolerance, full_attention, in_both_dtypes, random_qkv
 
-TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 HIERARCHIES = {2: [[2]], 4: [[4], [2, 2]], 8: [[8], [2, 4], [4, 2], [2, 2, 2]]}
 LAYOUTS = ["zigzag", "contiguous", "striped"]
 
@@ -60,8 +60,7 @@ def _compare(rank, world, sizes, comm, layout, causal, kv_heads, backend, dtype)
             for name, (a, b) in pairs.items()}
 
 
-def _case(rank, world, *args):
-    return {dtype: _compare(rank, world, *args, dtype) for dtype in (torch.float64, torch.float32)}
+_case = functools.partial(in_both_dtypes, _compare)
 
 
 @pytest.mark.parametrize("world,sizes,comm,layout,causal,kv_heads,backend", list(_cases()))
@@ -69,8 +68,7 @@ def test_sharded_attention_matches_fp64_reference(world, sizes, comm, layout, ca
     per_rank = run_distributed(world, _case, sizes, comm, layout, causal, kv_heads, backend)
     for rank, errors in enumerate(per_rank):
         for dtype, errs in errors.items():
-            for name, (err, _) in errs.items():
-                assert err <= TOL[dtype], f"rank {rank} {dtype} {name}: max abs error {err:.3e} > {TOL[dtype]}"
+            assert_within_tolerance(rank, dtype, {name: err for name, (err, _) in errs.items()})
 
 
 def _bf16_case(rank, world, comm):

@@ -12,6 +12,7 @@ test_packed_transfers.py; Megatron: test_packed_megatron.py.)
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import re
@@ -23,9 +24,8 @@ from mcp_context.layouts import layout_spans, shard_index, shard_positions, shar
 from mcp_context.masks import CAUSAL, FULL, Documents, SlidingWindow, documents_mask
 from mcp_context.schedule import layout_schedule, load_balance
 from tests._dist import run_distributed
-from tests.reference import document_ids, full_attention, random_qkv
+from tests.reference import assert_within_tolerance, document_ids, full_attention, in_both_dtypes, random_qkv
 
-TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 CPU_FUSED = frozenset({"full", "causal", "anticausal"})
 HIERARCHIES = [(2, [2]), (4, [4]), (4, [2, 2]), (8, [2, 2, 2])]
 WITHIN = [(True, None), (True, (3, 0)), (False, None), (False, (2, 5))]  # (causal, window) inside documents
@@ -97,8 +97,7 @@ def _compare(rank, world, sizes, comm, layout, w, kv_heads, backend, dtype):
     return errors, padding
 
 
-def _case(rank, world, *args):
-    return {dtype: _compare(rank, world, *args, dtype) for dtype in (torch.float64, torch.float32)}
+_case = functools.partial(in_both_dtypes, _compare)
 
 
 @pytest.mark.parametrize("world,sizes,comm,layout,w,kv_heads,backend", list(_cases()))
@@ -107,8 +106,7 @@ def test_packed_attention_matches_fp64_reference(world, sizes, comm, layout, w, 
     assert sum(r[torch.float64][1]["rows"] for r in per_rank) > 0  # some rank holds padding rows
     for rank, results in enumerate(per_rank):
         for dtype, (errors, padding) in results.items():
-            for name, err in errors.items():
-                assert err <= TOL[dtype], f"rank {rank} {dtype} {name}: max abs error {err:.3e} > {TOL[dtype]}"
+            assert_within_tolerance(rank, dtype, errors)
             if padding["rows"]:
                 assert padding["out"] == 0.0 and padding["grads"] == 0.0 and padding["lse_inf"], (rank, padding)
 

@@ -9,6 +9,7 @@ window's lower edge (anticausal squares), and bad windows are refused with the f
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -21,9 +22,8 @@ from mcp_context.layouts import spans_positions
 from mcp_context.masks import ANTICAUSAL_BLOCK, CAUSAL, FULL, BlockMask, SlidingWindow, attention_mask
 from mcp_context.schedule import layout_schedule
 from tests._dist import run_distributed
-from tests.reference import full_attention, random_qkv
+from tests.reference import assert_within_tolerance, full_attention, in_both_dtypes, random_qkv
 
-TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 FUSED_MASKS = frozenset({"full", "causal", "anticausal"})
 CPU = torch.device("cpu")
 
@@ -86,8 +86,7 @@ def _compare(rank, world, sizes, comm, layout, w, kv_heads, backend, dtype):
     return {name: (a.double() - shard(b.detach())).abs().max().item() for name, (a, b) in pairs.items()}
 
 
-def _case(rank, world, *args):
-    return {dtype: _compare(rank, world, *args, dtype) for dtype in (torch.float64, torch.float32)}
+_case = functools.partial(in_both_dtypes, _compare)
 
 
 @pytest.mark.parametrize("world,sizes,comm,layout,w,kv_heads,backend", list(_cases()))
@@ -95,8 +94,7 @@ def test_windowed_attention_matches_fp64_reference(world, sizes, comm, layout, w
     per_rank = run_distributed(world, _case, sizes, comm, layout, w, kv_heads, backend)
     for rank, errors in enumerate(per_rank):
         for dtype, errs in errors.items():
-            for name, err in errs.items():
-                assert err <= TOL[dtype], f"rank {rank} {dtype} {name}: max abs error {err:.3e} > {TOL[dtype]}"
+            assert_within_tolerance(rank, dtype, errs)
 
 
 def test_every_window_appears_with_both_kernels():
