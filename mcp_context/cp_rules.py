@@ -14,6 +14,8 @@ from typing import Sequence
 COMM_TYPES = ("p2p", "a2a", "all_gather", "a2a+p2p")
 COMM_ALIASES = {"allgather": "all_gather"}
 LAYOUTS = ("contiguous", "zigzag", "striped")
+PACKED_LAYOUTS = ("balanced",)  # layouts that exist only for packed sequences (cu_seqlens)
+ALL_LAYOUTS = LAYOUTS + PACKED_LAYOUTS
 
 
 def normalize_comm(comm: str, name: str = "comm") -> str:
@@ -25,9 +27,15 @@ def normalize_comm(comm: str, name: str = "comm") -> str:
     return canonical
 
 
-def check_layout(layout: str) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not known; choose one of {', '.join(LAYOUTS)}")
+def check_layout(layout: str, packed: bool = False) -> None:
+    """A ValueError naming the fix for an unknown layout, or for a packed-only one without documents
+    (``packed``: the sequence is packed, or its documents are checked later, per call)."""
+    if layout not in ALL_LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not known; choose one of {', '.join(LAYOUTS)} "
+                         f"(or {', '.join(PACKED_LAYOUTS)} for packed sequences)")
+    if layout in PACKED_LAYOUTS and not packed:
+        raise ValueError(f"layout={layout!r} places the documents of a packed sequence: pass cu_seqlens, or use "
+                         f"one of {', '.join(LAYOUTS)}")
 
 
 def example_hcp_sizes(cp_size: int) -> list[int]:

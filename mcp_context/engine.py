@@ -28,12 +28,10 @@ from torch.distributed import ProcessGroup
 
 from .algorithms import Scheme, resolve_scheme
 from .comm import HCPGroups
-from .cp_rules import COMM_TYPES, a2a_degree, check_heads, check_seq_len, normalize_comm
-from .kernels import BACKENDS, get_kernel
-from .layouts import ALL_LAYOUTS, check_packed_layout
+from .cp_rules import ALL_LAYOUTS, COMM_TYPES, a2a_degree, check_heads, check_layout, check_seq_len, normalize_comm
+from .kernels import BACKENDS, FLOAT_DTYPES, check_backend, get_kernel
 from .masks import Documents, Mask, attention_mask, documents_mask
 
-_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _PACKED_SCHEMES = 8  # schemes kept per engine for packings (cu_seqlens) seen last
 
 
@@ -84,14 +82,14 @@ def _tensor_row(x) -> list[int]:
     if not isinstance(x, torch.Tensor):
         return [-1] * 7
     shape = list(x.shape[:4]) + [-1] * (4 - min(x.dim(), 4))
-    return [x.dim(), *shape, _code(_DTYPES, x.dtype), _code(("cpu", "cuda", "meta"), x.device.type)]
+    return [x.dim(), *shape, _code(FLOAT_DTYPES, x.dtype), _code(("cpu", "cuda", "meta"), x.device.type)]
 
 
 def _describe(row: list[int]) -> str:
     parts = []
     for i, name in enumerate(("q", "k", "v")):
         ndim, *shape = row[i * 7:i * 7 + 5]
-        dtype = _DTYPES[row[i * 7 + 5]] if row[i * 7 + 5] < len(_DTYPES) else "non-float"
+        dtype = FLOAT_DTYPES[row[i * 7 + 5]] if row[i * 7 + 5] < len(FLOAT_DTYPES) else "non-float"
         parts.append(f"{name} {list(shape[:max(ndim, 0)])} {str(dtype).replace('torch.', '')}")
     return ", ".join(parts)
 
@@ -109,7 +107,7 @@ class ContextParallelAttention:
                  dropout_p: float = 0.0, check_ranks: Optional[bool] = None,
                  window_size: Optional[tuple[int, int]] = None):
         self.comm = normalize_comm(comm)
-        check_packed_layout(layout, packed=True)  # a packed-only layout needs cu_seqlens: checked per call
+        check_layout(layout, packed=True)  # a packed-only layout needs cu_seqlens: checked per call
         if not isinstance(causal, bool):
             raise TypeError(f"causal={causal!r} must be a bool (True for causal attention, False for full), "
                             f"not {type(causal).__name__}")
@@ -118,8 +116,7 @@ class ContextParallelAttention:
                 softmax_scale, bool) and math.isfinite(softmax_scale) and softmax_scale > 0):
             raise ValueError(f"softmax_scale={softmax_scale!r} must be a positive finite number (default: "
                              f"1/sqrt(head_dim)); pass None for the default")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend={backend!r} is not known; choose one of {', '.join(BACKENDS)}")
+        check_backend(backend)
         if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0):
             raise ValueError(f"dropout_p={dropout_p} must be in [0, 1)")
         if not isinstance(groups, HCPGroups):
@@ -169,7 +166,7 @@ class ContextParallelAttention:
             if cu_seqlens_padded is not None:
                 raise ValueError("cu_seqlens_padded was given without cu_seqlens; pass both (cu_seqlens: the "
                                  "documents' cumulative lengths, cu_seqlens_padded: their padded offsets)")
-            check_packed_layout(self.layout, packed=False)
+            check_layout(self.layout)
             return self.mask
         if q.shape[1] != 1:
             raise ValueError(f"a packed sequence (cu_seqlens) is one sequence: q must be [s_local, 1, h, d] (b = 1), "

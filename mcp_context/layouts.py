@@ -34,11 +34,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from .cp_rules import LAYOUTS, check_seq_len
+from .cp_rules import check_layout, check_seq_len
 from .masks import Documents, documents_mask
 
-PACKED_LAYOUTS = ("balanced",)  # layouts that exist only for packed sequences (cu_seqlens)
-ALL_LAYOUTS = LAYOUTS + PACKED_LAYOUTS
 
 @dataclass(frozen=True)
 class Span:
@@ -56,20 +54,10 @@ class Span:
         return torch.arange(self.count) * self.stride + self.start
 
 
-def check_packed_layout(layout: str, packed: bool) -> None:
-    """A ValueError naming the fix for an unknown layout, or a packed-only one without documents."""
-    if layout not in ALL_LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not known; choose one of {', '.join(LAYOUTS)} "
-                         f"(or {', '.join(PACKED_LAYOUTS)} for packed sequences)")
-    if layout in PACKED_LAYOUTS and not packed:
-        raise ValueError(f"layout={layout!r} places the documents of a packed sequence: pass cu_seqlens, or use "
-                         f"one of {', '.join(LAYOUTS)}")
-
-
 def layout_spans(layout: str, cp_size: int, cp_rank: int, seq_len: int, documents: Optional[Documents] = None
                  ) -> list[Span]:
     """The spans rank ``cp_rank`` holds, in local order (``documents``: a packed sequence's documents)."""
-    check_packed_layout(layout, documents is not None)
+    check_layout(layout, packed=documents is not None)
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank={cp_rank} is outside [0, {cp_size}) for cp_size={cp_size}")
     if documents is not None and cp_size == 1:  # one rank holds every document, in order

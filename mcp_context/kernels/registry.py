@@ -129,7 +129,7 @@ def refusal(kernel: Kernel, device: torch.device, dtype: torch.dtype, dropout: b
     return reason
 
 
-def _check_backend(backend: str) -> None:
+def check_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not known; choose one of {', '.join(BACKENDS)}")
 
@@ -148,7 +148,7 @@ def get_kernel(backend: str, device: torch.device, dtype: torch.dtype, dropout: 
 
     A named op that does not serve raises a ValueError with the probe's reason; ``torch`` (any fused
     op) warns and uses the math kernel when none serves; ``auto`` uses it silently."""
-    _check_backend(backend)
+    check_backend(backend)
     if backend == "te":
         return TEKernel(device, dtype)
     if backend == "math" or (backend == "auto" and dropout):
