@@ -1,7 +1,8 @@
 """What every block-attention backend is and declares: the ``Kernel`` protocol and ``Capabilities``.
 
 A kernel computes one block on one device, ``(q, k, v, mask) -> (out, lse)`` on ``[b, h, s, d]``
-tensors (``h`` query heads, ``h_kv`` key/value heads with ``h % h_kv == 0``), and the block's
+tensors (``h`` query heads, ``h_kv`` key/value heads with ``h % h_kv == 0``; ``v`` and ``out`` may have
+a head dim ``dv`` other than q's and k's where ``Capabilities.distinct_v_dim`` says so), and the block's
 gradients from the *final* merged ``(out, lse)`` of the whole attention, as flash-attention does, so
 nothing O(s^2) is kept. ``mask`` is a ``masks.BlockMask`` (``True``/``False`` mean causal/full); the
 schedule only sends a kernel the kinds its ``Capabilities.masks`` declare: every kernel computes
@@ -28,6 +29,8 @@ class Capabilities:
     ``native_gqa``: takes fewer key/value heads than query heads without repeating them (its dK/dV
     come back with ``h_kv`` heads). ``masks``: the block masks it computes itself. ``dropout``: it
     can replay a seeded dropout mask per block (the fused ops draw their own masks, so they cannot).
+    ``distinct_v_dim``: takes a value head dim other than the query/key head dim (MLA: DeepSeek-V3's
+    ``dqk = 192``, ``dv = 128``); ``out`` and dV then have ``dv`` columns.
     """
 
     devices: frozenset[str]
@@ -35,9 +38,11 @@ class Capabilities:
     native_gqa: bool
     masks: frozenset[str] = frozenset(BLOCK_MASKS)
     dropout: bool = False
+    distinct_v_dim: bool = False
 
-    def refusal(self, device: torch.device, dtype: torch.dtype, dropout: bool) -> Optional[str]:
-        """Why this backend cannot serve ``(device, dtype, dropout)``, or None if it may."""
+    def refusal(self, device: torch.device, dtype: torch.dtype, dropout: bool,
+                distinct_v_dim: bool = False) -> Optional[str]:
+        """Why this backend cannot serve ``(device, dtype, dropout, dv != dqk)``, or None if it may."""
         if device.type not in self.devices:
             return f"runs on {'/'.join(sorted(self.devices))} only, not {device.type}"
         if dtype not in self.dtypes:
@@ -45,6 +50,8 @@ class Capabilities:
             return f"supports {names} only, not {str(dtype).replace('torch.', '')}"
         if dropout and not self.dropout:
             return "cannot replay a per-block dropout mask (use dropout 0 or the math kernel)"
+        if distinct_v_dim and not self.distinct_v_dim:
+            return "needs the value head dim equal to the query/key head dim (MLA's dv != dqk goes to another kernel)"
         return None
 
 
@@ -71,7 +78,7 @@ class Kernel(Protocol):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Union[bool, BlockMask], scale: float,
                 dropout: Optional[Dropout] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return ``out [b, h, sq, d]`` and ``lse [b, h, sq]`` (fp32, or fp64 for fp64 input).
+        """Return ``out [b, h, sq, dv]`` and ``lse [b, h, sq]`` (fp32, or fp64 for fp64 input).
 
         With dropout, ``out`` uses the dropped probabilities and ``lse`` the undropped scores, so
         blocks merge exactly as without dropout."""

@@ -3,7 +3,8 @@
 Computes in fp32 (fp64 for fp64 input) with an explicit softmax over one block. GQA groups the
 query heads over each KV head with a reshape (no repeated KV). The backward recomputes the
 probabilities from the final ``lse`` instead of saving them: memory stays O(block), not O(s^2).
-Applies every block mask itself, bands included (``masks.BlockMask.visible``).
+Applies every block mask itself, bands included (``masks.BlockMask.visible``). V may have its own
+head dim (MLA's ``dv != dqk``): scores use q's and k's columns, ``out`` and dV have v's.
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def _scores(q: torch.Tensor, k: torch.Tensor, mask: BlockMask, scale: float, dty
 class MathKernel:
     name = "math"
     capabilities = Capabilities(devices=frozenset({"cpu", "cuda", "meta"}), dtypes=frozenset(FLOAT_DTYPES),
-                                native_gqa=True, masks=frozenset(BLOCK_MASK_KINDS), dropout=True)
+                                native_gqa=True, masks=frozenset(BLOCK_MASK_KINDS), dropout=True,
+                                distinct_v_dim=True)
 
     def forward(self, q, k, v, mask, scale, dropout: Optional[Dropout] = None):
         dtype = accum_dtype(q.dtype)

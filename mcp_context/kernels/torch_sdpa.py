@@ -18,7 +18,19 @@ on the same op with the rows flipped (copies of O(s·d), against O(s^2·d) compu
 
 Every op reads ``[b, h, s, d]`` views of the executor's ``[s, b, h, d]`` storage (a permute, no
 copy); only a last dimension that is not contiguous is copied (the CPU op silently misreads it).
+One exception: the efficient op's backward reads ``out`` (and ``dout``) as if packed ``[b, s, h, d]``
+(its row stride is wired to ``h * d``: a ``[b, h, s, d]``-packed ``out`` gave wrong half-precision dq/dk on
+an H100 and read past the end of ``out``), so both are handed to it bshd-packed, copied if they are not.
 Whether an op serves a device and dtype is the registry's probe's call, never a version string.
+
+Value head dims other than the query/key one (MLA, ``Capabilities.distinct_v_dim``): the CPU op refuses
+them ("Q/K/V should have the same head size", torch 2.13); flash requires equal head dims (PyTorch's
+``check_head_dim_size_flash``, and its shape function gives ``out`` q's head dim); cuDNN takes them
+(PyTorch #128350; its shape functions give ``out``/dV v's head dim), checked by the probe on a GPU; the
+efficient op's shape functions take them but no GPU has checked it, so it declares no.
+
+Copies use ``clone(memory_format=...)`` and slices ``narrow``: under a fake-CUDA rehearsal on a CPU-only
+torch, ``Tensor.contiguous()`` and indexing go through a device guard that does not exist there.
 """
 from __future__ import annotations
 
@@ -35,9 +47,19 @@ _HALF = frozenset({torch.bfloat16, torch.float16})
 _MASKS = frozenset({"full", "causal", "anticausal"})
 
 
+def _packed(x: torch.Tensor) -> torch.Tensor:
+    """``x`` contiguous (copied only if it is not)."""
+    return x if x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
+
+
 def _dense_last(x: torch.Tensor) -> torch.Tensor:
     """``x`` with a unit stride in the last dimension (what every fused op assumes)."""
-    return x if x.stride(-1) == 1 else x.contiguous()
+    return x if x.stride(-1) == 1 else _packed(x)
+
+
+def _bshd_packed(x: torch.Tensor) -> torch.Tensor:
+    """``x [b, h, s, d]`` as a view of ``[b, s, h, d]``-contiguous storage (copied only if it is not)."""
+    return _packed(x.transpose(1, 2)).transpose(1, 2)
 
 
 def _repeat_kv(x: torch.Tensor, h: int) -> torch.Tensor:
@@ -71,7 +93,7 @@ def _flash_backward(dout, q, k, v, out, lse, causal, scale):
     seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
     offset = torch.zeros((), dtype=torch.uint64, device=q.device)
     return aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal, seed, offset,
+        dout, q, k, v, out, _packed(lse), None, None, q.shape[2], k.shape[2], 0.0, causal, seed, offset,
         scale=scale)
 
 
@@ -84,20 +106,22 @@ def _cudnn_backward(dout, q, k, v, out, lse, causal, scale):
     seed = torch.zeros((), dtype=torch.int64, device=q.device)
     offset = torch.zeros((), dtype=torch.int64, device=q.device)
     return aten._scaled_dot_product_cudnn_attention_backward(
-        dout, q, k, v, out, lse.unsqueeze(-1).contiguous(), seed, offset, None, None, None, q.shape[2], k.shape[2],
+        dout, q, k, v, out, _packed(lse.unsqueeze(-1)), seed, offset, None, None, None, q.shape[2], k.shape[2],
         0.0, causal, scale=scale)
 
 
 def _efficient_forward(q, k, v, causal, scale):
     out, lse, *_ = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
-    return out, lse[..., : q.shape[2]]  # some builds pad the LSE to a multiple of 32 rows
+    return out, lse.narrow(-1, 0, q.shape[2])  # some builds pad the LSE to a multiple of 32 rows
 
 
 def _efficient_backward(dout, q, k, v, out, lse, causal, scale):
+    """``out`` and ``dout`` go in bshd-packed: the kernel reads them with a row stride of ``h * d``."""
+    dout, out = _bshd_packed(dout), _bshd_packed(out)
     seed = torch.zeros((), dtype=torch.int64, device=q.device)
     offset = torch.zeros((), dtype=torch.int64, device=q.device)
     dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k, v, None, out, lse.contiguous(), seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
+        dout, q, k, v, None, out, _packed(lse), seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
     return dq, dk, dv
 
 
@@ -113,12 +137,13 @@ class FusedOp:
 
 FUSED_OPS: dict[str, FusedOp] = {op.name: op for op in (
     FusedOp("cpu_flash", Capabilities(frozenset({"cpu"}), _HALF | {torch.float64, torch.float32}, native_gqa=True,
-                                      masks=_MASKS), _cpu_forward, _cpu_backward),
-    FusedOp("cudnn", Capabilities(frozenset({"cuda"}), _HALF, native_gqa=True, masks=_MASKS),
+                                      masks=_MASKS, distinct_v_dim=False), _cpu_forward, _cpu_backward),
+    FusedOp("cudnn", Capabilities(frozenset({"cuda"}), _HALF, native_gqa=True, masks=_MASKS, distinct_v_dim=True),
             _cudnn_forward, _cudnn_backward),
-    FusedOp("flash", Capabilities(frozenset({"cuda"}), _HALF, native_gqa=True, masks=_MASKS),
+    FusedOp("flash", Capabilities(frozenset({"cuda"}), _HALF, native_gqa=True, masks=_MASKS, distinct_v_dim=False),
             _flash_forward, _flash_backward),
-    FusedOp("efficient", Capabilities(frozenset({"cuda"}), _HALF | {torch.float32}, native_gqa=False, masks=_MASKS),
+    FusedOp("efficient", Capabilities(frozenset({"cuda"}), _HALF | {torch.float32}, native_gqa=False, masks=_MASKS,
+                                      distinct_v_dim=False),
             _efficient_forward, _efficient_backward),
 )}
 
