@@ -96,13 +96,14 @@ def assert_converts_back_bit_for_bit(saved_dir, hf_dir, out_dir) -> None:
 
 
 def init_megatron(tp: int = 1, cp: int = 1, **kwargs) -> None:
-    """megatron-core's parallel state on this gloo rank (CPU shims applied), seeded."""
+    """megatron-core's parallel state on this gloo rank, seeded, pinned to the CPU (shims applied also where
+    CUDA is present; the models come from ``verify.build_gpt_model``, whose device defaults to the CPU)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_patches.cpu_shims import apply_cpu_shims
 
-    apply_cpu_shims()
+    apply_cpu_shims("cpu")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp, **kwargs)
     model_parallel_cuda_manual_seed(0)
 

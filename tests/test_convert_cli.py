@@ -18,10 +18,11 @@ import torch
 from mcp_context.convert import mcore_io
 from mcp_context.convert.__main__ import main
 from mcp_context.convert.converter import hf_to_mcore, mcore_to_hf
+from mcp_context.convert.model_config import HFModel
 
 pytest.register_assert_rewrite("tests.convert_fixtures")  # also loaded as a plugin below: rewrite it first
 from tests._dist import run_distributed
-from tests.convert_fixtures import LOGIT_ATOL, build_hf_model
+from tests.convert_fixtures import LOGIT_ATOL, build_hf_model, init_megatron, tokens
 
 pytest.importorskip("transformers", reason="the HF side of conversion tests needs transformers")
 pytest.importorskip("safetensors", reason="the independent safetensors reader/writer is the reference")
@@ -118,3 +119,59 @@ def test_cli_reports_errors_in_one_line_with_exit_status_2(converted, tmp_path, 
     assert status == 2
     assert "decoder.layers.self_attention.linear_qkv.layer_norm_weight" in err and "[3, 64]" in err
     assert not (tmp_path / "x").exists()
+
+
+def _devices_fed(model: torch.nn.Module, run) -> set[str]:
+    """Run ``run()`` and return the devices of every tensor ``model`` is called with (arguments and
+    keyword arguments) during it."""
+    seen: set[str] = set()
+
+    def record(module, args, kwargs):
+        seen.update(str(t.device) for t in torch.utils._pytree.tree_leaves((args, kwargs)) if torch.is_tensor(t))
+
+    hook = model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        run()
+    finally:
+        hook.remove()
+    return seen
+
+
+def _case_verify_forward_devices(rank, world_size, hf_dir, arch, device):
+    from megatron.core import parallel_state
+
+    from mcp_context.convert.verify import build_gpt_model, hf_logits, load_hf_model, mcore_logits
+
+    init_megatron()
+    try:
+        logits, held = {}, {}
+        mcore = build_gpt_model(HFModel.from_record(arch).shape, device=device)
+        hf = load_hf_model(hf_dir, device)
+        fed = {"mcore": _devices_fed(mcore, lambda: logits.update(mcore=mcore_logits(mcore, tokens()))),
+               "hf": _devices_fed(hf, lambda: logits.update(hf=hf_logits(hf, tokens())))}
+        for side, model in (("mcore", mcore), ("hf", hf)):
+            held[side] = {str(t.device) for t in [*model.parameters(), *model.buffers()]}
+        held["mcore"].add(str(mcore.rotary_pos_emb.inv_freq.device))  # a plain attribute, not a buffer
+        return fed, held, {side: str(out.device) for side, out in logits.items()}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_verify_runs_both_models_on_the_requested_device_whatever_device_the_token_ids_are_on(converted):
+    """The forward verify runs, on ``meta`` (a device other than the CPU the token ids are made on, as
+    ``cuda`` is on a GPU machine): every tensor fed to either model (token ids, positions, mask), every
+    weight, buffer and RoPE frequency, and both sides' logits, are on that device."""
+    hf_dir, _, arch, _ = converted["llama_gqa_rope3"]
+    fed, held, out = run_distributed(1, _case_verify_forward_devices, str(hf_dir), arch, "meta")[0]
+    assert fed == held == {"mcore": {"meta"}, "hf": {"meta"}}, (fed, held)
+    assert out == {"mcore": "meta", "hf": "meta"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_verify_refuses_a_device_it_cannot_run_on_in_one_line(converted, capsys):
+    hf_dir, mcore_dir, _, _ = converted["llama_gqa_rope3"]
+    for device, message in (("cuda", "--device 'cuda' but this torch sees no CUDA device; pass --device cpu"),
+                            ("meta", "--device 'meta': verify runs on cpu or cuda, not meta"),
+                            ("gpu0", "--device 'gpu0' is not a torch device; pass cpu, cuda or cuda:N")):
+        assert main(["verify", "--hf", str(hf_dir), "--mcore", str(mcore_dir), "--device", device]) == 2
+        assert capsys.readouterr().err == f"error: {message}\n"

@@ -81,6 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--mcore", required=True, type=Path)
     v.add_argument("--prompt", default=None, help="text (needs the tokenizer in --hf); default: 32 random ids")
     v.add_argument("--tolerance", type=_tolerance, default=1e-4, help="fail (exit 1) above this max |difference|")
+    v.add_argument("--device", default="cpu",
+                   help="where both models and their inputs run: cpu (default), cuda or cuda:N")
 
     r = sub.add_parser("make-random", help="write a random-weight HF checkpoint (for memory/speed measurements)")
     r.add_argument("--out", required=True, type=Path)
@@ -108,14 +110,16 @@ def _run(args: argparse.Namespace) -> int:
         from mcp_context.convert.mcore_io import McoreCheckpointReader
         from mcp_context.convert.model_config import hf_model_from_config
         from mcp_context.convert.verify import (check_same_model, differing_tensors, max_logit_difference,
-                                                prompt_token_ids)
+                                                prompt_token_ids, verify_device)
 
+        device = verify_device(args.device)
         hf, mcore = HFCheckpointReader(args.hf), McoreCheckpointReader(args.mcore)
         arch = hf_model_from_config(hf.config)
         check_same_model(hf, mcore, arch)
         ids = prompt_token_ids(args.hf, args.prompt, arch.shape.vocab_size)
-        diff = max_logit_difference(args.hf, args.mcore, arch.shape, ids)
-        print(f"max |logit difference| = {diff:.3e} over {ids.shape[1]} tokens (tolerance {args.tolerance:.1e})")
+        diff = max_logit_difference(args.hf, args.mcore, arch.shape, ids, device)
+        print(f"max |logit difference| = {diff:.3e} over {ids.shape[1]} tokens on {device} "
+              f"(tolerance {args.tolerance:.1e})")
         if not diff <= args.tolerance:
             differ = differing_tensors(hf, mcore, arch.shape)
             why = (f"{len(differ)} tensor(s) differ between --hf and --mcore, e.g. {differ[:4]}" if differ else

@@ -5,7 +5,9 @@ config implies, on both sides), loading each side for inference in fp32 on one p
 Megatron side built from the model shape through the ``TransformerConfig`` / ``GPTModel``
 translation pretraining uses, and loaded through megatron-core's own ``dist_checkpointing.load``,
 as training would load it, with ``safe_pickle``'s load strategies), comparing their logits on one
-prompt and, when they differ, naming the tensors that differ. The Megatron side may be a conversion or a training
+prompt and, when they differ, naming the tensors that differ. Both models, their inputs and the
+reference logits live on one device the caller names (``--device``, default the CPU): a model on
+``cuda:0`` fed CPU token ids fails. The Megatron side may be a conversion or a training
 checkpoint (its optimizer state, RNG and scheduler entries are not read). It does not convert
 anything (``converter``).
 """
@@ -15,7 +17,7 @@ import contextlib
 import dataclasses
 import os
 import tempfile
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 import torch
 
@@ -27,18 +29,46 @@ from mcp_context.convert.model_config import HFModel
 from mcp_context.recipes.schema import ModelConfig, gpt_model_kwargs, transformer_config_kwargs
 
 
+DeviceLike = Union[str, torch.device]
+
+
+def verify_device(device: DeviceLike) -> torch.device:
+    """``device`` as a ``torch.device`` verify can run on (the CPU or a CUDA device present here), else a
+    ``ValueError`` naming ``--device``, the value and the fix."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device {device!r} is not a torch device; pass cpu, cuda or cuda:N") from None
+    if parsed.type == "cpu":
+        return parsed
+    if parsed.type != "cuda":
+        raise ValueError(f"--device {device!r}: verify runs on cpu or cuda, not {parsed.type}")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise ValueError(f"--device {device!r} but this torch sees no CUDA device; pass --device cpu")
+    if parsed.index is not None and parsed.index >= count:
+        raise ValueError(f"--device {device!r} but this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1})")
+    return parsed
+
+
 @contextlib.contextmanager
-def single_process_megatron(seed: int = 0) -> Iterator[None]:
+def single_process_megatron(seed: int = 0, device: DeviceLike = "cpu") -> Iterator[None]:
     """Megatron parallel state for one process (TP = PP = CP = 1), set up only where absent and torn
-    down on exit; CPU shims applied when there is no CUDA."""
+    down on exit. Off CUDA (``device`` the CPU, or ``meta``) megatron-core's CUDA-only helpers are
+    shimmed onto the CPU; on a CUDA device that device becomes the current one, where megatron-core
+    places what it creates itself."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    if not torch.cuda.is_available():
-        from megatron_patches.cpu_shims import apply_cpu_shims
+    from megatron_patches.cpu_shims import apply_cpu_shims
 
-        apply_cpu_shims()
+    device = torch.device(device)
+    if device.type == "cuda":
+        if device.index is not None:
+            torch.cuda.set_device(device)
+    else:
+        apply_cpu_shims("cpu")
     own_group = not dist.is_initialized()
     with tempfile.TemporaryDirectory(prefix="mcp_verify_") as tmp:
         if own_group:
@@ -56,15 +86,19 @@ def single_process_megatron(seed: int = 0) -> Iterator[None]:
                 dist.destroy_process_group()
 
 
-def build_gpt_model(model: ModelConfig, layer_spec: Any = None, **layout: Any) -> torch.nn.Module:
-    """A megatron-core ``GPTModel`` for ``model``: this rank's pipeline stage on the current parallel state.
+def build_gpt_model(model: ModelConfig, layer_spec: Any = None, device: DeviceLike = "cpu",
+                    initialize: bool = True, **layout: Any) -> torch.nn.Module:
+    """A megatron-core ``GPTModel`` for ``model``: this rank's pipeline stage on the current parallel
+    state, every parameter, buffer and RoPE frequency on ``device``.
 
     ``layer_spec`` defaults to megatron-core's local spec with RMSNorm; ``layout`` replaces
     ``ModelConfig`` fields (``tensor_model_parallel_size``, ``context_parallel_size``,
     ``cp_comm_type``, ``pipeline_model_parallel_size``, ...), which must agree with the initialised
-    parallel state.
+    parallel state. On CUDA the weights are made on that device; elsewhere on the CPU, then moved (to
+    ``meta``: dropped). ``initialize=False`` leaves them uninitialised, for a caller that loads them all.
     """
     from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
@@ -72,23 +106,35 @@ def build_gpt_model(model: ModelConfig, layer_spec: Any = None, **layout: Any) -
     if layer_spec is None:
         layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     model = dataclasses.replace(model, **layout)
-    config = TransformerConfig(**transformer_config_kwargs(model), use_cpu_initialization=not torch.cuda.is_available())
-    return GPTModel(config, layer_spec, pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
-                    post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
-                    **gpt_model_kwargs(model, model.vocab_size))
+    device = torch.device(device)
+    config = TransformerConfig(**transformer_config_kwargs(model), use_cpu_initialization=device.type != "cuda",
+                               perform_initialization=initialize)
+    # megatron-core makes CUDA weights on the current device: make it the requested one for the build
+    on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with on_device:
+        gpt = GPTModel(config, layer_spec, pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
+                       post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+                       **gpt_model_kwargs(model, model.vocab_size))
+    gpt.to(device)
+    for module in gpt.modules():  # RoPE's inv_freq is a plain attribute, which Module.to does not move
+        if isinstance(module, RotaryEmbedding):
+            module.inv_freq = module.inv_freq.to(device)
+    return gpt
 
 
 def load_mcore_model(mcore_dir: str | os.PathLike, model: ModelConfig, layer_spec: Any = None,
-                     **layout: Any) -> torch.nn.Module:
-    """Build the ``GPTModel`` for ``model`` on the current parallel state and load ``mcore_dir`` into it
-    with megatron-core's ``dist_checkpointing.load`` (through ``safe_pickle``'s strategies, which run
-    no code from the checkpoint). Only the model's own entries are taken: a training checkpoint's
-    common state (optimizer groups, scheduler, step, layout) comes back from ``load`` too."""
+                     device: DeviceLike = "cpu", **layout: Any) -> torch.nn.Module:
+    """Build the ``GPTModel`` for ``model`` on ``device`` and the current parallel state, and load
+    ``mcore_dir`` into it with megatron-core's ``dist_checkpointing.load`` (through ``safe_pickle``'s
+    strategies, which run no code from the checkpoint). Only the model's own entries are taken: a
+    training checkpoint's common state (optimizer groups, scheduler, step, layout) comes back from
+    ``load`` too. Every entry of the model's state dict is loaded (``load_state_dict`` is strict), so
+    the build skips random initialisation."""
     from megatron.core import dist_checkpointing
 
     from mcp_context.safe_pickle import mcore_load_strategies
 
-    gpt = build_gpt_model(model, layer_spec, **layout)
+    gpt = build_gpt_model(model, layer_spec, device, initialize=False, **layout)
     sharded = gpt.sharded_state_dict()
     sharded_strategy, common_strategy = mcore_load_strategies()
     state = dist_checkpointing.load(sharded, str(mcore_dir), sharded_strategy=sharded_strategy,
@@ -97,26 +143,37 @@ def load_mcore_model(mcore_dir: str | os.PathLike, model: ModelConfig, layer_spe
     return gpt.eval()
 
 
-def causal_mask(seq_len: int) -> torch.Tensor:
+def causal_mask(seq_len: int, device: DeviceLike = "cpu") -> torch.Tensor:
     """Megatron's boolean attention mask ``[1, 1, s, s]`` (True = masked) for causal attention."""
-    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)[None, None]
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
 
 
 @torch.no_grad()
 def mcore_logits(model: torch.nn.Module, token_ids: torch.Tensor) -> torch.Tensor:
-    """``token_ids: [b, s]`` -> logits ``[b, s, vocab]`` of a CP = 1 megatron ``GPTModel``."""
+    """``token_ids: [b, s]`` -> logits ``[b, s, vocab]`` of a CP = 1 megatron ``GPTModel``, on the
+    model's device (token ids, positions and mask are made or moved there)."""
+    device = _model_device(model)
     b, s = token_ids.shape
-    position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
-    return model(token_ids, position_ids, causal_mask(s)).float()
+    position_ids = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
+    return model(token_ids.to(device), position_ids, causal_mask(s, device)).float()
 
 
-@torch.no_grad()
-def hf_logits(hf_dir: str | os.PathLike, token_ids: torch.Tensor) -> torch.Tensor:
-    """Logits ``[b, s, vocab]`` of the Hugging Face model in ``hf_dir`` (fp32, eager attention)."""
+def load_hf_model(hf_dir: str | os.PathLike, device: DeviceLike = "cpu") -> torch.nn.Module:
+    """The Hugging Face model in ``hf_dir`` in fp32 with eager attention, on ``device``, in eval mode."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="eager")
-    return model.eval()(token_ids).logits.float()
+    return model.to(device).eval()
+
+
+@torch.no_grad()
+def hf_logits(model: torch.nn.Module, token_ids: torch.Tensor) -> torch.Tensor:
+    """Logits ``[b, s, vocab]`` of a Hugging Face causal LM, on the model's device."""
+    return model(token_ids.to(_model_device(model))).logits.float()
 
 
 def prompt_token_ids(hf_dir: str | os.PathLike, prompt: Optional[str], vocab_size: int,
@@ -130,11 +187,14 @@ def prompt_token_ids(hf_dir: str | os.PathLike, prompt: Optional[str], vocab_siz
 
 
 def max_logit_difference(hf_dir: str | os.PathLike, mcore_dir: str | os.PathLike, model: ModelConfig,
-                         token_ids: torch.Tensor) -> float:
-    """Largest absolute difference between the two sides' logits on ``token_ids``."""
-    reference = hf_logits(hf_dir, token_ids)
-    with single_process_megatron():
-        ours = mcore_logits(load_mcore_model(mcore_dir, model), token_ids)
+                         token_ids: torch.Tensor, device: DeviceLike = "cpu") -> float:
+    """Largest absolute difference between the two sides' logits on ``token_ids``, both computed on
+    ``device`` (the HF model is freed before the Megatron side is built)."""
+    hf_model = load_hf_model(hf_dir, device)
+    reference = hf_logits(hf_model, token_ids)
+    del hf_model
+    with single_process_megatron(device=device):
+        ours = mcore_logits(load_mcore_model(mcore_dir, model, device=device), token_ids)
     return (ours - reference).abs().max().item()
 
 
