@@ -12,6 +12,10 @@ kernels declare in ``Capabilities.masks``:
 - ``anticausal``: ``b >= a`` on a square block (the lower edge of a window);
 - ``band``: anything else (a window narrower than the block: both edges cross it).
 
+``diagonal = g > 1`` makes a block ``g`` equal sub-blocks along its diagonal, the band applying inside
+each and nothing between them: how the schedule hands a fused op a whole narrow window as one call
+(``g`` causal or anticausal squares, run as a batch) instead of one call per square.
+
 ``Documents`` (packed sequences, Megatron/TE ``thd``) is one more mask: the band of its ``within`` mask
 applies inside each document and nothing crosses a document boundary, so ``span_blocks`` returns one
 banded rectangle per document both spans touch; padding rows (between ``cu_seqlens`` and
@@ -49,10 +53,30 @@ def _clamped_sum(x0: int, x1: int, m: int) -> int:
 
 @dataclass(frozen=True)
 class BlockMask:
-    """Key row ``b`` of a block is visible to query row ``a`` iff ``lo <= b - a <= hi`` (None: unbounded)."""
+    """Key row ``b`` of a block is visible to query row ``a`` iff ``lo <= b - a <= hi`` (None: unbounded).
+
+    ``diagonal``: the block is that many equal sub-blocks along its diagonal (rows and keys cut into
+    ``diagonal`` equal parts; part ``i`` of the rows sees only part ``i`` of the keys) and the band is
+    in each sub-block's own rows. ``kind`` names the sub-blocks' mask."""
 
     lo: Optional[int] = None
     hi: Optional[int] = None
+    diagonal: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.diagonal, int) or self.diagonal < 1:
+            raise ValueError(f"BlockMask diagonal={self.diagonal!r} must be an int >= 1 (1: one block)")
+        if self.diagonal > 1 and self.lo is None and self.hi is None:
+            raise ValueError(f"BlockMask diagonal={self.diagonal} needs a band (lo or hi): full sub-blocks along a "
+                             "diagonal are separate full blocks")
+
+    def _sub(self, n: int, m: int) -> tuple[int, int]:
+        """The rows and keys of one diagonal sub-block of an ``n x m`` block."""
+        g = self.diagonal
+        if n % g or m % g:
+            raise ValueError(f"a {n}x{m} block cannot hold diagonal={g} equal sub-blocks; both sides must be "
+                             f"multiples of {g}")
+        return n // g, m // g
 
     @property
     def kind(self) -> str:
@@ -62,8 +86,10 @@ class BlockMask:
 
     def visible(self, n: int, m: int, device: Optional[torch.device] = None) -> torch.Tensor:
         """``[n, m]`` bool: which (query row, key row) pairs of an ``n x m`` block are visible."""
-        diff = torch.arange(m, device=device)[None, :] - torch.arange(n, device=device)[:, None]
-        keep = torch.ones(n, m, dtype=torch.bool, device=device)
+        sn, sm = self._sub(n, m)
+        rows, keys = torch.arange(n, device=device)[:, None], torch.arange(m, device=device)[None, :]
+        diff = keys % sm - rows % sn
+        keep = rows // sn == keys // sm
         if self.lo is not None:
             keep &= diff >= self.lo
         if self.hi is not None:
@@ -72,6 +98,8 @@ class BlockMask:
 
     def pairs(self, n: int, m: int) -> int:
         """Visible pairs in an ``n x m`` block (closed form: the planner counts blocks of 100K rows)."""
+        if self.diagonal > 1:
+            return self.diagonal * BlockMask(self.lo, self.hi).pairs(*self._sub(n, m))
         # row a sees keys b < a + hi + 1 minus keys b < a + lo, each count clamped to [0, m]
         upper = n * m if self.hi is None else _clamped_sum(self.hi + 1, n + self.hi, m)
         lower = 0 if self.lo is None else _clamped_sum(self.lo, n - 1 + self.lo, m)
@@ -79,7 +107,10 @@ class BlockMask:
 
     def computed_pairs(self, n: int, m: int, tile: int) -> int:
         """Pairs a kernel with ``tile x tile`` tiles computes: per row tile, the whole tiles that hold
-        a visible pair (the masked rest of those tiles is the waste)."""
+        a visible pair (the masked rest of those tiles is the waste); diagonal sub-blocks are tiled
+        each on its own (they run as a batch)."""
+        if self.diagonal > 1:
+            return self.diagonal * BlockMask(self.lo, self.hi).computed_pairs(*self._sub(n, m), tile)
         total = 0
         for r in range(0, n, tile):
             r1 = min(r + tile, n)

@@ -11,8 +11,10 @@ Tasks are derived, not hand-written: every shard is a list of ``Span``s (arithme
 positions); the mask turns a query span against a key span into rectangles of local rows, each with
 one band ``lo <= b - a <= hi`` (``Mask.span_blocks``), and ``_pieces`` cuts a banded rectangle into
 full blocks, causal squares (the band's upper edge), anticausal squares (its lower edge) and, for a
-kernel that applies a band itself, band blocks; for a kernel without a kind it halves the rectangle
-until the pieces are kinds it has. One formula covers every layout and every mask.
+kernel that applies a band itself, band blocks; a band narrower than its rectangle becomes two
+*diagonal runs* (equal squares along a diagonal, one task each, ``BlockMask.diagonal``) so a narrow
+window costs a few kernel calls per step, not one per square; for a kernel without a kind it halves
+the rectangle until the pieces are kinds it has. One formula covers every layout and every mask.
 
 Nothing here touches tensors: tests and the planner count FLOPs, balance and waste from the schedule.
 """
@@ -42,7 +44,7 @@ class BlockTask:
 
     @property
     def causal(self) -> bool:
-        """A causal square (query row ``i`` sees key rows ``0..i``)."""
+        """A causal square (query row ``i`` sees key rows ``0..i``), or a diagonal run of them."""
         return self.mask.kind == "causal"
 
     @property
@@ -119,6 +121,9 @@ def _pieces(q0: int, q1: int, k0: int, k1: int, lo: Optional[int], hi: Optional[
             return [BlockTask((q0, q0 - lo), (k0, k0 + m))] + _pieces(q0 - lo, q0 + n, k0, k0 + m, 0, None, native)
         return _pieces(q0, q0 + n, k0, k0 + n, 0, None, native) + [BlockTask((q0, q0 + n), (k0 + n, k0 + m))]
     if lo is not None and hi is not None and {"causal", "anticausal"} <= native:  # both edges (lo <= 0 <= hi)
+        runs = _band_runs(q0, n, k0, m, lo, hi, native)
+        if runs is not None:
+            return runs
         w = hi - lo + 1  # rows of the band's width: keys up to hi have only the lower edge, the rest the upper
         if n > w:
             return _pieces(q0, q0 + w, k0, k0 + m, lo, hi, native) + _pieces(q0 + w, q0 + n, k0, k0 + m, lo + w,
@@ -132,6 +137,29 @@ def _pieces(q0: int, q1: int, k0: int, k1: int, lo: Optional[int], hi: Optional[
     h = m // 2
     return (_pieces(q0, q0 + n, k0, k0 + h, lo, hi, native)
             + _pieces(q0, q0 + n, k0 + h, k0 + m, _add(lo, -h), _add(hi, -h), native))
+
+
+def _band_runs(q0: int, n: int, k0: int, m: int, lo: int, hi: int, native: frozenset) -> Optional[list[BlockTask]]:
+    """A band narrower than its rectangle as two diagonal runs, or None when it holds fewer than two.
+
+    Rows ``a`` whose keys ``a + lo .. a + hi`` all lie in the rectangle, cut into groups of
+    ``g = hi - lo`` rows (the band's width less one; 1 for a one-key band), see exactly: an
+    anticausal ``g x g`` square per group (keys from ``a + lo``, the band's lower edge) and a causal
+    ``g x g`` square per group (keys from ``a + hi``, its upper edge). Consecutive groups' squares are
+    consecutive in rows and in keys, so each family is one task, ``BlockMask(..., diagonal=groups)``,
+    that a fused op runs as one batched call: two tasks for the band instead of about ``4 n / w``.
+    The few rows above and below (where the band leaves the rectangle) are cut as before."""
+    g = max(hi - lo, 1)
+    a0, a1 = max(0, -lo), min(n, m - hi)  # rows whose whole band is inside the rectangle
+    groups = (a1 - a0) // g
+    if groups < 2:
+        return None
+    rows, end = (q0 + a0, q0 + a0 + groups * g), a0 + groups * g
+    runs = [BlockTask(rows, (k0 + a0 + hi, k0 + a0 + hi + groups * g), BlockMask(None, 0, groups))]
+    if hi > lo:  # a one-key band has no lower-edge part
+        runs.insert(0, BlockTask(rows, (k0 + a0 + lo, k0 + a0 + lo + groups * g), BlockMask(0, None, groups)))
+    return (_pieces(q0, q0 + a0, k0, k0 + m, lo, hi, native) + runs
+            + _pieces(q0 + end, q0 + n, k0, k0 + m, lo + end, hi + end, native))
 
 
 def _add(x: Optional[int], d: int) -> Optional[int]:

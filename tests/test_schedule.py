@@ -18,8 +18,7 @@ def test_tasks_cover_every_visible_pair_exactly_once(layout, cp, inner, causal):
             visible = (k_pos[None, :] <= q_pos[:, None]) if causal else torch.ones(len(q_pos), len(k_pos), dtype=bool)
             covered = torch.zeros(visible.shape, dtype=torch.int)
             for t in sch.tasks[m][step]:
-                block = torch.ones(t.q[1] - t.q[0], t.kv[1] - t.kv[0], dtype=torch.int)
-                covered[t.q[0]:t.q[1], t.kv[0]:t.kv[1]] += block.tril() if t.causal else block
+                covered[t.q[0]:t.q[1], t.kv[0]:t.kv[1]] += t.mask.visible(t.q[1] - t.q[0], t.kv[1] - t.kv[0]).int()
             assert torch.equal(covered, visible.int()), (m, step, sch.tasks[m][step])
 
 

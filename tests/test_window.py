@@ -328,3 +328,83 @@ def test_a_quarter_shard_window_moves_only_the_halo(layout):
         assert sent == {"ring_kv": 2 * len(kv_to) * w * row, "ring_dkv": len(dkv_to) * w * row}, rank
         assert calls == {"ring_kv": 2 * len(kv_to), "ring_dkv": len(dkv_to)}, rank
         assert err <= 1e-10, (rank, err)
+
+
+@pytest.mark.parametrize("kind,g,n", [("causal", 4, 5), ("anticausal", 3, 7), ("causal", 6, 1)])
+def test_diagonal_block_masks_run_as_one_call_and_match_the_reference(kind, g, n):
+    """A diagonal run (``g`` equal ``n x n`` squares, one task) through the fused CPU op (squares folded
+    into the batch) and the math kernel, forward and backward, against an explicit fp64 softmax whose
+    mask is built square by square (``torch.block_diag`` of ``tril``/``triu``), within 1e-10."""
+    square = torch.ones(n, n, dtype=torch.bool)
+    square = square.tril() if kind == "causal" else square.triu()
+    visible = torch.block_diag(*[square] * g)
+    mask = BlockMask(None, 0, g) if kind == "causal" else BlockMask(0, None, g)
+    assert torch.equal(mask.visible(g * n, g * n), visible) and mask.pairs(g * n, g * n) == visible.sum().item()
+    gen = torch.Generator().manual_seed(g * n)
+    q, do = (torch.randn(2, 4, g * n, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(2, 2, g * n, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    scores = torch.einsum("bhqd,bhkd->bhqk", leaves[0], leaves[1].repeat_interleave(2, 1)) * 0.3
+    scores = scores.masked_fill(~visible, float("-inf"))
+    ref_lse = torch.logsumexp(scores, -1)
+    ref_out = torch.einsum("bhqk,bhkd->bhqd", torch.softmax(scores, -1), leaves[2].repeat_interleave(2, 1))
+    ref_out.backward(do)
+    for kernel in (MathKernel(), get_kernel("torch:cpu_flash", CPU, torch.float64)):
+        out, lse = kernel.forward(q, k, v, mask, 0.3)
+        grads = kernel.backward(do, q, k, v, ref_out.detach(), ref_lse.detach(), mask, 0.3)
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), (out, lse) + tuple(grads),
+                              (ref_out, ref_lse) + tuple(x.grad for x in leaves)):
+            assert (a - b.detach()).abs().max().item() <= 1e-10, (kernel.name, name)
+
+
+@pytest.mark.parametrize("layout,inner", [("zigzag", 1), ("contiguous", 1), ("striped", 1), ("zigzag", 2)])
+def test_a_narrow_window_at_32k_is_a_few_tasks_per_step_and_still_exact(layout, inner):
+    """Window (63, 0) at S = 32768 over P = 8 for the fused ops' mask set: at most 12 tasks per step
+    (cut square by square it was 127 per step for zigzag and 1024 for striped: launches, not FLOPs,
+    bound that on a GPU). The pairs stay exact: every pair the tasks cover is in the window, none is
+    covered twice, and there are as many as the window holds (sum over i of min(i, 63) + 1)."""
+    seq, p, left = 32768, 8, 63
+    sch = layout_schedule(layout, p, seq, SlidingWindow(left, 0), inner, FUSED_MASKS)
+    assert max(len(step) for member in sch.tasks for step in member) <= 12
+    pair_ids = []
+    for m in range(sch.ring_size):
+        q_pos = spans_positions(sch.member_spans[m])
+        for step in range(sch.ring_size):
+            k_pos = spans_positions(sch.member_spans[sch.kv_source(m, step)])
+            for t in sch.tasks[m][step]:
+                assert t.mask.kind in FUSED_MASKS, t
+                rows, keys = t.mask.visible(t.q[1] - t.q[0], t.kv[1] - t.kv[0]).nonzero().unbind(1)
+                qp, kp = q_pos[t.q[0] + rows], k_pos[t.kv[0] + keys]
+                assert bool(((qp - kp >= 0) & (qp - kp <= left)).all()), t
+                pair_ids.append(qp * seq + kp)
+    pair_ids = torch.cat(pair_ids)
+    assert len(pair_ids) == sum(min(i, left) + 1 for i in range(seq)) == len(torch.unique(pair_ids))
+
+
+def test_diagonal_runs_through_the_ring_executor_match_the_reference():
+    """Every member of a P = 4 zigzag ring on one device (every shard local), causal window (7, 0), the
+    fused CPU op: the schedule holds diagonal runs, and out, dq, dk, dv (dk/dv summed over members)
+    match an fp64 reference within 1e-10."""
+    from mcp_context.algorithms.executor import RingAttention, RingPlan
+    from mcp_context.algorithms.rotation import LocalRotation
+
+    p, seq, window = 4, 4 * 64, (7, 0)
+    q, k, v, dout = random_qkv(seq, 2, 4, 2, 8, seed=11)
+    sch = layout_schedule("zigzag", p, seq, attention_mask(True, window), 1, FUSED_MASKS)
+    assert any(t.mask.diagonal > 1 for member in sch.tasks for step in member for t in step)
+    order = torch.cat([spans_positions(spans) for spans in sch.member_spans])
+    kernel = get_kernel("torch:cpu_flash", CPU, torch.float64)
+    ref = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref_out, _ = full_attention(*ref, True, 0.3, window=window)
+    ref_out.backward(dout)
+    kv = [x[order].detach().requires_grad_() for x in (k, v)]
+    for member in range(p):
+        rows = spans_positions(sch.member_spans[member])
+        plan = RingPlan.build(sch.tasks[member], LocalRotation(member, p), kernel, 0.3, len(rows))
+        qm = q[rows].clone().requires_grad_()
+        out, _ = RingAttention.apply(qm, *kv, plan)
+        out.backward(dout[rows])
+        assert (out.detach() - ref_out.detach()[rows]).abs().max().item() <= 1e-10, member
+        assert (qm.grad - ref[0].grad[rows]).abs().max().item() <= 1e-10, member
+    for got, want in zip(kv, ref[1:]):
+        assert (got.grad - want.grad[order]).abs().max().item() <= 1e-10

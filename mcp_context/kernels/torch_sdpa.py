@@ -14,7 +14,9 @@ so a wrong argument list fails on any machine):
 
 Each op computes ``full`` blocks and ``causal`` squares; an ``anticausal`` square (key ``b >= a``, the
 lower edge of a sliding window) is a causal square of the blocks with their rows reversed, so it runs
-on the same op with the rows flipped (copies of O(s·d), against O(s^2·d) compute).
+on the same op with the rows flipped (copies of O(s·d), against O(s^2·d) compute). A mask with
+``diagonal = g > 1`` (a narrow window's squares, ``masks.BlockMask``) runs as one call with the ``g``
+squares folded into the batch dimension (a copy of O(s·d)).
 
 Every op reads ``[b, h, s, d]`` views of the executor's ``[s, b, h, d]`` storage (a permute, no
 copy); only a last dimension that is not contiguous is copied (the CPU op silently misreads it).
@@ -34,7 +36,7 @@ torch, ``Tensor.contiguous()`` and indexing go through a device guard that does 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
@@ -64,6 +66,18 @@ def _bshd_packed(x: torch.Tensor) -> torch.Tensor:
 
 def _repeat_kv(x: torch.Tensor, h: int) -> torch.Tensor:
     return x if x.shape[1] == h else x.repeat_interleave(h // x.shape[1], dim=1)
+
+
+def _fold(x: torch.Tensor, g: int) -> torch.Tensor:
+    """``[b, h, g*s, ...] -> [g*b, h, s, ...]``: ``g`` equal row ranges as batch entries."""
+    x = x.unflatten(2, (g, x.shape[2] // g)).movedim(2, 0)
+    return x.clone(memory_format=torch.contiguous_format).flatten(0, 1)
+
+
+def _unfold(x: torch.Tensor, g: int) -> torch.Tensor:
+    """The inverse of ``_fold``: ``[g*b, h, s, ...] -> [b, h, g*s, ...]``."""
+    x = x.unflatten(0, (g, x.shape[0] // g)).movedim(0, 2)
+    return x.clone(memory_format=torch.contiguous_format).flatten(2, 3)
 
 
 def _sum_kv_groups(dx: torch.Tensor, h_kv: int) -> torch.Tensor:
@@ -169,6 +183,10 @@ class TorchKernel:
     def forward(self, q, k, v, mask, scale, dropout: Optional[Dropout] = None):
         if dropout is not None:
             raise ValueError(f"{self.name} cannot replay a per-block dropout mask; use the math kernel")
+        g = block_mask(mask).diagonal
+        if g > 1:  # g equal squares along the diagonal: one call with the squares as batch entries
+            out, lse = self.forward(*(_fold(x, g) for x in (q, k, v)), replace(block_mask(mask), diagonal=1), scale)
+            return _unfold(out, g), _unfold(lse, g)
         if block_mask(mask).kind == "anticausal":  # key b >= a: causal on the rows reversed
             out, lse = self.forward(q.flip(2), k.flip(2), v.flip(2), CAUSAL_BLOCK, scale)
             return out.flip(2), lse.flip(-1)
@@ -181,6 +199,11 @@ class TorchKernel:
     def backward(self, dout, q, k, v, out, lse, mask, scale, dropout: Optional[Dropout] = None):
         if dropout is not None:
             raise ValueError(f"{self.name} cannot replay a per-block dropout mask; use the math kernel")
+        g = block_mask(mask).diagonal
+        if g > 1:
+            grads = self.backward(*(_fold(x, g) for x in (dout, q, k, v, out, lse)),
+                                  replace(block_mask(mask), diagonal=1), scale)
+            return tuple(_unfold(x, g) for x in grads)
         if block_mask(mask).kind == "anticausal":
             grads = self.backward(*(x.flip(2) for x in (dout, q, k, v, out)), lse.flip(-1), CAUSAL_BLOCK, scale)
             return tuple(g.flip(2) for g in grads)
