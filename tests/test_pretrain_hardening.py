@@ -306,3 +306,62 @@ def test_cuda_device_without_cuda_fails_before_any_process_group():
     cfg.train.device = "cuda"
     with pytest.raises(RecipeError, match="train.device='cuda'"):
         check_recipe_for_training(cfg, 4)
+
+
+def test_more_ranks_than_gpus_on_a_node_is_refused_naming_nproc_per_node_and_the_gpu_count(monkeypatch):
+    """``train.device=auto`` with 4 ranks launched on a one-GPU node would ask for cuda:1..3: refused,
+    naming the launch flag and the GPU count; with a GPU per rank each rank gets its own.
+    (CUDA's presence and GPU count are stubbed: what is tested is our check of them.)"""
+    from mcp_context.pretrain.build import train_device
+    from mcp_context.recipes import RecipeConfig, RecipeError
+
+    cfg = RecipeConfig()
+    cfg.train.device = "auto"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(RecipeError, match=r"train.device='auto' trains on CUDA, one GPU per rank, but this node "
+                                          r"launched 4 rank\(s\) \(torchrun --nproc-per-node\) and has 1 GPU\(s\); "
+                                          r"launch with --nproc-per-node 1 or fewer"):
+        train_device(cfg)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert train_device(cfg) == torch.device("cuda", 2)
+
+
+class _Terminal(io.StringIO):
+    """An in-memory stream that says it is a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def _log_steps(tmp_path, stream, steps: int = 7, interval: int = 3) -> str:
+    from mcp_context.pretrain.metrics import MetricsLog, read_metrics
+
+    log = MetricsLog(tmp_path / "metrics.jsonl", 0, steps, enabled=True, progress=True, refresh_interval=interval,
+                     stream=stream)
+    for step in range(1, steps + 1):
+        record = {"step": step, "loss": 5.0 / step, "lr": 1e-3 * step, "grad_norm": 1.0, "tokens_per_s": 2048.0,
+                  "step_time_s": 0.25}
+        log.log({**record, "val_loss": 4.5} if step == 5 else record)
+    log.close()
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == list(range(1, steps + 1))
+    return stream.getvalue()
+
+
+def test_logs_off_a_terminal_are_one_plain_line_per_log_interval_and_no_bar(tmp_path):
+    """Under a scheduler stdout is a file: a line every logging.log_interval steps (3, 6) and at the
+    evaluation (5), with step, loss, lr, tokens/s and time per step, and no carriage return."""
+    text = _log_steps(tmp_path, io.StringIO())
+    assert "\r" not in text
+    assert text.splitlines() == [
+        "step 3/7 | loss 1.6667 | lr 3.00e-03 | 2048 tokens/s | 0.250 s/step",
+        "step 5/7 | loss 1.0000 | lr 5.00e-03 | 2048 tokens/s | 0.250 s/step | val_loss 4.5000",
+        "step 6/7 | loss 0.8333 | lr 6.00e-03 | 2048 tokens/s | 0.250 s/step",
+    ]
+
+
+def test_logs_on_a_terminal_are_a_progress_bar(tmp_path):
+    text = _log_steps(tmp_path, _Terminal())
+    assert "\r" in text and "7/7" in text and "step 3/7 |" not in text

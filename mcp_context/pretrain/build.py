@@ -22,7 +22,8 @@ from mcp_context.recipes.schema import gpt_model_kwargs, transformer_config_kwar
 
 def train_device(cfg: RecipeConfig) -> torch.device:
     """The device this rank trains on: ``train.device`` (``auto``: CUDA when available), the GPU of
-    torchrun's ``LOCAL_RANK`` for ``cuda``. Raises ``RecipeError`` for ``cuda`` without CUDA."""
+    torchrun's ``LOCAL_RANK`` for ``cuda``. Raises ``RecipeError`` for ``cuda`` without CUDA, and
+    when this node's ranks (``LOCAL_WORLD_SIZE``) outnumber its GPUs: each rank needs a GPU of its own."""
     choice = cfg.train.device
     if choice == "auto":
         choice = "cuda" if torch.cuda.is_available() else "cpu"
@@ -30,7 +31,15 @@ def train_device(cfg: RecipeConfig) -> torch.device:
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise RecipeError("train.device='cuda', but torch sees no CUDA device here; set train.device=cpu (or auto)")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    gpus = torch.cuda.device_count()
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if max(local_ranks, local_rank + 1) > gpus:
+        raise RecipeError(
+            f"train.device={cfg.train.device!r} trains on CUDA, one GPU per rank, but this node launched "
+            f"{local_ranks} rank(s) (torchrun --nproc-per-node) and has {gpus} GPU(s); launch with "
+            f"--nproc-per-node {gpus} or fewer (and a recipe layout that fits), or set train.device=cpu")
+    return torch.device("cuda", local_rank)
 
 
 def init_process_group(device: torch.device) -> bool:
