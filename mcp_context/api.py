@@ -33,12 +33,19 @@ def context_parallel_attention(
     window_size: Optional[tuple[int, int]] = None,
     cu_seqlens: Optional[torch.Tensor] = None,
     cu_seqlens_padded: Optional[torch.Tensor] = None,
+    softmax_offset: Optional[torch.Tensor] = None,
 ):
     """Exact attention over a sequence sharded across the context-parallel ranks of ``groups``.
 
-    ``q [s_local, b, h, d]``, ``k, v [s_local, b, h_kv, d]`` are this rank's shards under ``layout``
-    (see ``shard_sequence``); the result ``[s_local, b, h, d]`` has q's dtype and is differentiable
-    in q, k, v. With ``return_lse`` also the log-sum-exp ``[s_local, b, h]`` (fp32; fp64 for fp64).
+    ``q [s_local, b, h, d]``, ``k [s_local, b, h_kv, d]``, ``v [s_local, b, h_kv, dv]`` are this rank's
+    shards under ``layout`` (see ``shard_sequence``); ``dv`` may differ from ``d`` (MLA: DeepSeek-V3's
+    192 and 128). The result ``[s_local, b, h, dv]`` has q's dtype and is differentiable in q, k, v.
+    With ``return_lse`` also the log-sum-exp ``[s_local, b, h]`` (fp32; fp64 for fp64).
+    ``softmax_offset [h]``: attention sinks (gpt-oss; Megatron's ``softmax_type='learnable'``, zeros
+    for ``'off-by-one'``): head ``n``'s softmax gets one more logit ``softmax_offset[n]`` with no value,
+    in every query row (every document's), so ``lse`` includes it. Differentiable: the gradient that
+    comes back is this rank's share (its rows); summing it over the CP ranks gives the sink's gradient
+    (Megatron's gradient all-reduce over data x context parallel ranks does that).
     ``groups``: ``HCPGroups`` (``build_hcp_groups``), or a process group for a flat CP group.
     ``backend``: ``auto``, ``math``, ``torch`` (any fused op), a named op (``torch:cudnn``,
     ``torch:flash``, ``torch:efficient``, ``torch:cpu_flash``) or ``te``.
@@ -69,7 +76,7 @@ def context_parallel_attention(
     except TypeError:  # an unhashable (so invalid) value: the engine's own checks name it
         engine = _engine.__wrapped__(*config)
     return engine(q, k, v, return_lse=return_lse, dropout_seed=dropout_seed, cu_seqlens=cu_seqlens,
-                  cu_seqlens_padded=cu_seqlens_padded)
+                  cu_seqlens_padded=cu_seqlens_padded, softmax_offset=softmax_offset)
 
 
 @lru_cache(maxsize=64)

@@ -60,10 +60,11 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             raise ValueError(f"{name} has an empty dimension, shape {tuple(x.shape)}: every CP rank needs at least "
                              f"one token, one sequence, one head and head_dim >= 1; use fewer CP ranks or a "
                              f"longer sequence")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must agree in s_local, batch and heads (dims 0-2; their head dims may differ, "
+                         f"as in MLA), got k {tuple(k.shape)} and v {tuple(v.shape)}")
     if (q.shape[0], q.shape[1], q.shape[3]) != (k.shape[0], k.shape[1], k.shape[3]):
-        raise ValueError(f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree in s_local, batch and "
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in s_local, batch and "
                          f"head_dim (dims 0, 1, 3)")
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"query heads h={q.shape[2]} are not a multiple of key/value heads h_kv={k.shape[2]}")
@@ -71,6 +72,22 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them first")
     if not q.device == k.device == v.device:
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+
+
+def _check_sink(softmax_offset, q: torch.Tensor) -> None:
+    """A per-head sink must be a finite float tensor ``[h]`` on q's device."""
+    if not isinstance(softmax_offset, torch.Tensor):
+        raise TypeError(f"softmax_offset must be a torch.Tensor [heads] (one sink logit per query head; zeros for "
+                        f"off-by-one softmax), got {type(softmax_offset).__name__}")
+    if tuple(softmax_offset.shape) != (q.shape[2],) or not softmax_offset.is_floating_point():
+        raise ValueError(f"softmax_offset must be a float tensor [heads] = [{q.shape[2]}] (the query heads of this "
+                         f"call), got shape {tuple(softmax_offset.shape)} dtype {softmax_offset.dtype}; pass the "
+                         f"sinks of this rank's heads (per TP partition)")
+    if softmax_offset.device != q.device:
+        raise ValueError(f"softmax_offset is on {softmax_offset.device} but q is on {q.device}; move it to "
+                         f"{q.device}")
+    if softmax_offset.device.type != "meta" and not bool(torch.isfinite(softmax_offset).all()):
+        raise ValueError("softmax_offset has non-finite values; every sink logit must be finite")
 
 
 def _code(values: tuple, x) -> int:
@@ -137,10 +154,11 @@ class ContextParallelAttention:
         self._schemes: dict[tuple, Scheme] = {}
         self._packed_keys: list[tuple] = []  # packed schemes, oldest first (at most _PACKED_SCHEMES)
 
-    def check_agreement(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: int = 0) -> None:
+    def check_agreement(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: int = 0,
+                        sink: bool = False) -> None:
         """All CP ranks raise the same ValueError when their inputs, configurations or packings differ
-        (``packing``: ``_digest`` of cu_seqlens)."""
-        row = _tensor_row(q) + _tensor_row(k) + _tensor_row(v) + list(self._config) + [packing]
+        (``packing``: ``_digest`` of cu_seqlens; ``sink``: whether a softmax offset is passed)."""
+        row = _tensor_row(q) + _tensor_row(k) + _tensor_row(v) + list(self._config) + [int(sink), packing]
         # One all-reduce of a digest (max of d and of -d: equal everywhere iff every rank has d) in the
         # common case; the rows themselves are gathered only to name what differs.
         digest = int.from_bytes(hashlib.blake2b(repr(row).encode(), digest_size=7).digest(), "little")
@@ -158,7 +176,7 @@ class ContextParallelAttention:
                       + (" (cu_seqlens differ)" if r[-1] != rows_list[0][-1] else "") for i, r in enumerate(rows_list)]
             raise ValueError("CP ranks disagree on the attention inputs (" + "; ".join(differ) + "); every CP rank "
                              "must pass shards of one shape and dtype, with the same causal/window_size/layout/comm/"
-                             "backend (and the same cu_seqlens, cu_seqlens_padded for a packed sequence)")
+                             "backend and softmax_offset presence (and the same cu_seqlens, cu_seqlens_padded for a packed sequence)")
 
     def documents(self, q: torch.Tensor, cu_seqlens, cu_seqlens_padded) -> Mask:
         """The mask of a call: this engine's, or with ``cu_seqlens`` its ``Documents`` (checked, fix named)."""
@@ -173,11 +191,12 @@ class ContextParallelAttention:
                              f"got shape {tuple(q.shape)}; pack the batch's documents into one sequence")
         return documents_mask(cu_seqlens, cu_seqlens_padded, within=self.mask, seq_len=q.shape[0] * self.groups.cp_size)
 
-    def scheme(self, q: torch.Tensor, k: torch.Tensor, mask: Optional[Mask] = None) -> Scheme:
-        """The resolved scheme for shards shaped like ``q`` and ``k`` (built on first use); ``mask``: a
+    def scheme(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[Mask] = None) -> Scheme:
+        """The resolved scheme for shards shaped like ``q``, ``k`` and ``v`` (built on first use); ``mask``: a
         call's ``Documents`` (schemes of the last few packings are kept)."""
         packed = isinstance(mask, Documents)
-        key = (q.shape[0], q.shape[2], k.shape[2], q.shape[3], q.dtype, q.device) + ((mask,) if packed else ())
+        key = (q.shape[0], q.shape[2], k.shape[2], q.shape[3], v.shape[3], q.dtype, q.device) + ((mask,) if packed
+                                                                                               else ())
         scheme = self._schemes.get(key)
         if scheme is None:
             cp_size = self.groups.cp_size
@@ -197,13 +216,15 @@ class ContextParallelAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool = False,
                  dropout_seed: Optional[int] = None, cu_seqlens: Optional[torch.Tensor] = None,
-                 cu_seqlens_padded: Optional[torch.Tensor] = None):
+                 cu_seqlens_padded: Optional[torch.Tensor] = None, softmax_offset: Optional[torch.Tensor] = None):
         """Attention over this rank's shards; ``cu_seqlens`` (and ``cu_seqlens_padded``): the documents of
-        a packed sequence (see ``context_parallel_attention``)."""
+        a packed sequence; ``softmax_offset [h]``: attention sinks (see ``context_parallel_attention``)."""
         if self.check_ranks:
-            self.check_agreement(q, k, v, _digest(cu_seqlens, cu_seqlens_padded))
+            self.check_agreement(q, k, v, _digest(cu_seqlens, cu_seqlens_padded), softmax_offset is not None)
         _check_qkv(q, k, v)
-        scheme = self.scheme(q, k, self.documents(q, cu_seqlens, cu_seqlens_padded))
+        if softmax_offset is not None:
+            _check_sink(softmax_offset, q)
+        scheme = self.scheme(q, k, v, self.documents(q, cu_seqlens, cu_seqlens_padded))
         if self.dropout_p > 0 and dropout_seed is None:
             dropout_seed = int(torch.randint(0, 2**62, (1,)).item())
-        return scheme.run(q, k, v, return_lse, dropout_seed or 0)
+        return scheme.run(q, k, v, return_lse, dropout_seed or 0, softmax_offset)

@@ -21,9 +21,14 @@ def document_ids(seq_len: int, cu_seqlens: list[int], cu_seqlens_padded: Optiona
 
 
 def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                   window: tuple[int, int] = (-1, -1), documents: Optional[torch.Tensor] = None):
-    """``q [S, b, h, d]``, ``k, v [S, b, h_kv, d]`` (fp64) -> ``out [S, b, h, d]``, ``lse [S, b, h]``.
+                   window: tuple[int, int] = (-1, -1), documents: Optional[torch.Tensor] = None,
+                   sink: Optional[torch.Tensor] = None):
+    """``q [S, b, h, d]``, ``k [S, b, h_kv, d]``, ``v [S, b, h_kv, dv]`` (fp64) -> ``out [S, b, h, dv]``,
+    ``lse [S, b, h]``.
 
+    ``sink [h]``: one extra logit per head with no value in every row that sees a key (gpt-oss's
+    attention sinks): the softmax runs over the row's scores and the sink, written out as a
+    concatenated column.
     ``window=(left, right)``: query ``i`` also needs ``i - left <= j <= i + right`` (-1: unbounded).
     ``documents``: ``document_ids``; a query sees only keys of its own document, and a padding row
     (-1) sees nothing: its ``out`` is 0 and its ``lse`` ``-inf``, with zero gradients."""
@@ -43,16 +48,22 @@ def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
         scores = scores.masked_fill(~same, float("-inf"))
     seen = torch.isfinite(scores).any(-1, keepdim=True)  # rows that see a key (finite math for the rest)
     scores = scores.masked_fill(~seen, 0.0)
+    if sink is not None:
+        scores = torch.cat([scores, sink.view(1, -1, 1, 1).expand(*scores.shape[:3], 1)], dim=-1)
     lse = torch.logsumexp(scores, dim=-1).masked_fill(~seen[..., 0], float("-inf"))
-    out = torch.einsum("bhqk,kbhd->qbhd", torch.softmax(scores, dim=-1) * seen, v)
+    probs = torch.softmax(scores, dim=-1)[..., :k.shape[0]]
+    out = torch.einsum("bhqk,kbhd->qbhd", probs * seen, v)
     return out, lse.permute(2, 0, 1)
 
 
-def random_qkv(seq_len: int, batch: int, heads: int, kv_heads: int, head_dim: int, seed: int):
-    """Seeded fp64 ``q, k, v, dout`` for the full sequence (identical on every rank)."""
+def random_qkv(seq_len: int, batch: int, heads: int, kv_heads: int, head_dim: int, seed: int,
+               v_head_dim: Optional[int] = None):
+    """Seeded fp64 ``q, k, v, dout`` for the full sequence (identical on every rank); ``v_head_dim``
+    (default ``head_dim``): the value head dim, as in MLA."""
     gen = torch.Generator().manual_seed(seed)
+    dv = head_dim if v_head_dim is None else v_head_dim
     shapes = [(seq_len, batch, heads, head_dim), (seq_len, batch, kv_heads, head_dim),
-              (seq_len, batch, kv_heads, head_dim), (seq_len, batch, heads, head_dim)]
+              (seq_len, batch, kv_heads, dv), (seq_len, batch, heads, dv)]
     return [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
 
 

@@ -21,8 +21,8 @@ CASES = {
     "layout": r"layout='zig' is not known; choose one of contiguous, zigzag, striped",
     "a2a+p2p_flat": r"comm='a2a\+p2p' needs hierarchical groups of at least two levels, got "
                     r"hierarchical_context_parallel_sizes=\[4\]",
-    "shape": r"q \(3, 2, 8, 4\) and k/v \(3, 2, 8, 8\) must agree in s_local, batch and head_dim",
-    "kv_shape": r"k and v must have the same shape",
+    "shape": r"q \(3, 2, 8, 4\) and k \(3, 2, 8, 8\) must agree in s_local, batch and head_dim",
+    "kv_shape": r"k and v must agree in s_local, batch and heads",
     "gqa": r"query heads h=8 are not a multiple of key/value heads h_kv=3",
     "dtype": r"q, k, v must share one dtype, got torch.float32, torch.float64, torch.float32; cast them first",
     "device": r"q, k, v must be on one device, got cpu, meta, cpu",

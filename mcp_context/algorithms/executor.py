@@ -5,7 +5,9 @@ per call — copied where its query rows are written for the first time, merged 
 re-walks the same rotation and recomputes each block from the saved final ``(out, lse)`` (no O(s^2)
 state), sending dK/dV home through the rotation. Every scheme (p2p, a2a, all_gather, hierarchical)
 runs through this loop with a different rotation. Kernels read ``[b, h, s, d]`` views of the
-``[s, b, h, d]`` inputs (no layout copies) and take GQA natively where they can.
+``[s, b, h, d]`` inputs (no layout copies) and take GQA natively where they can. Keys and values
+keep their own head dims (MLA: ``dqk != dv``). An attention sink (softmax offset) is merged once
+into the final ``(out, lse)``, so every block's backward already sees sink-normalised probabilities.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..kernels import Dropout, Kernel, accum_dtype, finite_lse_for_backward
-from ..merge import merge_
+from ..merge import add_sink_, merge_, sink_grad
 from ..schedule import BlockTask
 from .. import trace
 from .rotation import LocalRotation, RingRotation
@@ -82,67 +84,104 @@ def _bhsd(x: torch.Tensor) -> torch.Tensor:
 
 
 def _sbhd(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return x.permute(2, 0, 1, 3).to(dtype).contiguous()
+    return _contiguous(x.permute(2, 0, 1, 3).to(dtype))
 
 
-def _accumulator(like: torch.Tensor, dtype: torch.dtype, fill: float, covered: bool) -> torch.Tensor:
-    """An accumulator shaped like ``like``: uninitialised when every row gets a first write."""
-    return like.new_empty(like.shape, dtype=dtype) if covered else like.new_full(like.shape, fill, dtype=dtype)
+# Rows are taken with ``narrow`` and copied with the aten op: Python indexing, ``Tensor.copy_`` and
+# ``Tensor.contiguous`` take a device guard that fake CUDA tensors on a CPU-only torch (the rehearsal,
+# tests/test_cuda_rehearsal.py) do not have.
+_copy_ = torch.ops.aten.copy_.default
+
+
+def _rows(x: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
+    """Rows ``span`` (dim 2) of a ``[b, h, s, d]`` tensor, as a view."""
+    return x.narrow(2, span[0], span[1] - span[0])
+
+
+def _contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
+
+
+def _accumulator(like: torch.Tensor, shape: tuple, dtype: torch.dtype, fill: float, covered: bool) -> torch.Tensor:
+    """An accumulator of ``shape`` on ``like``'s device: uninitialised when every row gets a first write."""
+    return like.new_empty(shape, dtype=dtype) if covered else like.new_full(shape, fill, dtype=dtype)
+
+
+def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan,
+                 sink: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [sq, b, h, dqk]``, ``k [sk, b, h_kv, dqk]``, ``v [sk, b, h_kv, dv]`` -> ``out [sq, b, h, dv]``
+    (q's dtype) and ``lse [b, h, sq]`` (accumulator dtype). ``sink [h]``: a per-head attention sink
+    (softmax offset), merged once into the final result (``merge.add_sink_``)."""
+    qb = _bhsd(q)
+    acc = accum_dtype(q.dtype)
+    b, h, sq, _ = qb.shape
+    out = _accumulator(qb, (b, h, sq, v.shape[-1]), acc, 0.0, plan.covered)
+    lse = _accumulator(qb, (b, h, sq), acc, float("-inf"), plan.covered)
+    for step, kb, vb in plan.rotation.blocks(_bhsd(k), _bhsd(v)):
+        t0 = trace.now()
+        for i, t in enumerate(plan.tasks[step]):
+            o, l = plan.kernel.forward(_rows(qb, t.q), _rows(kb, t.kv), _rows(vb, t.kv), t.mask, plan.scale,
+                                       plan.dropout(step, i))
+            if plan.first[step][i]:
+                _copy_(_rows(out, t.q), o)
+                _copy_(lse.narrow(2, t.q[0], t.q[1] - t.q[0]), l)
+            else:
+                merge_(_rows(out, t.q), lse.narrow(2, t.q[0], t.q[1] - t.q[0]), o, l)
+        trace.record("forward_compute", step, t0)
+    if sink is not None:
+        add_sink_(out, lse, sink)
+    return _sbhd(out, q.dtype), lse
+
+
+def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, plan: RingPlan, sink: Optional[torch.Tensor] = None):
+    """The gradients ``dq, dk, dv`` (the inputs' dtypes) and ``dsink`` (``sink``'s dtype, or None) from the
+    final ``out [sq, b, h, dv]`` and ``lse [b, h, sq]`` of ``ring_forward``: every block is recomputed and
+    its dK/dV travel home through the rotation. With a sink, ``out``/``lse`` already include it, so each
+    block's probabilities are the sink-normalised ones and no block needs to know about it."""
+    dout = _contiguous(dout.to(q.dtype))
+    qb, ob, dob = _bhsd(q), _bhsd(out), _bhsd(dout)
+    lse = finite_lse_for_backward(lse)
+    acc = accum_dtype(q.dtype)
+    dq = _accumulator(qb, tuple(qb.shape), acc, 0.0, plan.covered)
+    kb_all, vb_all = _bhsd(k), _bhsd(v)
+    dqk = kb_all.shape[-1]
+    grads = plan.rotation.gradients(kb_all, vb_all, acc)
+    for step, kb, vb in plan.rotation.blocks(kb_all, vb_all):
+        t0 = trace.now()
+        dkv = grads.buffer(step)  # [b, h_kv, n, dqk + dv]: dK then dV
+        for i, t in enumerate(plan.tasks[step]):
+            gq, gk, gv = plan.kernel.backward(_rows(dob, t.q), _rows(qb, t.q), _rows(kb, t.kv), _rows(vb, t.kv),
+                                              _rows(ob, t.q), lse.narrow(2, t.q[0], t.q[1] - t.q[0]), t.mask,
+                                              plan.scale, plan.dropout(step, i))
+            if plan.first[step][i]:
+                _copy_(_rows(dq, t.q), gq)
+            else:
+                _rows(dq, t.q).add_(gq)
+            dkv_rows = _rows(dkv, t.kv)
+            dkv_rows.narrow(-1, 0, dqk).add_(gk)
+            dkv_rows.narrow(-1, dqk, dkv.shape[-1] - dqk).add_(gv)
+        trace.record("backward_compute", step, t0)
+        grads.done(step, dkv)
+    dk, dv = grads.result()
+    dsink = None if sink is None else sink_grad(dob, ob, lse, sink).to(sink.dtype)
+    return _sbhd(dq, q.dtype), _sbhd(dk, k.dtype), _sbhd(dv, v.dtype), dsink
 
 
 class RingAttention(torch.autograd.Function):
-    """``(q [sq, b, h, d], k, v [sk, b, h_kv, d], plan) -> (out [sq, b, h, d], lse [b, h, sq])``."""
+    """``(q [sq, b, h, dqk], k [sk, b, h_kv, dqk], v [sk, b, h_kv, dv], plan, sink [h] or None)
+    -> (out [sq, b, h, dv], lse [b, h, sq])``; differentiable in q, k, v and the sink."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan: RingPlan):
-        qb = _bhsd(q)
-        acc = accum_dtype(q.dtype)
-        out = _accumulator(qb, acc, 0.0, plan.covered)
-        lse = _accumulator(qb[..., 0], acc, float("-inf"), plan.covered)
-        for step, kb, vb in plan.rotation.blocks(_bhsd(k), _bhsd(v)):
-            t0 = trace.now()
-            for i, t in enumerate(plan.tasks[step]):
-                qs, ks = slice(*t.q), slice(*t.kv)
-                o, l = plan.kernel.forward(qb[:, :, qs], kb[:, :, ks], vb[:, :, ks], t.mask, plan.scale,
-                                           plan.dropout(step, i))
-                if plan.first[step][i]:
-                    out[:, :, qs].copy_(o)
-                    lse[:, :, qs].copy_(l)
-                else:
-                    merge_(out[:, :, qs], lse[:, :, qs], o, l)
-            trace.record("forward_compute", step, t0)
-        out = _sbhd(out, q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, plan: RingPlan, sink: Optional[torch.Tensor] = None):
+        out, lse = ring_forward(q, k, v, plan, sink)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.plan = plan
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        plan: RingPlan = ctx.plan
-        dout = dout.to(q.dtype).contiguous()
-        qb, ob, dob = _bhsd(q), _bhsd(out), _bhsd(dout)
-        lse = finite_lse_for_backward(lse)
-        acc = accum_dtype(q.dtype)
-        dq = _accumulator(qb, acc, 0.0, plan.covered)
-        kb_all, vb_all = _bhsd(k), _bhsd(v)
-        grads = plan.rotation.gradients(kb_all, acc)
-        for step, kb, vb in plan.rotation.blocks(kb_all, vb_all):
-            t0 = trace.now()
-            dkv = grads.buffer(step)
-            for i, t in enumerate(plan.tasks[step]):
-                qs, ks = slice(*t.q), slice(*t.kv)
-                gq, gk, gv = plan.kernel.backward(dob[:, :, qs], qb[:, :, qs], kb[:, :, ks], vb[:, :, ks],
-                                                  ob[:, :, qs], lse[:, :, qs], t.mask, plan.scale,
-                                                  plan.dropout(step, i))
-                if plan.first[step][i]:
-                    dq[:, :, qs].copy_(gq)
-                else:
-                    dq[:, :, qs] += gq
-                dkv[0, :, :, ks] += gk
-                dkv[1, :, :, ks] += gv
-            trace.record("backward_compute", step, t0)
-            grads.done(step, dkv)
-        dk, dv = grads.result()
-        return _sbhd(dq, q.dtype), _sbhd(dk, k.dtype), _sbhd(dv, v.dtype), None
+        q, k, v, out, lse, sink = ctx.saved_tensors
+        dq, dk, dv, dsink = ring_backward(dout, q, k, v, out, lse, ctx.plan, sink)
+        return dq, dk, dv, None, dsink

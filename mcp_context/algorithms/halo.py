@@ -22,6 +22,7 @@ from torch.distributed import ProcessGroup
 
 from ..comm.primitives import PeerExchange, PendingExchange
 from ..schedule import Schedule
+from .rotation import pack_kv, split_kv
 
 Rows = tuple[tuple[int, int], ...]
 
@@ -35,24 +36,24 @@ def halo_fits(schedule: Schedule) -> bool:
 
 
 def _take(x: torch.Tensor, rows: Rows) -> torch.Tensor:
-    """Rows ``rows`` of ``x [2, b, h, n, d]`` along dim 3, packed into one contiguous message."""
-    return torch.cat([x[:, :, :, a:b] for a, b in rows], dim=3).contiguous()
+    """Rows ``rows`` of ``x [b, h, n, dqk + dv]`` (``pack_kv``) along dim 2, packed into one contiguous message."""
+    return torch.cat([x[:, :, a:b] for a, b in rows], dim=2).contiguous()
 
 
 def _put(dst: torch.Tensor, rows: Rows, packed: torch.Tensor, add: bool = False) -> None:
     """Unpack ``packed`` (from ``_take``) into rows ``rows`` of ``dst``, adding when ``add``."""
     offset = 0
     for a, b in rows:
-        part = packed[:, :, :, offset:offset + b - a]
+        part = packed[:, :, offset:offset + b - a]
         if add:
-            dst[:, :, :, a:b] += part
+            dst[:, :, a:b] += part
         else:
-            dst[:, :, :, a:b] = part
+            dst[:, :, a:b] = part
         offset += b - a
 
 
 def _shape(like: torch.Tensor, rows: Rows) -> tuple[int, ...]:
-    return tuple(like.shape[:3]) + (sum(b - a for a, b in rows), like.shape[4])
+    return tuple(like.shape[:2]) + (sum(b - a for a, b in rows), like.shape[3])
 
 
 class HaloRotation:
@@ -72,7 +73,7 @@ class HaloRotation:
         return self.peers[(self.member + step) % self.ring_size]
 
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-        kv = torch.stack([k, v])  # [2, b, h_kv, n, d]
+        kv, dqk = pack_kv(k, v), k.shape[-1]  # [b, h_kv, n, dqk + dv]
         pending: dict[int, PendingExchange] = {}
         for t in sorted(set(self.recv_rows) | set(self.send_rows)):
             sends = {self._dst(t): _take(kv, self.send_rows[t])} if t in self.send_rows else {}
@@ -82,20 +83,21 @@ class HaloRotation:
         for t, rows in self.recv_rows.items():
             block = kv.new_zeros(kv.shape)  # rows no task reads stay zero and are never read
             _put(block, rows, pending.pop(t).wait()[self._src(t)])
-            yield t, block[0], block[1]
+            yield t, *split_kv(block, dqk)
         for exchange in pending.values():  # steps this member only sends at
             exchange.wait()
 
-    def gradients(self, k: torch.Tensor, dtype: torch.dtype) -> "HaloGradients":
-        return HaloGradients(self, k.new_zeros((2,) + tuple(k.shape), dtype=dtype))
+    def gradients(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> "HaloGradients":
+        shape = tuple(k.shape[:-1]) + (k.shape[-1] + v.shape[-1],)
+        return HaloGradients(self, k.new_zeros(shape, dtype=dtype), k.shape[-1])
 
 
 class HaloGradients:
     """dK/dV: this member's own shard accumulates in place; a halo's dK/dV goes back to its owner
     when its step is done, and the halos of this member's rows are received and added at the end."""
 
-    def __init__(self, rotation: HaloRotation, own: torch.Tensor):
-        self.rotation, self.own = rotation, own
+    def __init__(self, rotation: HaloRotation, own: torch.Tensor, dqk: int):
+        self.rotation, self.own, self.dqk = rotation, own, dqk
         self.sent: list[PendingExchange] = []
 
     def buffer(self, step: int) -> torch.Tensor:
@@ -115,4 +117,4 @@ class HaloGradients:
             _put(self.own, rows, got[r._dst(t)], add=True)
         for pending in self.sent:
             pending.wait()
-        return self.own[0], self.own[1]
+        return split_kv(self.own, self.dqk)

@@ -10,9 +10,11 @@
   every shard is already here; a step is a slice of K and V (views, no copy), and gradients are
   accumulated straight into slices of one buffer (the caller's all-gather reduce-scatters it).
 
-``blocks(k, v)`` yields ``(step, k_block, v_block)`` with ``[b, h_kv, n, d]`` blocks;
-``gradients(k, dtype)`` gives the object that hands out each step's ``[2, b, h_kv, n, d]`` dK/dV
-accumulator (``buffer``), takes it back (``done``) and returns the shard's ``(dk, dv)`` (``result``).
+``blocks(k, v)`` yields ``(step, k_block, v_block)`` with ``[b, h_kv, n, dqk]`` and ``[b, h_kv, n, dv]``
+blocks; ``gradients(k, v, dtype)`` gives the object that hands out each step's ``[b, h_kv, n, dqk + dv]``
+dK/dV accumulator (``buffer``: dK in the first ``dqk`` columns, dV after), takes it back (``done``) and
+returns the shard's ``(dk, dv)`` (``result``). K and V travel as one message the same way (``pack_kv``),
+each keeping its own head dim (MLA's ``dv != dqk``), so the bytes sent are exactly K's plus V's.
 """
 from __future__ import annotations
 
@@ -24,6 +26,16 @@ from ..comm.primitives import PeerExchange, PendingExchange, RingExchange
 from .. import trace
 
 
+def pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``k [b, h_kv, n, dqk]``, ``v [b, h_kv, n, dv]`` -> one ``[b, h_kv, n, dqk + dv]`` message."""
+    return torch.cat([k, v], dim=-1)
+
+
+def split_kv(kv: torch.Tensor, dqk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of K and V in a ``pack_kv`` message (or a dK/dV accumulator) whose keys have ``dqk`` columns."""
+    return kv.narrow(-1, 0, dqk), kv.narrow(-1, dqk, kv.shape[-1] - dqk)  # narrow: see executor._rows
+
+
 class RingRotation:
     def __init__(self, kv_exchange: RingExchange, dkv_exchange: RingExchange, ring_size: int,
                  steps: Optional[int] = None):
@@ -31,17 +43,18 @@ class RingRotation:
         self.steps = ring_size if steps is None else steps  # steps walked (the last busy step + 1)
 
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-        kv = torch.stack([k, v])  # one message per step: [2, b, h_kv, n, d]
+        kv, dqk = pack_kv(k, v), k.shape[-1]  # one message per step
         for step in range(self.steps):
             pending = self.kv_exchange.start(kv, step) if step + 1 < self.steps else None
-            yield step, kv[0], kv[1]
+            yield step, *split_kv(kv, dqk)
             if pending is not None:
                 t0 = trace.now()
                 kv = pending.wait()
                 trace.record("kv_wait", step + 1, t0)
 
-    def gradients(self, k: torch.Tensor, dtype: torch.dtype) -> "RingGradients":
-        return RingGradients(self.dkv_exchange, (2,) + tuple(k.shape), dtype, k.device, self.steps)
+    def gradients(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> "RingGradients":
+        shape = tuple(k.shape[:-1]) + (k.shape[-1] + v.shape[-1],)
+        return RingGradients(self.dkv_exchange, shape, k.shape[-1], dtype, k.device, self.steps)
 
 
 class RingGradients:
@@ -50,9 +63,9 @@ class RingGradients:
     member lands each accumulator at its owner (the next member after a full walk; after a walk of
     ``steps`` the member ``steps - 1`` back, sent there directly)."""
 
-    def __init__(self, exchange: RingExchange, shape: tuple, dtype: torch.dtype, device: torch.device,
+    def __init__(self, exchange: RingExchange, shape: tuple, dqk: int, dtype: torch.dtype, device: torch.device,
                  steps: Optional[int] = None):
-        self.exchange, self.shape, self.dtype, self.device = exchange, shape, dtype, device
+        self.exchange, self.shape, self.dqk, self.dtype, self.device = exchange, shape, dqk, dtype, device
         self.steps = len(exchange.peers) if steps is None else steps
         self.pending: Optional[PendingExchange] = None
         self.home: Optional[torch.Tensor] = None  # a walk of one step: the own shard's dK/dV stays here
@@ -80,13 +93,13 @@ class RingGradients:
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.home is not None:
-            return self.home[0], self.home[1]
+            return split_kv(self.home, self.dqk)
         t0 = trace.now()
         received = self.pending.wait()
         trace.record("dkv_wait", self.step + 1, t0)
         if isinstance(received, dict):
             received = received[self.holder]
-        return received[0], received[1]
+        return split_kv(received, self.dqk)
 
 
 class LocalRotation:
@@ -104,21 +117,23 @@ class LocalRotation:
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         for step in range(self.ring_size):
             rows = self.rows(k.shape[2], step)
-            yield step, k[:, :, rows], v[:, :, rows]
+            yield step, k.narrow(2, rows.start, rows.stop - rows.start), v.narrow(2, rows.start, rows.stop - rows.start)
 
-    def gradients(self, k: torch.Tensor, dtype: torch.dtype) -> "LocalGradients":
-        return LocalGradients(self, k.new_zeros((2,) + tuple(k.shape), dtype=dtype))
+    def gradients(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> "LocalGradients":
+        shape = tuple(k.shape[:-1]) + (k.shape[-1] + v.shape[-1],)
+        return LocalGradients(self, k.new_zeros(shape, dtype=dtype), k.shape[-1])
 
 
 class LocalGradients:
-    def __init__(self, rotation: LocalRotation, dkv: torch.Tensor):
-        self.rotation, self.dkv = rotation, dkv
+    def __init__(self, rotation: LocalRotation, dkv: torch.Tensor, dqk: int):
+        self.rotation, self.dkv, self.dqk = rotation, dkv, dqk
 
     def buffer(self, step: int) -> torch.Tensor:
-        return self.dkv[:, :, :, self.rotation.rows(self.dkv.shape[3], step)]
+        rows = self.rotation.rows(self.dkv.shape[2], step)
+        return self.dkv.narrow(2, rows.start, rows.stop - rows.start)
 
     def done(self, step: int, dkv: torch.Tensor) -> None:
         """Nothing to do: ``buffer`` handed out a view of the shard's own accumulator."""
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.dkv[0], self.dkv[1]
+        return split_kv(self.dkv, self.dqk)

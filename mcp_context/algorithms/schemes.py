@@ -27,6 +27,7 @@ from functools import lru_cache
 from typing import Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ..comm import HCPGroups, RingExchange, gather_seq, heads_to_seq, seq_to_heads
@@ -79,19 +80,26 @@ class Scheme:
     cp_rank: int
     inner: int                              # all-to-all degree (1: no all-to-all)
     a2a_group: Optional[ProcessGroup]
+    a2a_index: int                          # this rank's place in the all-to-all group: its slice of heads
     kv_repeat: int                          # KV heads copied this often before the all-to-all
     pieces: Optional[tuple]                 # all-to-all output rows -> position order, and back
     gather_group: Optional[ProcessGroup]    # all_gather: K/V gathered over this group first
     plan: RingPlan
 
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool, dropout_seed: int = 0):
-        """Attention over validated local shards ``[s, b, h(_kv), d]``; ``out`` (and ``lse [s, b, h]``).
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool, dropout_seed: int = 0,
+            sink: Optional[torch.Tensor] = None):
+        """Attention over validated local shards ``q, k [s, b, h(_kv), dqk]``, ``v [s, b, h_kv, dv]``;
+        ``out [s, b, h, dv]`` (and ``lse [s, b, h]``). ``sink [h]``: per-head attention sinks (after the
+        all-to-all a rank computes ``h / inner`` heads and takes their slice of the sinks).
 
         Dropout masks are drawn per (seed, CP rank, ring step, task): deterministic for a given seed
         and layout, different on every rank and step."""
         plan = self.plan if self.plan.dropout_p == 0 else self.plan.with_dropout_seed(hash((dropout_seed,
                                                                                              self.cp_rank)))
         if self.inner > 1:
+            if sink is not None:
+                heads = q.shape[2] // self.inner
+                sink = sink[self.a2a_index * heads:(self.a2a_index + 1) * heads]
             if self.kv_repeat > 1:  # fewer KV heads than ranks: each rank needs its own copy of its head
                 k, v = (x.repeat_interleave(self.kv_repeat, dim=2) for x in (k, v))
             q, k, v = (seq_to_heads(x, self.a2a_group) for x in (q, k, v))
@@ -99,7 +107,7 @@ class Scheme:
                 q, k, v = (_take(x, self.pieces[0]) for x in (q, k, v))
         if self.gather_group is not None:
             k, v = gather_seq(k, self.gather_group), gather_seq(v, self.gather_group)
-        out, lse = RingAttention.apply(q, k, v, plan)
+        out, lse = RingAttention.apply(q, k, v, plan, sink)
         lse = lse.permute(2, 0, 1)  # [s, b, h]
         if self.inner > 1:
             if self.pieces is not None:
@@ -126,8 +134,10 @@ def resolve_scheme(groups: HCPGroups, comm: str, layout: str, mask: Union[bool, 
                                                                      kernel.capabilities.masks)
     tasks = schedule.tasks[member]
     a2a_group = pieces = gather_group = None
+    a2a_index = 0
     if inner > 1:
         a2a_group = groups.cp_group if comm == "a2a" else groups.inner_group
+        a2a_index = dist.get_rank(a2a_group)
         pieces = _member_pieces(layout, cp_size, seq_len, inner, member, documents)
     if ring_size == 1:
         rotation = LocalRotation(0, 1)
@@ -146,4 +156,4 @@ def resolve_scheme(groups: HCPGroups, comm: str, layout: str, mask: Union[bool, 
                                     steps=max(busy, default=0) + 1)  # no member reads after the last busy step
     plan = RingPlan.build(tasks, rotation, kernel, scale, s_local * inner, dropout_p)
     kv_repeat = inner // kv_heads if kv_heads < inner else 1
-    return Scheme(cp_rank, inner, a2a_group, kv_repeat, pieces, gather_group, plan)
+    return Scheme(cp_rank, inner, a2a_group, a2a_index, kv_repeat, pieces, gather_group, plan)
