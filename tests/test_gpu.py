@@ -5,6 +5,8 @@
   gradient within 1e-4 (fp32, TF32 off), and within 3e-2 relative of the loss in bf16.
 - Training: ``torchrun --nproc-per-node 1 -m mcp_context.pretrain`` trains the tiny recipe in bf16 on the
   GPU (CP 1, ``train.device=cuda``): it exits 0, every loss is finite and the last is below the first.
+  Its subprocess gets the repository *prepended* to ``PYTHONPATH`` (``with_repo_on_pythonpath``, tested
+  on the CPU): a megatron-core installed outside site-packages (``pip --target``) stays importable.
 """
 from __future__ import annotations
 
@@ -21,8 +23,21 @@ from tests._dist import run_distributed
 from tests.tiny_gpt import batch, init_parallel, tiny_config, tiny_gpt
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 SEQ = 16
+
+
+def with_repo_on_pythonpath(env: dict) -> dict:
+    """``env`` with the repository first on ``PYTHONPATH`` and every path it already held kept after it."""
+    return {**env, "PYTHONPATH": os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                                                if p])}
+
+
+def test_the_subprocess_pythonpath_extends_the_callers():
+    """CPU: the caller's PYTHONPATH entries survive, after the repository; an empty one adds nothing."""
+    env = with_repo_on_pythonpath({"PYTHONPATH": os.pathsep.join(["/tmp/site", "/opt/megatron"]), "HOME": "/h"})
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(REPO), "/tmp/site", "/opt/megatron"] and env["HOME"] == "/h"
+    assert with_repo_on_pythonpath({})["PYTHONPATH"] == with_repo_on_pythonpath({"PYTHONPATH": ""})["PYTHONPATH"] \
+        == str(REPO)
 
 
 def _parity(rank, world, dtype_name):
@@ -54,16 +69,22 @@ def _parity(rank, world, dtype_name):
         parallel_state.destroy_model_parallel()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpt_with_our_spec_matches_the_stock_spec_on_cuda_fp32():
     loss_err, _, grad_err = run_distributed(1, _parity, "float32")[0]
     assert loss_err <= 1e-4 and grad_err <= 1e-4, (loss_err, grad_err)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpt_with_our_spec_matches_the_stock_spec_on_cuda_bf16():
     loss_err, magnitude, _ = run_distributed(1, _parity, "bfloat16")[0]
     assert loss_err <= 3e-2 * magnitude, (loss_err, magnitude)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_pretrain_trains_the_tiny_recipe_in_bf16_on_one_gpu(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m", "mcp_context.pretrain",
@@ -72,7 +93,7 @@ def test_pretrain_trains_the_tiny_recipe_in_bf16_on_one_gpu(tmp_path):
            "model.cp_comm_type=p2p", "model.bf16=true", "train.world_size=1", "train.device=cuda",
            "train.steps=30", "train.eval_interval=30", "train.eval_iters=1"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                          env=with_repo_on_pythonpath(dict(os.environ)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]

@@ -7,8 +7,20 @@ ring is ``inner = 1``; ``inner = 2`` is one all-to-all rank of an ``a2a+p2p`` me
 first ``h / 2`` query heads and their KV heads, replicated when ``h_kv < 2``).
 
 Compared with an independent fp64 full attention over the same heads: out, lse, dq, dk, dv.
-CPU (always): fp64 within 1e-10 and fp32 within 1e-5. CUDA (skipped without a GPU): bf16 and fp16,
-every error at most 1.5x the error of one fused kernel call over the whole sequence in that dtype.
+CPU (always): fp64 within 1e-10 and fp32 within 1e-5. Half precision (bf16 on the CPU's fused op,
+always; bf16 and fp16 on CUDA, skipped without a GPU): within ``half_precision_tolerance``, which
+holds by construction. Each block's out, dq, dk and dv come back from the op rounded to the half
+dtype and are summed (in fp32) over the ``B`` blocks that touch a row; rounding errors of ``B``
+partials grow like ``sqrt(B)`` (a fused call is ``B = 1``), so the bar for each output is
+
+    1.5 * sqrt(B) * max(error of one fused call over the whole sequence, u * max|reference|)
+
+with ``u`` the unit roundoff of the partials' dtype (2**-8 bf16, 2**-11 fp16; 2**-24 for the
+fp32 lse the ops return) and ``B`` counted from the schedule: per query row for out, lse and dq,
+per key row (over every member and step) for dk and dv. ``u * max|reference|`` is what rounding
+the exact result once costs, so no kernel, fused or not, can be held below it. "At most 1.5x one
+fused call", the former bar, cannot hold for dK/dV at P >= 4 (an emulation gave 1.7-3x; see
+``test_the_former_bar_fails_for_summed_half_precision_partials``).
 """
 from __future__ import annotations
 
@@ -53,6 +65,12 @@ def run_members(layout, cp, inner, causal, kv_heads, dtype, device, seq_len, hea
     k_all, v_all = (x[order].to(device, dtype).requires_grad_() for x in (k, v))
     kernel = get_kernel("auto", torch.device(device), dtype, head_dim=HEAD_DIM)
     got = {"out": [], "lse": [], "dq": []}
+    q_blocks, k_blocks = torch.zeros(seq_len, dtype=torch.long), torch.zeros(seq_len, dtype=torch.long)
+    for member in range(ring):
+        for step, tasks in enumerate(schedule.tasks[member]):
+            for t in tasks:
+                q_blocks[positions[member][slice(*t.q)]] += 1
+                k_blocks[positions[schedule.kv_source(member, step)][slice(*t.kv)]] += 1
     for member in range(ring):
         rows = positions[member]
         qm = q[rows].to(device, dtype).requires_grad_()
@@ -68,7 +86,39 @@ def run_members(layout, cp, inner, causal, kv_heads, dtype, device, seq_len, hea
     result["dk"], result["dv"] = k_all.grad.double().cpu()[inverse], v_all.grad.double().cpu()[inverse]
     reference = {"out": ref_out.detach(), "lse": ref_lse, "dq": ref_leaves[0].grad, "dk": ref_leaves[1].grad,
                  "dv": ref_leaves[2].grad}
+    result["blocks"] = {name: int((q_blocks if name in ("out", "lse", "dq") else k_blocks).max())
+                        for name in reference}
     return result, reference
+
+
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}
+
+
+def half_precision_tolerance(name: str, dtype: torch.dtype, blocks: int, fused_err: float,
+                             reference: torch.Tensor) -> float:
+    """The bar for output ``name`` (see the module docstring): ``1.5 * sqrt(blocks) * max(fused_err,
+    u * max|reference|)``; the lse comes back from every op in fp32, the rest in ``dtype``."""
+    u = UNIT_ROUNDOFF[torch.float32 if name == "lse" else dtype]
+    return 1.5 * blocks ** 0.5 * max(fused_err, u * reference.abs().max().item())
+
+
+def half_precision_errors(layout, cp, inner, causal, kv_heads, dtype, device, seq_len):
+    """``{name: (error, tolerance, error of one fused call, blocks)}`` for every member's schedule in
+    ``dtype`` against the fp64 reference; the fused call holds the whole sequence (one member)."""
+    result, reference = run_members(layout, cp, inner, causal, kv_heads, dtype, device, seq_len)
+    fused, fused_ref = run_members("contiguous", 1, 1, causal, kv_heads, dtype, device, seq_len, head_group=inner)
+    errors = {}
+    for name, ref in reference.items():
+        err = (result[name] - ref).abs().max().item()
+        fused_err = (fused[name] - fused_ref[name]).abs().max().item()
+        blocks = result["blocks"][name]
+        errors[name] = (err, half_precision_tolerance(name, dtype, blocks, fused_err, ref), fused_err, blocks)
+    return errors
+
+
+def _assert_within_half_precision_tolerance(errors: dict) -> None:
+    for name, (err, tol, fused_err, blocks) in errors.items():
+        assert err <= tol, f"{name}: {err:.3e} > {tol:.3e} (fused call {fused_err:.3e}, {blocks} blocks summed)"
 
 
 def _cases(cps):
@@ -89,17 +139,36 @@ def test_member_schedules_on_one_cpu_match_fp64_reference(cp, layout, inner, cau
             assert err <= tol, f"{dtype} {name}: max abs error {err:.2e} > {tol}"
 
 
+@pytest.mark.parametrize("cp,layout,inner,causal,kv_heads", [(4, "zigzag", 1, True, 2), (8, "zigzag", 1, True, 8)],
+                         ids=["P4-zigzag-ring-causal-hkv2", "P8-zigzag-ring-causal-hkv8"])
+def test_member_schedules_in_bf16_on_cpu_meet_the_stated_tolerance(cp, layout, inner, causal, kv_heads):
+    """The half-precision bar of the CUDA test, checked with the CPU's fused op in bf16 (same rounding
+    of every block's partials to bf16, summed in fp32)."""
+    _assert_within_half_precision_tolerance(
+        half_precision_errors(layout, cp, inner, causal, kv_heads, torch.bfloat16, "cpu", seq_len=512))
+
+
+def test_the_former_bar_fails_for_summed_half_precision_partials():
+    """Why the bar scales with sqrt(blocks): at P = 8 (a2a+p2p [2, 4], striped, full) the gradients summed
+    from bf16 partials of the CPU fused op exceed "1.5x one fused call" (the former premise: dq 2.2x
+    here), while meeting the stated tolerance."""
+    errors = half_precision_errors("striped", 8, 2, False, 8, torch.bfloat16, "cpu", seq_len=512)
+    assert max(errors[name][0] / errors[name][2] for name in ("dq", "dk", "dv")) > 1.5, errors
+    _assert_within_half_precision_tolerance(errors)
+
+
+def _cuda_cases():
+    for cp, layout, inner, causal, kv_heads in itertools.product((2, 4, 8, 16), LAYOUTS, (1, 2), (True, False),
+                                                                (8, 2, 1)):
+        yield pytest.param(cp, layout, inner, causal, kv_heads,
+                           id=f"P{cp}-{layout}-{'ring' if inner == 1 else 'a2a+p2p'}-"
+                              f"{'causal' if causal else 'full'}-hkv{kv_heads}")
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (one ring member per call on one device)")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("cp,layout,inner,causal,kv_heads",
-                         [c for cp in (2, 4, 8, 16) for c in itertools.product(
-                             [cp], LAYOUTS, (1, 2), (True, False), (8, 2, 1))])
-def test_member_schedules_on_cuda_are_as_accurate_as_one_fused_call(dtype, cp, layout, inner, causal, kv_heads):
-    seq_len = 2048
-    result, reference = run_members(layout, cp, inner, causal, kv_heads, dtype, "cuda", seq_len)
-    # One member holding the whole sequence: a single fused kernel call, same heads and dtype.
-    fused, fused_ref = run_members("contiguous", 1, 1, causal, kv_heads, dtype, "cuda", seq_len, head_group=inner)
-    for name, ref in reference.items():
-        err = (result[name] - ref).abs().max().item()
-        fused_err = (fused[name] - fused_ref[name]).abs().max().item()
-        assert err <= 1.5 * fused_err, f"{name}: {err:.3e} > 1.5 x fused {fused_err:.3e}"
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("cp,layout,inner,causal,kv_heads", list(_cuda_cases()))
+def test_member_schedules_on_cuda_meet_the_half_precision_tolerance(dtype, cp, layout, inner, causal, kv_heads):
+    _assert_within_half_precision_tolerance(
+        half_precision_errors(layout, cp, inner, causal, kv_heads, dtype, "cuda", seq_len=2048))
