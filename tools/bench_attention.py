@@ -17,8 +17,11 @@ locally) against one fused SDPA call of equal useful FLOPs: TFLOP/s (causal FLOP
 their ratio, and peak memory.
 
 The parts live in ``bench_cpu.py``, ``bench_device.py`` and ``bench_plots.py``; this file is the command line.
-Writes ``bench_attention_p<P...>.json`` (machine, versions, shapes, every repetition) and PNG plots to
-``--out``. Timings on a shared CPU are noisy: only the ratios measured in one run mean anything.
+Writes ``bench_attention_p<P...>.jsonl`` as results come (one flushed JSON line per part: the machine,
+the CPU results, each kernel and each rank-schedule row), then ``bench_attention_p<P...>.json`` (machine,
+versions, shapes, every repetition) and PNG plots to ``--out``: a run that dies (out of memory, a
+timeout) keeps every line written before. Timings on a shared CPU are noisy: only the ratios measured
+in one run mean anything.
 
     python tools/bench_attention.py --out docs/img            # CPU, P = 2 and 4
     python tools/bench_attention.py --device-bench cuda --out results   # on a GPU machine
@@ -38,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from tools.bench_cpu import Shape, cpu_benchmarks  # noqa: E402
-from tools.bench_device import device_benchmarks  # noqa: E402
+from tools.bench_device import append_jsonl, device_benchmarks  # noqa: E402
 from tools.bench_plots import plot  # noqa: E402
 
 COMMS = ("p2p", "a2a", "all_gather", "a2a+p2p")
@@ -84,9 +87,15 @@ def main(argv=None) -> int:
             if seq_len % (2 * world):
                 ap.error(f"sequence length {seq_len} is not divisible by 2*P={2 * world}; pad it to a multiple")
     os.makedirs(args.out, exist_ok=True)
+    suffix = "_p" + "_".join(map(str, args.world_sizes)) + (f"_{args.tag}" if args.tag else "")
+    lines = os.path.join(args.out, f"bench_attention{suffix}.jsonl")
+    open(lines, "w").close()
+    sink = append_jsonl(lines)
     results = {"machine": _machine(), "shape": asdict(shape), "reps": args.reps, "dtype_cpu": "float32"}
+    sink({"part": "machine", **results})
     if not args.no_cpu:
         results["cpu"] = cpu_benchmarks(args.world_sizes, shape, args.reps, args.comms, args.layouts)
+        sink({"part": "cpu", **results["cpu"]})
     device = {"auto": "cuda" if torch.cuda.is_available() else None, "none": None}.get(args.device_bench,
                                                                                         args.device_bench)
     if device == "cuda" and not torch.cuda.is_available():
@@ -94,14 +103,14 @@ def main(argv=None) -> int:
     if device is not None:
         print(f"device benchmarks on {device}", flush=True)
         results["device"] = [device_benchmarks(torch.device(device), Shape(n, *astuple(shape)[1:]), args.world_sizes,
-                                               args.reps) for n in device_seq_lens]
-    suffix = "_p" + "_".join(map(str, args.world_sizes)) + (f"_{args.tag}" if args.tag else "")
-    results["plots"] = plot(results, args.out, suffix)
+                                               args.reps, sink) for n in device_seq_lens]
     from mcp_context.atomic import write_atomic
 
     path = os.path.join(args.out, f"bench_attention{suffix}.json")
+    write_atomic(path, json.dumps(results, indent=1).encode())  # before plotting: a plot error loses nothing
+    results["plots"] = plot(results, args.out, suffix)
     write_atomic(path, json.dumps(results, indent=1).encode())
-    print(f"wrote {path} and {', '.join(results['plots'])}")
+    print(f"wrote {lines}, {path} and {', '.join(results['plots'])}")
     return 0
 
 

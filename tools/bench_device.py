@@ -3,12 +3,21 @@ on one device (the other ranks' K/V laid out locally) against one fused SDPA cal
 
 CUDA events and ``torch.cuda.max_memory_allocated`` on a GPU; ``perf_counter`` (and no peak memory) on
 the CPU, where it is a smoke run of the path, not a figure.
+
+Every result goes to ``sink`` as soon as it is measured (``append_jsonl`` writes one flushed JSON line),
+so a run that dies later keeps what it measured. The math kernel materialises O(s^2) fp32 scores: its
+micro-benchmark runs only while ``math_block_bytes`` fits in half the device's memory (at 32 query
+heads that is up to S/P of about 7.9K rows on an 80 GB H100; it ran out of memory at ~12K), and an
+out-of-memory error in any measurement is recorded as that row's result instead of ending the run.
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 import statistics
 import time
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -62,14 +71,56 @@ def _device_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> 
             for name in named}
 
 
+MATH_SCORE_COPIES = 5
+"""fp32 ``[b, h, s, s]`` tensors the math kernel's backward holds at once (scores, their masked copy,
+probabilities, dP, dS)."""
+
+
+def math_block_bytes(batch: int, heads: int, rows: int) -> int:
+    """Bytes the math kernel's forward+backward of one causal ``rows x rows`` block needs at its peak."""
+    return MATH_SCORE_COPIES * 4 * batch * heads * rows * rows
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """Total memory of ``device`` (the GPU's, or the machine's RAM for the CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def append_jsonl(path: str) -> Callable[[dict], None]:
+    """A sink that appends each record to ``path`` as one JSON line, flushed to disk before returning."""
+    def write(record: dict) -> None:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    return write
+
+
+def _out_of_memory(err: BaseException) -> Optional[str]:
+    """The row's result when ``err`` is the device running out of memory, else None."""
+    if isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower():
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return f"out of memory: {str(err).splitlines()[0][:200]}"
+    return None
+
+
 def _kernel_block(kernel, q, k, v, dout, backward: bool):
     out, lse = kernel.forward(q, k, v, True, q.shape[-1] ** -0.5)
     if backward:
         kernel.backward(dout, q, k, v, out, lse, True, q.shape[-1] ** -0.5)
 
 
-def device_benchmarks(device: torch.device, shape: Shape, world_sizes, reps: int) -> dict:
-    """Kernel backends side by side, and one rank's schedule vs one fused SDPA of equal useful FLOPs."""
+def device_benchmarks(device: torch.device, shape: Shape, world_sizes, reps: int,
+                      sink: Callable[[dict], None] = lambda record: None,
+                      math_budget_bytes: Optional[int] = None) -> dict:
+    """Kernel backends side by side, and one rank's schedule vs one fused SDPA of equal useful FLOPs.
+
+    Each kernel row and each schedule row goes to ``sink`` as it is measured (with ``part`` and
+    ``seq_len``). The math kernel is skipped, with the reason, when ``math_block_bytes`` exceeds
+    ``math_budget_bytes`` (default: half of ``device_memory_bytes``)."""
     from mcp_context.algorithms.executor import RingAttention, RingPlan
     from mcp_context.algorithms.rotation import LocalRotation
     from mcp_context.kernels import get_kernel
@@ -81,28 +132,40 @@ def device_benchmarks(device: torch.device, shape: Shape, world_sizes, reps: int
     b, h, hk, d = shape.batch, shape.heads, shape.kv_heads, shape.head_dim
     n = shape.seq_len // max(world_sizes)
     gen = torch.Generator().manual_seed(2)
+    budget = device_memory_bytes(device) // 2 if math_budget_bytes is None else math_budget_bytes
 
     def rand(*size):
         return torch.randn(*size, generator=gen).to(device, dtype)
 
+    def emit(part: str, row: dict) -> None:
+        sink({"part": part, "device": str(device), "seq_len": shape.seq_len, "block_len": n, **row})
+
     q, k, v, dout = rand(b, h, n, d), rand(b, hk, n, d), rand(b, hk, n, d), rand(b, h, n, d)
     causal_flops = 4 * b * h * d * n * (n + 1) // 2
-    verdicts = _device_kernels(device, dtype, d)
-    available = {name: kern for name, kern in verdicts.items() if not isinstance(kern, str)}
-    calls = {f"{name} {label}": (lambda kern=kern, backward=backward: _kernel_block(kern, q, k, v, dout, backward))
-             for name, kern in available.items() for label, backward in (("fwd", False), ("fwd_bwd", True))}
-    times = _interleaved_seconds(calls, device, reps)
     kernels = []
-    for name, kern in verdicts.items():
-        if isinstance(kern, str):
-            kernels.append({"kernel": name, "unavailable": kern})
-            continue
+    for name, kern in _device_kernels(device, dtype, d).items():
         row = {"kernel": name}
-        for label, flops in (("fwd", causal_flops), ("fwd_bwd", causal_flops * 3.5)):
-            row[f"{label}_s"] = times[f"{name} {label}"]
-            row[f"{label}_tflops"] = flops / statistics.median(row[f"{label}_s"]) / 1e12
-            row[f"{label}_peak_bytes"] = _peak_bytes(calls[f"{name} {label}"], device)
+        if isinstance(kern, str):
+            row["unavailable"] = kern
+        elif name == "math" and math_block_bytes(b, h, n) > budget:
+            row["skipped"] = (f"needs ~{math_block_bytes(b, h, n) / 2**30:.1f} GiB ({MATH_SCORE_COPIES} fp32 "
+                              f"[{b}, {h}, {n}, {n}] score tensors), over the bound of {budget / 2**30:.1f} GiB "
+                              f"(half the device's memory)")
+        else:
+            calls = {label: (lambda backward=backward: _kernel_block(kern, q, k, v, dout, backward))
+                     for label, backward in (("fwd", False), ("fwd_bwd", True))}
+            try:
+                times = _interleaved_seconds(calls, device, reps)
+                for label, flops in (("fwd", causal_flops), ("fwd_bwd", causal_flops * 3.5)):
+                    row[f"{label}_s"] = times[label]
+                    row[f"{label}_tflops"] = flops / statistics.median(row[f"{label}_s"]) / 1e12
+                    row[f"{label}_peak_bytes"] = _peak_bytes(calls[label], device)
+            except RuntimeError as err:
+                if (reason := _out_of_memory(err)) is None:
+                    raise
+                row = {"kernel": name, "error": reason}
         kernels.append(row)
+        emit("kernel", row)
 
     kernel = get_kernel("auto", device, dtype, head_dim=d)
     schedules = []
@@ -110,43 +173,58 @@ def device_benchmarks(device: torch.device, shape: Shape, world_sizes, reps: int
         sched = layout_schedule("zigzag", world, shape.seq_len, True)
         s_local = shape.seq_len // world
         pairs = sched.useful_pairs()[0]
-        ql = rand(s_local, b, h, d).requires_grad_()
-        kl, vl = (rand(shape.seq_len, b, hk, d).requires_grad_() for _ in range(2))  # every member's K/V, here
-        do = rand(s_local, b, h, d)
-        plan = RingPlan.build(sched.tasks[0], LocalRotation(0, world), kernel, d ** -0.5, s_local)
         s_eq = round((math.sqrt(8 * pairs + 1) - 1) / 2)  # causal s_eq*(s_eq+1)/2 == useful pairs
-        qe, ke, ve, doe = rand(b, h, s_eq, d).requires_grad_(), rand(b, hk, s_eq, d).requires_grad_(), \
-            rand(b, hk, s_eq, d).requires_grad_(), rand(b, h, s_eq, d)
-
-        def rank_step(backward):
-            out, _ = RingAttention.apply(ql, kl, vl, plan)
-            if backward:
-                out.backward(do)
-
-        def fused(backward):
-            out = F.scaled_dot_product_attention(qe, ke, ve, is_causal=True, enable_gqa=h != hk)
-            if backward:
-                out.backward(doe)
-
         row = {"world_size": world, "rank": 0, "useful_pairs": pairs, "equal_flops_causal_len": s_eq,
                "kernel": kernel.name}
-        for label, backward, factor in (("fwd", False, 1.0), ("fwd_bwd", True, 3.5)):
-            flops = 4 * b * h * d * pairs * factor
-            fused_flops = 4 * b * h * d * s_eq * (s_eq + 1) // 2 * factor
-            pair = {"ours": lambda backward=backward: rank_step(backward),
-                    "fused": lambda backward=backward: fused(backward)}
-            t = _interleaved_seconds(pair, device, reps)
-            row[label] = {"ours_s": t["ours"], "fused_s": t["fused"],
-                          "ours_tflops": flops / statistics.median(t["ours"]) / 1e12,
-                          "fused_tflops": fused_flops / statistics.median(t["fused"]) / 1e12,
-                          "efficiency": statistics.median(flops / a / (fused_flops / f)
-                                                          for a, f in zip(t["ours"], t["fused"])),
-                          "ours_peak_bytes": _peak_bytes(pair["ours"], device),
-                          "fused_peak_bytes": _peak_bytes(pair["fused"], device)}
-            if row[label]["fused_peak_bytes"]:
-                row[label]["memory_ratio"] = row[label]["ours_peak_bytes"] / row[label]["fused_peak_bytes"]
-            print(f"  P={world} {label}: {row[label]['ours_tflops']:.3g} vs fused {row[label]['fused_tflops']:.3g} "
-                  f"TFLOP/s, efficiency {row[label]['efficiency']:.2f} ({kernel.name})", flush=True)
+        try:
+            _schedule_row(row, device, sched, kernel, rand, shape, s_local, s_eq, reps, RingAttention, RingPlan,
+                          LocalRotation)
+        except RuntimeError as err:
+            if (reason := _out_of_memory(err)) is None:
+                raise
+            row["error"] = reason
         schedules.append(row)
+        emit("rank_schedule", row)
     return {"device": str(device), "dtype": str(dtype), "seq_len": shape.seq_len, "block_len": n, "kernels": kernels,
             "rank_schedule": schedules}
+
+
+def _schedule_row(row: dict, device, sched, kernel, rand, shape: Shape, s_local: int, s_eq: int, reps: int,
+                  RingAttention, RingPlan, LocalRotation) -> None:
+    """Fill ``row`` with rank 0's schedule against one fused SDPA call of equal useful FLOPs."""
+    b, h, hk, d = shape.batch, shape.heads, shape.kv_heads, shape.head_dim
+    world, pairs = row["world_size"], row["useful_pairs"]
+    ql = rand(s_local, b, h, d).requires_grad_()
+    kl, vl = (rand(shape.seq_len, b, hk, d).requires_grad_() for _ in range(2))  # every member's K/V, here
+    do = rand(s_local, b, h, d)
+    plan = RingPlan.build(sched.tasks[0], LocalRotation(0, world), kernel, d ** -0.5, s_local)
+    qe, ke, ve, doe = rand(b, h, s_eq, d).requires_grad_(), rand(b, hk, s_eq, d).requires_grad_(), \
+        rand(b, hk, s_eq, d).requires_grad_(), rand(b, h, s_eq, d)
+
+    def rank_step(backward):
+        out, _ = RingAttention.apply(ql, kl, vl, plan)
+        if backward:
+            out.backward(do)
+
+    def fused(backward):
+        out = F.scaled_dot_product_attention(qe, ke, ve, is_causal=True, enable_gqa=h != hk)
+        if backward:
+            out.backward(doe)
+
+    for label, backward, factor in (("fwd", False, 1.0), ("fwd_bwd", True, 3.5)):
+        flops = 4 * b * h * d * pairs * factor
+        fused_flops = 4 * b * h * d * s_eq * (s_eq + 1) // 2 * factor
+        pair = {"ours": lambda backward=backward: rank_step(backward),
+                "fused": lambda backward=backward: fused(backward)}
+        t = _interleaved_seconds(pair, device, reps)
+        row[label] = {"ours_s": t["ours"], "fused_s": t["fused"],
+                      "ours_tflops": flops / statistics.median(t["ours"]) / 1e12,
+                      "fused_tflops": fused_flops / statistics.median(t["fused"]) / 1e12,
+                      "efficiency": statistics.median(flops / a / (fused_flops / f)
+                                                      for a, f in zip(t["ours"], t["fused"])),
+                      "ours_peak_bytes": _peak_bytes(pair["ours"], device),
+                      "fused_peak_bytes": _peak_bytes(pair["fused"], device)}
+        if row[label]["fused_peak_bytes"]:
+            row[label]["memory_ratio"] = row[label]["ours_peak_bytes"] / row[label]["fused_peak_bytes"]
+        print(f"  P={world} {label}: {row[label]['ours_tflops']:.3g} vs fused {row[label]['fused_tflops']:.3g} "
+              f"TFLOP/s, efficiency {row[label]['efficiency']:.2f} ({kernel.name})", flush=True)

@@ -1,0 +1,57 @@
+"""The device benchmark on the CPU (``--device-bench cpu``, a smoke run of the path): it bounds the math
+kernel's O(s^2) micro-benchmark and writes every result as it is measured."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tools.bench_attention import main as bench_main
+from tools.bench_cpu import Shape
+from tools.bench_device import append_jsonl, device_benchmarks, math_block_bytes
+
+CPU = torch.device("cpu")
+
+
+def _lines(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_the_math_bound_admits_32k_and_refuses_the_block_that_ran_out_of_memory():
+    """32 heads on an 80 GB H100, bound = half its memory: S/P = 4096 (32K over 8) fits; 12288 (where the
+    micro-benchmark ran out of memory) and 16384 (128K over 8) do not."""
+    h100_half = 80 * 10**9 // 2
+    assert math_block_bytes(1, 32, 4096) <= h100_half
+    assert math_block_bytes(1, 32, 12288) > h100_half and math_block_bytes(1, 32, 16384) > h100_half
+    assert math_block_bytes(2, 8, 100) == 5 * 4 * 2 * 8 * 100 * 100
+
+
+def test_math_micro_benchmark_is_skipped_over_the_bound_with_the_reason(tmp_path):
+    sink = append_jsonl(str(tmp_path / "r.jsonl"))
+    result = device_benchmarks(CPU, Shape(64, 1, 2, 2, 8), (2,), reps=1, sink=sink, math_budget_bytes=1000)
+    math_row = next(r for r in result["kernels"] if r["kernel"] == "math")
+    assert "fwd_tflops" not in math_row and "over the bound of" in math_row["skipped"], math_row
+    cpu_flash = next(r for r in result["kernels"] if r["kernel"] == "torch:cpu_flash")
+    assert cpu_flash["fwd_tflops"] > 0  # the other kernels still run
+
+
+def test_results_are_on_disk_before_a_later_failure(tmp_path):
+    """P = 3 cannot split 64 tokens in zigzag: the run raises there, and every kernel row and the P = 2 row
+    measured before are already in the file."""
+    path = tmp_path / "r.jsonl"
+    with pytest.raises(ValueError, match="not divisible by 2\\*cp=6"):
+        device_benchmarks(CPU, Shape(64, 1, 2, 2, 8), (2, 3), reps=1, sink=append_jsonl(str(path)))
+    records = _lines(path)
+    assert {r["kernel"] for r in records if r["part"] == "kernel"} >= {"math", "torch:cpu_flash"}
+    assert [r["world_size"] for r in records if r["part"] == "rank_schedule"] == [2]
+
+
+def test_bench_attention_writes_the_jsonl_and_the_json(tmp_path):
+    status = bench_main(["--no-cpu", "--device-bench", "cpu", "--seq-len", "64", "--world-sizes", "2",
+                         "--heads", "2", "--kv-heads", "2", "--head-dim", "8", "--reps", "1", "--out", str(tmp_path)])
+    assert status == 0
+    records = _lines(tmp_path / "bench_attention_p2.jsonl")
+    assert [r["part"] for r in records][0] == "machine" and records[-1]["part"] == "rank_schedule"
+    summary = json.loads((tmp_path / "bench_attention_p2.json").read_text())
+    assert summary["device"][0]["rank_schedule"][0]["fwd_bwd"]["efficiency"] > 0
