@@ -157,3 +157,65 @@ def test_bad_sinks_and_head_dims_are_refused_naming_the_argument(case, words):
     assert message is not None, case
     for word in words:
         assert word in message, (word, message)
+
+
+# ---- gpt-oss: Hugging Face's attention with sinks and a sliding window ------------------------------
+
+def _gpt_oss_case(rank, world, sizes, comm, dtype=torch.float64):
+    """HF ``GptOssAttention`` (eager, sliding-window layer, learned sinks) on the full sequence against
+    its own projections, RoPE and sinks run through our engine at CP=``world``; input and sink
+    gradients are summed over the CP ranks before comparing."""
+    import torch.distributed as dist
+    from transformers import GptOssConfig
+    from transformers.masking_utils import create_sliding_window_causal_mask
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention, GptOssRotaryEmbedding, apply_rotary_pos_emb
+
+    from mcp_context import build_hcp_groups, context_parallel_attention, shard_sequence
+
+    seq_len, window = 16 * world, 11
+    config = GptOssConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                          sliding_window=window, layer_types=["sliding_attention"], num_hidden_layers=1,
+                          attention_bias=True, attn_implementation="eager")
+    torch.manual_seed(0)
+    attn = GptOssAttention(config, layer_idx=0).to(dtype)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_(0.0, 0.2)
+        attn.sinks.normal_(0.0, 2.0)
+    x = torch.randn(1, seq_len, config.hidden_size, dtype=dtype, requires_grad=True)
+    dout = torch.randn(1, seq_len, config.hidden_size, dtype=dtype)
+    positions = torch.arange(seq_len)[None]
+    cos, sin = GptOssRotaryEmbedding(config)(x, positions)
+    mask = create_sliding_window_causal_mask(config, x, None, None, position_ids=positions,
+                                             allow_is_causal_skip=False)
+    ref, _ = attn(x, (cos, sin), mask)
+    ref_dx, ref_dsink = torch.autograd.grad(ref, (x, attn.sinks), dout)
+
+    # Ours: the same projections and RoPE on the full sequence, attention over sharded q, k, v.
+    hidden = (1, seq_len, -1, config.head_dim)
+    q, k, v = (proj(x).view(hidden).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+
+    def shard(t):  # [1, h, S, d] -> this rank's [s_local, 1, h, d] (sbhd)
+        return shard_sequence(t.permute(2, 0, 1, 3), world, rank, "zigzag", dim=0)
+
+    # Megatron/TE's window (left, 0) with left = sliding_window - 1: HF's window counts the query itself.
+    out = context_parallel_attention(shard(q), shard(k), shard(v), build_hcp_groups(sizes), causal=True,
+                                     comm=comm, window_size=(window - 1, 0), softmax_offset=attn.sinks)
+    out = attn.o_proj(out.reshape(out.shape[0], 1, -1))  # [s_local, 1, hidden]
+    ref_local = shard_sequence(ref.transpose(0, 1), world, rank, "zigzag", dim=0)
+    dx, dsink = torch.autograd.grad(out, (x, attn.sinks), shard_sequence(dout.transpose(0, 1), world, rank,
+                                                                         "zigzag", dim=0))
+    for g in (dx, dsink):
+        dist.all_reduce(g, group=build_hcp_groups(sizes).cp_group)
+    return {"out": (out - ref_local).abs().max().item(), "dx": (dx - ref_dx).abs().max().item(),
+            "dsink": (dsink - ref_dsink).abs().max().item(), "sink_grad": ref_dsink.abs().max().item()}
+
+
+@pytest.mark.parametrize("sizes,comm", [([4], "p2p"), ([2, 2], "a2a+p2p")])
+def test_gpt_oss_attention_with_sinks_and_window_matches_hugging_face_at_cp4(sizes, comm):
+    pytest.importorskip("transformers", reason="the gpt-oss reference is Hugging Face's GptOssAttention")
+    for rank, errors in enumerate(run_distributed(4, _gpt_oss_case, sizes, comm)):
+        assert errors["sink_grad"] > 1e-3, errors  # the sinks matter here
+        for name in ("out", "dx", "dsink"):
+            assert errors[name] <= 1e-10, (rank, name, errors)
