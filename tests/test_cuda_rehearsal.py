@@ -1,0 +1,71 @@
+"""The CUDA path rehearsed on the CPU under ``FakeTensorMode`` (``tests/rehearsal.py``): shapes, dtypes,
+devices and op schemas, never numbers.
+
+Every ring member's forward and backward with ``torch:cudnn`` and with ``torch:flash``, bf16, Llama-3-8B
+heads (32 query / 8 KV, d=128) at S=32K and 128K over P=8, flat (p2p zigzag) and a2a+p2p [2, 4], causal,
+window (4095, 0) and packed documents. Each case passes when every member's out/lse/dq/dk/dv come back
+with the right shapes, dtypes and device and no op raised. The two planted faults show what a rehearsal
+catches: a wrong argument type in an op call and a CPU tensor in a CUDA step, each named with where it
+happened. What it cannot catch (numbers, the strides only CUDA kernels check, the probe's verdicts) is
+for a GPU: see docs/performance.md, "Rehearsed on CPU (estimate)".
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from mcp_context.kernels.torch_sdpa import FUSED_OPS, FusedOp, TorchKernel, _flash_forward
+from tests.rehearsal import Case, RehearsalError, rehearse_members
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # FakeTensorMode's "CUDA not available" notes
+
+CASES = [pytest.param(kernel, Case(seq_len, 8, inner, mask), id=f"{kernel}-{seq_len // 1024}K-"
+                      f"{'p2p' if inner == 1 else 'a2a+p2p'}-{mask}")
+         for kernel, seq_len, inner, mask in itertools.product(("torch:cudnn", "torch:flash"), (32768, 131072),
+                                                               (1, 2), ("causal", "window", "packed"))]
+
+
+@pytest.mark.parametrize("kernel,case", CASES)
+def test_every_members_cuda_step_rehearses_forward_and_backward(kernel, case):
+    assert rehearse_members(case, kernel) > 0
+
+
+def _flash_backward_with_int_cum_seq(dout, q, k, v, out, lse, causal, scale):
+    """The call that crashed our first CUDA path: ints where ``cum_seq_q``/``cum_seq_k`` take tensors."""
+    seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    offset = torch.zeros((), dtype=torch.uint64, device=q.device)
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, 0, 0, q.shape[2], k.shape[2], 0.0, causal, seed, offset, scale=scale)
+
+
+def test_a_rehearsal_names_a_wrong_op_call():
+    planted = TorchKernel(FusedOp("planted_flash", FUSED_OPS["flash"].capabilities, _flash_forward,
+                                  _flash_backward_with_int_cum_seq))
+    with pytest.raises(RehearsalError) as err:
+        rehearse_members(Case(32768, 8, 1, "causal"), planted)
+    message = str(err.value)
+    assert "torch:planted_flash, member 0 of 8, backward" in message
+    assert "_scaled_dot_product_flash_attention_backward" in message and "cum_seq_q" in message
+
+
+class _MaskOnTheCpu(TorchKernel):
+    """cuDNN plus a helper tensor built without ``device=`` (so on the CPU) and used in the CUDA step."""
+
+    def __init__(self):
+        super().__init__(FUSED_OPS["cudnn"])
+        self.name = "planted_cpu_mask"
+
+    def forward(self, q, k, v, mask, scale, dropout=None):
+        out, lse = super().forward(q, k, v, mask, scale, dropout)
+        keep = torch.ones(q.shape[2], dtype=torch.bool)  # forgot device=q.device
+        return out, lse.masked_fill(~keep, float("-inf"))
+
+
+def test_a_rehearsal_names_a_cpu_tensor_in_a_cuda_step():
+    with pytest.raises(RehearsalError) as err:
+        rehearse_members(Case(32768, 8, 2, "window"), _MaskOnTheCpu())
+    message = str(err.value)
+    assert "planted_cpu_mask, member 0 of 4, forward" in message
+    assert "cpu" in message and "cuda:0" in message

@@ -1,0 +1,120 @@
+"""Estimate one rank's peak GPU memory for a ring step on a CPU-only torch (a rehearsal, not a measurement).
+
+Under ``FakeTensorMode`` with ``device="cuda"`` every tensor has a size and no data, and
+``torch.distributed._tools.mem_tracker.MemTracker`` adds up the storages alive at each op. One rank
+(``--rank``, default 0) of a P-rank p2p zigzag ring runs ``ring_forward`` then ``ring_backward`` (called
+directly: autograd aborts on fake CUDA tensors) through the real ``RingRotation``, whose exchanges are
+replaced by ``NoWireExchange``: a transfer allocates its receive buffer and keeps the send buffer alive
+until it is waited on, as ``RingExchange`` does, and sends nothing. Against it: one fused causal call of
+the same op with the same useful work (``n`` rows with ``n^2 / 2`` visible pairs equal to the rank's),
+forward and backward.
+
+What the estimate leaves out: kernel workspaces (cuDNN's, flash's), NCCL buffers, the caching
+allocator's rounding and fragmentation, and the compiled merge (a rehearsal merges eagerly, whose
+temporaries are counted). It has not been checked against a GPU yet.
+
+    python tools/rehearse_memory.py --seq-len 32768 131072 --cp 8 --backend torch:cudnn
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mcp_context.algorithms.executor import RingPlan, ring_backward, ring_forward  # noqa: E402
+from mcp_context.algorithms.rotation import RingRotation  # noqa: E402
+from mcp_context.kernels import get_kernel  # noqa: E402
+from mcp_context.masks import CAUSAL  # noqa: E402
+from mcp_context.schedule import layout_schedule  # noqa: E402
+
+CUDA = torch.device("cuda")
+MIB = 2 ** 20
+
+
+class _Received:
+    def __init__(self, recv: torch.Tensor, send: torch.Tensor):
+        self.recv, self.send = recv, send  # the send buffer stays alive until the transfer is waited on
+
+    def wait(self) -> torch.Tensor:
+        self.send = None
+        return self.recv
+
+
+class NoWireExchange:
+    """Allocates what a ``RingExchange`` transfer allocates (a receive buffer like the message), sends nothing."""
+
+    def __init__(self, ring_size: int, member: int):
+        self.peers, self.member, self.group, self.op = list(range(ring_size)), member, None, "rehearsal"
+
+    def start(self, send: torch.Tensor, step: int) -> _Received:
+        return _Received(torch.empty_like(send), send)
+
+
+def rank_step_peak(seq_len: int, cp: int, rank: int, heads: int, kv_heads: int, head_dim: int,
+                   backend: str) -> dict:
+    """Peak MiB of one rank's forward+backward and of one fused call of equal useful work."""
+    dtype = torch.bfloat16
+    with FakeTensorMode():
+        kernel = get_kernel(backend, CUDA, dtype, head_dim=head_dim)
+        schedule = layout_schedule("zigzag", cp, seq_len, CAUSAL, 1, kernel.capabilities.masks)
+        rows = seq_len // cp
+        useful = schedule.useful_pairs()[rank]
+        n = int(round(math.sqrt(2 * useful)))
+
+        def ring_step() -> None:
+            q, dout = (torch.empty(rows, 1, heads, head_dim, device=CUDA, dtype=dtype) for _ in range(2))
+            k, v = (torch.empty(rows, 1, kv_heads, head_dim, device=CUDA, dtype=dtype) for _ in range(2))
+            rotation = RingRotation(NoWireExchange(cp, rank), NoWireExchange(cp, rank), cp)
+            plan = RingPlan.build(schedule.tasks[rank], rotation, kernel, head_dim ** -0.5, rows)
+            out, lse = ring_forward(q, k, v, plan)
+            ring_backward(dout, q, k, v, out, lse, plan)
+
+        def fused_call() -> None:
+            q, dout = (torch.empty(1, heads, n, head_dim, device=CUDA, dtype=dtype) for _ in range(2))
+            k, v = (torch.empty(1, kv_heads, n, head_dim, device=CUDA, dtype=dtype) for _ in range(2))
+            out, lse = kernel.forward(q, k, v, True, head_dim ** -0.5)
+            kernel.backward(dout, q, k, v, out, lse, True, head_dim ** -0.5)
+
+        ring, fused = _peak(ring_step), _peak(fused_call)
+    return {"seq_len": seq_len, "cp": cp, "rank": rank, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+            "dtype": "bfloat16", "backend": kernel.name, "rank_rows": rows, "fused_rows": n,
+            "rank_peak_mib": round(ring, 1), "fused_peak_mib": round(fused, 1), "ratio": round(ring / fused, 3)}
+
+
+def _peak(run) -> float:
+    tracker = MemTracker()
+    with tracker:
+        run()
+    snap = tracker.get_tracker_snapshot("peak")
+    return sum(kinds["Total"] for dev, kinds in snap.items() if dev.type == "cuda") / MIB
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seq-len", type=int, nargs="+", default=[32768, 131072])
+    ap.add_argument("--cp", type=int, default=8)
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--backend", default="torch:cudnn", help="torch:cudnn or torch:flash (default torch:cudnn)")
+    args = ap.parse_args(argv)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    for seq_len in args.seq_len:
+        print(json.dumps(rank_step_peak(seq_len, args.cp, args.rank, args.heads, args.kv_heads, args.head_dim,
+                                        args.backend)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
