@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test train clean
+.PHONY: setup test test-gpu train clean
 
 $(STAMP): setup.py constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,6 +18,14 @@ setup: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+# On a CUDA machine, in your own environment (no venv, your CUDA torch): the kernel report, the GPU
+# tests, member-schedule cases, the benchmark at 32K and 128K and a 30-step bf16 pretrain, each under
+# its own timeout, results in $(GPU_RESULTS). make test-gpu PYTHON=/path/to/the/python/with/cuda/torch
+PYTHON ?= python3
+GPU_RESULTS ?= runs/gpu_checks
+test-gpu:
+	PYTHON=$(PYTHON) bash tools/gpu_checks.sh $(GPU_RESULTS)
 
 # The main job: a tiny Llama-style GPT on the bundled Shakespeare corpus, 4 CPU processes, CP=4 as a
 # hierarchy [2, 2] (all-to-all pairs, a ring of 2). A second run resumes from runs/tiny_cpu.

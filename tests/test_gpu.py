@@ -1,4 +1,6 @@
-"""On a CUDA GPU (skipped elsewhere): the Megatron GPT with our layer spec, and the pretrain entry in bf16.
+"""On a CUDA GPU (skipped elsewhere): the Megatron GPT with our layer spec, and the pretrain entry in bf16;
+on the CPU, how those GPU runs are launched (the subprocess's PYTHONPATH, ``tools/gpu_checks.sh``'s refusal
+of a python without CUDA torch).
 
 - Parity: the tiny GPT (RoPE, GQA, SwiGLU, RMSNorm) with ``get_gpt_layer_hcp_spec()`` on one GPU at
   CP=1 against megatron-core's stock local spec with the same weights: per-token loss and every
@@ -67,6 +69,16 @@ def _parity(rank, world, dtype_name):
                 max((grads[n] - g).abs().max().item() for n, g in ref_grads.items()))
     finally:
         parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present: the script would run its checks")
+def test_gpu_checks_refuse_a_python_without_cuda_naming_the_fix(tmp_path):
+    """CPU: ``make test-gpu`` / ``tools/gpu_checks.sh`` with a python that has no CUDA torch stops at once
+    (exit 2) and says to point ``PYTHON`` at the CUDA environment's python; no step runs."""
+    proc = subprocess.run(["bash", str(REPO / "tools" / "gpu_checks.sh"), str(tmp_path)], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHON": sys.executable})
+    assert proc.returncode == 2 and "has no CUDA torch" in proc.stderr and "PYTHON=/path/to" in proc.stderr
+    assert (tmp_path / "summary.jsonl").read_text() == ""
 
 
 @pytest.mark.gpu

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The checks to run first on a CUDA machine, in order, each under its own timeout:
+#   1. the kernel report (which fused op serves each dtype, and why the others do not)
+#   2. the GPU tests (tests/test_gpu.py, tests/test_kernels.py)
+#   3. a representative subset of the member-schedule cases (P = 4, 8, 16; ring and a2a+p2p; bf16, fp16)
+#   4. the benchmark at S = 32K and 128K, P = 8, Llama-3-8B heads (32/8, d = 128), bf16
+#   5. a 30-step bf16 pretrain of the tiny recipe on one GPU (CP 1), then its first and last loss
+#
+# Usage: PYTHON=/path/to/python tools/gpu_checks.sh [RESULTS_DIR]   (or: make test-gpu PYTHON=...)
+# PYTHON is the interpreter that holds CUDA torch (default python3). The repository is prepended to
+# PYTHONPATH, so the package runs from this checkout and a megatron-core installed elsewhere (pip
+# --target) stays importable. Each step writes its log to RESULTS_DIR/<step>.log as it runs and one
+# line to RESULTS_DIR/summary.jsonl when it ends (rc 124: it hit its timeout). The timeouts add up to
+# 535 s, inside 9 minutes; the expected total on an H100 is about 5-6 minutes, an estimate from the
+# field notes' figures, not a measurement. The full member grid is its own command:
+#   $PYTHON -m pytest -q tests/test_member_schedules.py -k on_cuda
+set -u
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PYTHON=${PYTHON:-python3}
+RESULTS=${1:-runs/gpu_checks}
+cd "$ROOT"
+mkdir -p "$RESULTS"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+: > "$RESULTS/summary.jsonl"
+
+if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "error: PYTHON=$PYTHON has no CUDA torch (torch.cuda.is_available() is False or torch is missing);" \
+         "run with PYTHON=/path/to/the/python/of/your/CUDA/environment" >&2
+    exit 2
+fi
+
+failed=0
+step() {  # step NAME TIMEOUT_S COMMAND...: run it, log it, record rc and seconds as soon as it ends
+    local name=$1 limit=$2 start rc
+    shift 2
+    start=$(date +%s)
+    echo "== $name (timeout ${limit}s): $*"
+    timeout --kill-after=10 "$limit" "$@" > "$RESULTS/$name.log" 2>&1
+    rc=$?
+    printf '{"step": "%s", "rc": %d, "seconds": %d, "timeout_s": %d, "log": "%s"}\n' \
+        "$name" "$rc" "$(( $(date +%s) - start ))" "$limit" "$RESULTS/$name.log" >> "$RESULTS/summary.jsonl"
+    tail -n 5 "$RESULTS/$name.log"
+    echo "== $name: rc=$rc$([ "$rc" = 124 ] && echo ' (timed out)')"
+    [ "$rc" = 0 ] || failed=1
+}
+
+step 1_kernel_report 45 "$PYTHON" -m mcp_context.kernels
+step 2_gpu_tests 150 "$PYTHON" -m pytest -q -rs tests/test_gpu.py tests/test_kernels.py
+step 3_member_schedules 90 "$PYTHON" -m pytest -q -rs tests/test_member_schedules.py -k \
+    "on_cuda and (P4-contiguous-ring-full-hkv1 or P8-zigzag-ring-causal-hkv8 or P8-striped-a2a+p2p-full-hkv2 \
+or P16-zigzag-ring-causal-hkv2)"
+step 4_benchmark 150 "$PYTHON" tools/bench_attention.py --no-cpu --device-bench cuda --heads 32 --kv-heads 8 \
+    --head-dim 128 --device-seq-lens 32768 131072 --world-sizes 8 --reps 3 --out "$RESULTS/bench" --tag gpu_checks
+step 5_pretrain_bf16 90 "$PYTHON" -m torch.distributed.run --nproc-per-node 1 -m mcp_context.pretrain \
+    --recipe recipes/tiny_cpu.yaml --run-dir "$RESULTS/pretrain" --restart model.context_parallel_size=1 \
+    model.hierarchical_context_parallel_sizes=null model.cp_comm_type=p2p model.bf16=true \
+    model.params_dtype=bfloat16 train.world_size=1 train.device=cuda train.steps=30 train.eval_interval=30 \
+    train.eval_iters=1
+step 5_pretrain_losses 10 "$PYTHON" -c "
+import json, math, sys
+losses = [r['loss'] for r in map(json.loads, open(sys.argv[1])) if 'loss' in r]
+print(f'{len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}')
+sys.exit(0 if len(losses) == 30 and all(map(math.isfinite, losses)) and losses[-1] < losses[0] else 1)
+" "$RESULTS/pretrain/metrics.jsonl"
+
+echo "results: $RESULTS (summary.jsonl, one log per step, bench/bench_attention_p8_gpu_checks.jsonl)"
+exit $failed
