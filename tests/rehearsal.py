@@ -105,3 +105,60 @@ def rehearse_members(case: Case, kernel: Union[str, Kernel]) -> int:
             except Exception as err:  # noqa: BLE001 - every error is what the rehearsal reports
                 raise RehearsalError(f"{where}, {phase}: {type(err).__name__}: {err}") from err
     return tasks
+
+
+def rehearse_megatron_layer(seq_len: int = 2048, hidden: int = 256, heads: int = 2, groups: int = 1) -> list[str]:
+    """One megatron-core ``TransformerLayer`` built with our layer spec (``get_gpt_layer_hcp_spec``), its
+    forward on fake CUDA bf16 tensors at CP = 1: returns the attention ops it ran.
+
+    Run it in a process of its own (it starts a one-rank gloo group and applies the CPU shims). The layer is
+    built on the CPU (megatron-core creates CUDA weights on ``torch.cuda.current_device()``, which a
+    CPU-only torch has not), its weights are replaced by fake CUDA tensors of the same shapes
+    (``torch.func.functional_call``), and the forward runs without gradients (the autograd engine aborts on
+    fake CUDA tensors). RoPE is left out: its ``inv_freq`` is placed by the CPU shims on the CPU."""
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.spec_utils import build_module
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mcp_context.megatron.specs import get_gpt_layer_hcp_spec
+    from megatron_patches.cpu_shims import apply_cpu_shims
+
+    class AttentionOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "attention" in str(func):
+                self.seen.add(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=0, world_size=1)
+        parallel_state.initialize_model_parallel()
+        apply_cpu_shims("cpu")
+        model_parallel_cuda_manual_seed(0)
+        config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
+                                   ffn_hidden_size=4 * hidden, gated_linear_unit=True, activation_func=F.silu,
+                                   normalization="RMSNorm", add_bias_linear=False, use_cpu_initialization=True,
+                                   hidden_dropout=0.0, attention_dropout=0.0, masked_softmax_fusion=False,
+                                   bias_activation_fusion=False, bias_dropout_fusion=False,
+                                   gradient_accumulation_fusion=False, params_dtype=torch.bfloat16, bf16=True)
+        layer = build_module(get_gpt_layer_hcp_spec(), config=config, layer_number=1)
+        real = dict(list(layer.named_parameters()) + list(layer.named_buffers()))
+        ops = AttentionOps()
+        with FakeTensorMode():
+            weights = {n: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=CUDA) for n, t in real.items()}
+            x = torch.empty(seq_len, 1, hidden, device=CUDA, dtype=torch.bfloat16)
+            with torch.no_grad(), ops:
+                out, _ = torch.func.functional_call(layer, weights, (x,), {"attention_mask": None})
+            _check("the layer's output", out, (seq_len, 1, hidden), torch.bfloat16)
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    return sorted(ops.seen)

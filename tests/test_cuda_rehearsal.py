@@ -3,7 +3,7 @@ devices and op schemas, never numbers.
 
 Every ring member's forward and backward with ``torch:cudnn`` and with ``torch:flash``, bf16, Llama-3-8B
 heads (32 query / 8 KV, d=128) at S=32K and 128K over P=8, flat (p2p zigzag) and a2a+p2p [2, 4], causal,
-window (4095, 0) and packed documents. Each case passes when every member's out/lse/dq/dk/dv come back
+window (4095, 0) and packed documents; and one megatron-core layer built with our spec, forward. Each case passes when every member's out/lse/dq/dk/dv come back
 with the right shapes, dtypes and device and no op raised. The two planted faults show what a rehearsal
 catches: a wrong argument type in an op call and a CPU tensor in a CUDA step, each named with where it
 happened. What it cannot catch (numbers, the strides only CUDA kernels check, the probe's verdicts) is
@@ -12,6 +12,9 @@ for a GPU: see docs/performance.md, "Rehearsed on CPU (estimate)".
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +22,7 @@ import torch
 from mcp_context.kernels.torch_sdpa import FUSED_OPS, FusedOp, TorchKernel, _flash_forward
 from tests.rehearsal import Case, RehearsalError, rehearse_members
 
+ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # FakeTensorMode's "CUDA not available" notes
 
 CASES = [pytest.param(kernel, Case(seq_len, 8, inner, mask), id=f"{kernel}-{seq_len // 1024}K-"
@@ -69,3 +73,13 @@ def test_a_rehearsal_names_a_cpu_tensor_in_a_cuda_step():
     message = str(err.value)
     assert "planted_cpu_mask, member 0 of 4, forward" in message
     assert "cpu" in message and "cuda:0" in message
+
+
+def test_a_megatron_layer_with_our_spec_rehearses_its_forward_on_fake_cuda():
+    """One megatron-core TransformerLayer (our spec, bf16, 2/1 heads, d=128, 2048 tokens, CP = 1): its forward
+    reaches cuDNN through our attention. In a process of its own: it starts a gloo group and patches
+    megatron-core's CUDA-only helpers."""
+    code = "from tests.rehearsal import rehearse_megatron_layer; print(rehearse_megatron_layer())"
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "aten._scaled_dot_product_cudnn_attention.default" in run.stdout.strip().splitlines()[-1]
