@@ -9,10 +9,35 @@ for a recipe, ``"query heads h"`` for a tensor), never by rewording the rule.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
-COMM_TYPES = ("p2p", "a2a", "all_gather", "a2a+p2p")
-COMM_ALIASES = {"allgather": "all_gather"}
+@dataclass(frozen=True)
+class CommRule:
+    """What a ``cp_comm_type`` is, as data. ``a2a``: which CP ranks share their tokens by all-to-all
+    first (``none``; ``all`` of them; ``level0``, the inner level of the hierarchy). ``kv``: how K/V
+    then reach the members of the ring over the remaining ranks (``ring``: passed point-to-point, step
+    by step; ``gather``: all-gathered once). ``min_levels``: hierarchy levels it needs."""
+
+    a2a: str
+    kv: str
+    min_levels: int = 1
+    aliases: tuple[str, ...] = ()
+    summary: str = ""
+
+
+COMM_SCHEMES = {
+    "p2p": CommRule("none", "ring", summary="ring over all CP ranks, K/V point-to-point"),
+    "a2a": CommRule("all", "ring", summary="Ulysses all-to-all over all CP ranks (a ring of one)"),
+    "all_gather": CommRule("none", "gather", aliases=("allgather",),
+                           summary="K/V all-gathered over all CP ranks once"),
+    "a2a+p2p": CommRule("level0", "ring", min_levels=2,
+                        summary="all-to-all on level 0, ring over the outer levels"),
+    "a2a+all_gather": CommRule("level0", "gather", min_levels=2,
+                               summary="all-to-all on level 0, K/V all-gathered over the outer levels"),
+}
+COMM_TYPES = tuple(COMM_SCHEMES)
+COMM_ALIASES = {alias: name for name, rule in COMM_SCHEMES.items() for alias in rule.aliases}
 LAYOUTS = ("contiguous", "zigzag", "striped")
 PACKED_LAYOUTS = ("balanced",)  # layouts that exist only for packed sequences (cu_seqlens)
 ALL_LAYOUTS = LAYOUTS + PACKED_LAYOUTS
@@ -22,9 +47,25 @@ def normalize_comm(comm: str, name: str = "comm") -> str:
     """Canonical ``cp_comm_type`` name (``allgather`` -> ``all_gather``); ValueError for unknown names."""
     canonical = COMM_ALIASES.get(comm, comm) if isinstance(comm, str) else comm
     if canonical not in COMM_TYPES:
+        aliases = ", ".join(f"{a} = {n}" for a, n in COMM_ALIASES.items())
         raise ValueError(f"{name}={comm!r} is not a known cp_comm_type; choose one of "
-                         f"{', '.join(COMM_TYPES)} (alias: allgather)")
+                         f"{', '.join(COMM_TYPES)} (aliases: {aliases})")
     return canonical
+
+
+def comm_rule(comm: str) -> CommRule:
+    """The rule of a canonical or aliased comm name (ValueError for unknown names)."""
+    return COMM_SCHEMES[normalize_comm(comm)]
+
+
+def check_levels(comm: str, sizes: Sequence[int], sizes_name: str = "hierarchical_context_parallel_sizes",
+                 fix: str = "build them with build_hcp_groups([inner, outer])") -> None:
+    """A ValueError naming the fix when ``comm`` needs more hierarchy levels than ``sizes`` has."""
+    need = comm_rule(comm).min_levels
+    if len(sizes) < need:
+        flat = [c for c, r in COMM_SCHEMES.items() if r.min_levels == 1]
+        raise ValueError(f"comm={normalize_comm(comm)!r} needs hierarchical groups of at least {need} levels, "
+                         f"got {sizes_name}={list(sizes)}; {fix}, or use one of {', '.join(flat)}")
 
 
 def check_layout(layout: str, packed: bool = False) -> None:
@@ -61,7 +102,7 @@ def check_hcp_sizes(sizes: Sequence[int], cp_size: int, prefix: str = "") -> Non
 def a2a_degree(comm: str, sizes: Sequence[int]) -> int:
     """How many adjacent CP ranks share their tokens by all-to-all before the ring (1: none), for a CP
     group of hierarchy ``sizes`` (inner first; ``[cp]`` for a flat group)."""
-    return {"p2p": 1, "all_gather": 1, "a2a": math.prod(sizes), "a2a+p2p": sizes[0]}[comm]
+    return {"none": 1, "all": math.prod(sizes), "level0": sizes[0]}[comm_rule(comm).a2a]
 
 
 def check_heads(h: int, h_kv: int, degree: int, comm: str, heads_name: str = "query heads h",

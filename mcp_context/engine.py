@@ -28,7 +28,8 @@ from torch.distributed import ProcessGroup
 
 from .algorithms import Scheme, resolve_scheme
 from .comm import HCPGroups
-from .cp_rules import ALL_LAYOUTS, COMM_TYPES, a2a_degree, check_heads, check_layout, check_seq_len, normalize_comm
+from .cp_rules import (ALL_LAYOUTS, COMM_TYPES, a2a_degree, check_heads, check_layout, check_levels, check_seq_len,
+                       normalize_comm)
 from .kernels import BACKENDS, FLOAT_DTYPES, check_backend, get_kernel
 from .masks import Documents, Mask, attention_mask, documents_mask
 
@@ -138,10 +139,7 @@ class ContextParallelAttention:
             raise ValueError(f"dropout_p={dropout_p} must be in [0, 1)")
         if not isinstance(groups, HCPGroups):
             groups = HCPGroups.flat(groups)
-        if self.comm == "a2a+p2p" and len(groups.sizes) < 2:
-            raise ValueError(f"comm='a2a+p2p' needs hierarchical groups of at least two levels, got "
-                             f"hierarchical_context_parallel_sizes={list(groups.sizes)}; build them with "
-                             f"build_hcp_groups([inner, outer]) or use comm='a2a' or 'p2p'")
+        check_levels(self.comm, groups.sizes)
         self.groups, self.causal, self.layout = groups, causal, layout
         self.softmax_scale, self.backend, self.dropout_p = softmax_scale, backend, float(dropout_p)
         backend_name = dist.get_backend(groups.cp_group)

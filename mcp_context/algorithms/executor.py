@@ -12,7 +12,7 @@ into the final ``(out, lse)``, so every block's backward already sees sink-norma
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import torch
 
@@ -20,7 +20,7 @@ from ..kernels import Dropout, Kernel, accum_dtype, finite_lse_for_backward
 from ..merge import add_sink_, merge_, sink_grad
 from ..schedule import BlockTask
 from .. import trace
-from .rotation import LocalRotation, RingRotation
+from .rotation import Rotation
 
 
 def first_writes(tasks: Sequence[Sequence[BlockTask]]) -> tuple[tuple[bool, ...], ...]:
@@ -54,7 +54,7 @@ class RingPlan:
     ``first`` and ``covered`` are derived from ``tasks`` once (``RingPlan.build``)."""
 
     tasks: Sequence[Sequence[BlockTask]]
-    rotation: Union[RingRotation, LocalRotation]
+    rotation: Rotation
     kernel: Kernel
     scale: float
     first: tuple[tuple[bool, ...], ...]

@@ -18,12 +18,36 @@ each keeping its own head dim (MLA's ``dv != dqk``), so the bytes sent are exact
 """
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Protocol
 
 import torch
 
 from ..comm.primitives import PeerExchange, PendingExchange, RingExchange
 from .. import trace
+
+
+class Gradients(Protocol):
+    """Where a walk's dK/dV go: a buffer per step, handed back when the step is done, and the shard's
+    own ``(dk, dv)`` at the end."""
+
+    def buffer(self, step: int) -> torch.Tensor:
+        """The ``[b, h_kv, n, dqk + dv]`` accumulator for the shard held at ``step``."""
+
+    def done(self, step: int, dkv: torch.Tensor) -> None:
+        """``step``'s accumulator is complete (send it on, or nothing when it is a view of the result)."""
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This member's shard's ``dk [b, h_kv, n, dqk]``, ``dv [b, h_kv, n, dv]``."""
+
+
+class Rotation(Protocol):
+    """How K/V shards reach a ring member step by step (``blocks``) and their gradients get home."""
+
+    def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """``(step, k_block, v_block)`` for every step walked."""
+
+    def gradients(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> Gradients:
+        """The dK/dV accumulators of a backward walk, in ``dtype``."""
 
 
 def pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -67,7 +91,8 @@ class RingGradients:
                  steps: Optional[int] = None):
         self.exchange, self.shape, self.dqk, self.dtype, self.device = exchange, shape, dqk, dtype, device
         self.steps = len(exchange.peers) if steps is None else steps
-        self.pending: Optional[PendingExchange] = None
+        self.pending: Optional[PendingExchange[torch.Tensor]] = None  # the ring's hop in flight
+        self.cut_short: Optional[tuple[PendingExchange[dict[int, torch.Tensor]], int]] = None  # (hop home, from)
         self.home: Optional[torch.Tensor] = None  # a walk of one step: the own shard's dK/dV stays here
         self.step = -1
 
@@ -87,18 +112,20 @@ class RingGradients:
             self.home = dkv
         else:  # a walk cut short: the accumulator of the shard held now goes straight to its owner
             ex, size = self.exchange, len(self.exchange.peers)
-            self.holder = ex.peers[(ex.member + step) % size]  # who holds this member's shard now
-            self.pending = PeerExchange({ex.peers[(ex.member - step) % size]: dkv},
-                                        {self.holder: torch.empty_like(dkv)}, ex.group, ex.op).start(step)
+            holder = ex.peers[(ex.member + step) % size]  # who holds this member's shard now
+            self.cut_short = (PeerExchange({ex.peers[(ex.member - step) % size]: dkv},
+                                           {holder: torch.empty_like(dkv)}, ex.group, ex.op).start(step), holder)
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.home is not None:
             return split_kv(self.home, self.dqk)
         t0 = trace.now()
-        received = self.pending.wait()
+        if self.cut_short is not None:
+            pending, holder = self.cut_short
+            received = pending.wait()[holder]
+        else:
+            received = self.pending.wait()
         trace.record("dkv_wait", self.step + 1, t0)
-        if isinstance(received, dict):
-            received = received[self.holder]
         return split_kv(received, self.dqk)
 
 

@@ -1,13 +1,17 @@
 """The communication schemes, all as one composition: Ulysses all-to-all, then a ring.
 
-=============  ======================  =====================================================
-``comm``       all-to-all over          ring over
-=============  ======================  =====================================================
-p2p            (none)                  all CP ranks, KV passed point-to-point
-all_gather     (none)                  all CP ranks, KV all-gathered once (local rotation)
-a2a            all CP ranks             a ring of one (local attention over the full sequence)
-a2a+p2p        level 0 (adjacent)       the product of the outer levels, point-to-point
-=============  ======================  =====================================================
+Each scheme is a row of ``cp_rules.COMM_SCHEMES`` (which ranks share tokens by all-to-all, how K/V
+then move); this module turns a row into a ``Scheme``, with ``KV_MOVES`` building the rotation:
+
+==============  ======================  =====================================================
+``comm``        all-to-all over          ring over
+==============  ======================  =====================================================
+p2p             (none)                  all CP ranks, KV passed point-to-point
+all_gather      (none)                  all CP ranks, KV all-gathered once (local rotation)
+a2a             all CP ranks             a ring of one (local attention over the full sequence)
+a2a+p2p         level 0 (adjacent)       the product of the outer levels, point-to-point
+a2a+all_gather  level 0 (adjacent)       the product of the outer levels, KV all-gathered once
+==============  ======================  =====================================================
 
 After the level-0 all-to-all a rank holds its group's tokens for ``h / P0`` heads; putting them in
 position order makes the group one member of a ring over ``P / P0`` members whose shards follow the
@@ -22,37 +26,26 @@ schedule row, ring peers, all-to-all pieces, the plan); ``Scheme.run`` is the pe
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Optional, Union
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ..comm import HCPGroups, RingExchange, gather_seq, heads_to_seq, seq_to_heads
-from ..cp_rules import a2a_degree
+from ..comm.primitives import gather_seq_among
+from ..cp_rules import a2a_degree, comm_rule
 from ..kernels import Kernel
 from ..layouts import canonical_member_spans, layout_spans
-from ..masks import CAUSAL, FULL, Documents, Mask, as_mask
+from ..masks import CAUSAL, FULL, Documents, Mask
 from ..schedule import Schedule, layout_schedule
 from .executor import RingAttention, RingPlan
 from .halo import HaloRotation, halo_fits
-from .rotation import LocalRotation, RingRotation
-
-@lru_cache(maxsize=256)
-def _schedule(layout: str, cp_size: int, seq_len: int, mask: Union[bool, Mask], inner: int,
-              kernel_masks: frozenset) -> Schedule:
-    return layout_schedule(layout, cp_size, seq_len, mask, inner, kernel_masks)
+from .rotation import LocalRotation, RingRotation, Rotation
 
 
-@lru_cache(maxsize=8)  # one per packing (cu_seqlens) in use: a new batch's packing evicts an old one
-def _packed_schedule(layout: str, cp_size: int, seq_len: int, mask: Documents, inner: int,
-                     kernel_masks: frozenset) -> Schedule:
-    return layout_schedule(layout, cp_size, seq_len, mask, inner, kernel_masks)
-
-
-@lru_cache(maxsize=64)
 def _member_pieces(layout: str, cp_size: int, seq_len: int, inner: int, member: int,
                    documents: Optional[Documents] = None) -> Optional[tuple]:
     """``(start, count)`` row pieces of the all-to-all output, in the order that sorts them by
@@ -83,7 +76,7 @@ class Scheme:
     a2a_index: int                          # this rank's place in the all-to-all group: its slice of heads
     kv_repeat: int                          # KV heads copied this often before the all-to-all
     pieces: Optional[tuple]                 # all-to-all output rows -> position order, and back
-    gather_group: Optional[ProcessGroup]    # all_gather: K/V gathered over this group first
+    gather: Optional[Callable]              # K/V all-gathered over the ring's members first (or None)
     plan: RingPlan
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool, dropout_seed: int = 0,
@@ -105,8 +98,8 @@ class Scheme:
             q, k, v = (seq_to_heads(x, self.a2a_group) for x in (q, k, v))
             if self.pieces is not None:
                 q, k, v = (_take(x, self.pieces[0]) for x in (q, k, v))
-        if self.gather_group is not None:
-            k, v = gather_seq(k, self.gather_group), gather_seq(v, self.gather_group)
+        if self.gather is not None:
+            k, v = self.gather(k), self.gather(v)
         out, lse = RingAttention.apply(q, k, v, plan, sink)
         lse = lse.permute(2, 0, 1)  # [s, b, h]
         if self.inner > 1:
@@ -118,42 +111,61 @@ class Scheme:
         return (out, lse) if return_lse else out
 
 
-def resolve_scheme(groups: HCPGroups, comm: str, layout: str, mask: Union[bool, Mask], s_local: int, kv_heads: int,
+def _ring_kv(groups: HCPGroups, schedule: Schedule, member: int, peers: list[int]
+             ) -> tuple[Rotation, Optional[Callable]]:
+    """K/V passed point-to-point step by step (only the rows read, from their owner, when a window's or
+    the documents' halo fits: ``HaloRotation``)."""
+    if schedule.ring_size == 1:
+        return LocalRotation(0, 1), None
+    if schedule.mask not in (FULL, CAUSAL) and halo_fits(schedule):  # a window, documents: only rows read
+        return HaloRotation(schedule, member, peers, groups.cp_group), None
+    size = schedule.ring_size
+    busy = [t for t in range(size) if any(schedule.tasks[m][t] for m in range(size))]
+    return RingRotation(RingExchange(peers, member, groups.cp_group, "ring_kv"),
+                        RingExchange(peers, member, groups.cp_group, "ring_dkv"), size,
+                        steps=max(busy, default=0) + 1), None  # no member reads after the last busy step
+
+
+def _gathered_kv(groups: HCPGroups, schedule: Schedule, member: int, peers: list[int]
+                 ) -> tuple[Rotation, Optional[Callable]]:
+    """K/V all-gathered once over the ring's members (a collective over the whole CP group; among the
+    outer members of a hierarchy, point-to-point), then every step is a local slice."""
+    if schedule.ring_size == 1:
+        return LocalRotation(0, 1), None
+    if len(peers) == groups.cp_size:
+        return LocalRotation(member, len(peers)), functools.partial(gather_seq, group=groups.cp_group)
+    return LocalRotation(member, len(peers)), functools.partial(gather_seq_among, peers=peers, me=member,
+                                                                group=groups.cp_group)
+
+
+KV_MOVES = {"ring": _ring_kv, "gather": _gathered_kv}
+"""How K/V reach the ring's members, by ``CommRule.kv``: each builds the rotation (and a gather, if any)."""
+
+
+def resolve_scheme(groups: HCPGroups, comm: str, layout: str, mask: Mask, s_local: int, kv_heads: int,
                    kernel: Kernel, scale: float, dropout_p: float = 0.0) -> Scheme:
     """Everything this CP rank needs to run ``comm`` on ``[s_local, b, h, d]`` shards, worked out once.
 
-    ``mask``: a ``masks`` value (or a bool: causal/full); the schedule splits it into block masks
-    ``kernel`` computes natively. With ``Documents`` the layout places the packed documents, and the
-    schedule (one per packing, a few kept) skips every pair across a document boundary."""
+    ``mask``: a ``masks`` value; the schedule splits it into block masks ``kernel`` computes natively.
+    With ``Documents`` the layout places the packed documents, and the schedule skips every pair across
+    a document boundary. The scheme is what the rule of ``comm`` composes (``cp_rules.COMM_SCHEMES``):
+    an all-to-all over ``a2a_degree`` adjacent ranks, then K/V moved by ``KV_MOVES[rule.kv]``."""
+    rule = comm_rule(comm)
     cp_size, cp_rank = groups.cp_size, groups.cp_rank
     seq_len = s_local * cp_size
     inner = a2a_degree(comm, groups.sizes)
     member, ring_size = cp_rank // inner, cp_size // inner
     documents = mask if isinstance(mask, Documents) else None
-    schedule = (_schedule if documents is None else _packed_schedule)(layout, cp_size, seq_len, mask, inner,
-                                                                     kernel.capabilities.masks)
-    tasks = schedule.tasks[member]
-    a2a_group = pieces = gather_group = None
+    schedule = layout_schedule(layout, cp_size, seq_len, mask, inner, kernel.capabilities.masks)
+    a2a_group = pieces = None
     a2a_index = 0
     if inner > 1:
-        a2a_group = groups.cp_group if comm == "a2a" else groups.inner_group
+        a2a_group = groups.cp_group if inner == cp_size else groups.inner_group
         a2a_index = dist.get_rank(a2a_group)
         pieces = _member_pieces(layout, cp_size, seq_len, inner, member, documents)
-    if ring_size == 1:
-        rotation = LocalRotation(0, 1)
-    elif comm == "all_gather":
-        gather_group = groups.cp_group
-        rotation = LocalRotation(member, ring_size)
-    else:
-        cp_ranks = groups.cp_global_ranks
-        peers = [cp_ranks[cp_rank % inner + inner * m] for m in range(ring_size)]
-        if as_mask(mask) not in (FULL, CAUSAL) and halo_fits(schedule):  # a window, documents: only rows read
-            rotation = HaloRotation(schedule, member, peers, groups.cp_group)
-        else:
-            busy = [t for t in range(ring_size) if any(schedule.tasks[m][t] for m in range(ring_size))]
-            rotation = RingRotation(RingExchange(peers, member, groups.cp_group, "ring_kv"),
-                                    RingExchange(peers, member, groups.cp_group, "ring_dkv"), ring_size,
-                                    steps=max(busy, default=0) + 1)  # no member reads after the last busy step
-    plan = RingPlan.build(tasks, rotation, kernel, scale, s_local * inner, dropout_p)
+    cp_ranks = groups.cp_global_ranks
+    peers = [cp_ranks[cp_rank % inner + inner * m] for m in range(ring_size)]
+    rotation, gather = KV_MOVES[rule.kv](groups, schedule, member, peers)
+    plan = RingPlan.build(schedule.tasks[member], rotation, kernel, scale, s_local * inner, dropout_p)
     kv_repeat = inner // kv_heads if kv_heads < inner else 1
-    return Scheme(cp_rank, inner, a2a_group, a2a_index, kv_repeat, pieces, gather_group, plan)
+    return Scheme(cp_rank, inner, a2a_group, a2a_index, kv_repeat, pieces, gather, plan)

@@ -9,12 +9,14 @@ whom, in ``mcp_context.trace.comm_stats``.
   (autograd-aware: each one's backward is the other).
 - ``gather_seq``: all-gather along the sequence (autograd-aware: backward is a reduce-scatter).
   ``torch.distributed.nn.functional.all_gather`` is not used: on gloo its backward is wrong.
+  ``gather_seq_among`` does the same among some ranks of a group (the outer members of a hierarchy)
+  with point-to-point transfers, so no process group is needed for them at any depth.
 """
 from __future__ import annotations
 
 import datetime
 import os
-from typing import Sequence
+from typing import Generic, Sequence, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -43,7 +45,7 @@ class RingExchange:
         self.next = self.peers[(member + 1) % len(self.peers)]
         self.prev = self.peers[(member - 1) % len(self.peers)]
 
-    def start(self, send: torch.Tensor, step: int) -> "PendingExchange":
+    def start(self, send: torch.Tensor, step: int) -> "PendingExchange[torch.Tensor]":
         recv = torch.empty_like(send)
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, self.next, self.group),
                                         dist.P2POp(dist.irecv, recv, self.prev, self.group)])
@@ -56,12 +58,18 @@ class RingExchange:
                 f"receiving from {self.prev}")
 
 
-class PendingExchange:
-    def __init__(self, works: list, recv: torch.Tensor, send: torch.Tensor, exchange: RingExchange, step: int):
+R = TypeVar("R")
+
+
+class PendingExchange(Generic[R]):
+    """A posted transfer; ``wait`` gives what was received: a tensor for ``RingExchange``, a
+    ``{peer: tensor}`` dict for ``PeerExchange``."""
+
+    def __init__(self, works: list, recv: R, send, exchange: Union["RingExchange", "PeerExchange"], step: int):
         self._works, self._recv, self._exchange, self._step = works, recv, exchange, step
         self._send = send  # keep the send buffer alive until the transfer is done
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> R:
         for work in self._works:
             try:
                 done = work.wait(timeout=datetime.timedelta(seconds=COMM_TIMEOUT_S))
@@ -82,7 +90,7 @@ class PeerExchange:
                  op: str):
         self.sends, self.recvs, self.group, self.op = sends, recvs, group, op
 
-    def start(self, step: int) -> PendingExchange:
+    def start(self, step: int) -> PendingExchange[dict[int, torch.Tensor]]:
         ops = [dist.P2POp(dist.isend, x, peer, self.group) for peer, x in self.sends.items()]
         ops += [dist.P2POp(dist.irecv, x, peer, self.group) for peer, x in self.recvs.items()]
         if self.sends:
@@ -167,3 +175,41 @@ def gather_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return _GatherSeq.apply(x, group)
 
 
+
+
+class _GatherAmong(torch.autograd.Function):
+    """All-gather among ``peers`` (global ranks of ``group``, in gather order; this rank is ``peers[me]``)
+    by point-to-point transfers; backward sends each peer the gradient of its rows and sums what
+    arrives (a reduce-scatter). Bytes are recorded as ``all_gather`` / ``reduce_scatter``."""
+
+    @staticmethod
+    def forward(ctx, x, peers, me, group):
+        ctx.peers, ctx.me, ctx.group = peers, me, group
+        x = x.contiguous()
+        parts = [x if i == me else torch.empty_like(x) for i in range(len(peers))]
+        _exchange_parts({p: x for i, p in enumerate(peers) if i != me},
+                        {p: parts[i] for i, p in enumerate(peers) if i != me}, group, "all_gather")
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        n = grad.shape[0] // len(ctx.peers)
+        grad = grad.contiguous()
+        received = {p: grad.new_empty((n,) + tuple(grad.shape[1:])) for i, p in enumerate(ctx.peers) if i != ctx.me}
+        _exchange_parts({p: grad[i * n:(i + 1) * n] for i, p in enumerate(ctx.peers) if i != ctx.me}, received,
+                        ctx.group, "reduce_scatter")
+        out = grad[ctx.me * n:(ctx.me + 1) * n].clone()
+        for part in received.values():
+            out += part
+        return out, None, None, None
+
+
+def _exchange_parts(sends: dict, recvs: dict, group: ProcessGroup, op: str) -> None:
+    """Send and receive every part at once and wait (``PeerExchange`` names the peers on failure)."""
+    PeerExchange(sends, recvs, group, op).start(0).wait()
+
+
+def gather_seq_among(x: torch.Tensor, peers: Sequence[int], me: int, group: ProcessGroup) -> torch.Tensor:
+    """All-gather ``x [s, ...]`` along dim 0 among the global ranks ``peers`` of ``group`` (this rank is
+    ``peers[me]``), in ``peers`` order; backward: reduce-scatter among the same ranks."""
+    return _GatherAmong.apply(x, list(peers), me, group)
