@@ -336,7 +336,12 @@ def _offsets(name: str, x: object) -> tuple[int, ...]:
             raise ValueError(f"{name} must be a 1-D int32 (or int64) tensor [n_docs + 1] of document offsets, got "
                              f"dtype {x.dtype} shape {tuple(x.shape)}; build it with torch.tensor(offsets, "
                              f"dtype=torch.int32)")
-        values = tuple(x.tolist())
+        try:
+            values = tuple(x.tolist())
+        except (NotImplementedError, RuntimeError):  # meta, fake or another device that holds no readable values
+            raise ValueError(f"{name} is on device {x.device}, whose values cannot be read; the offsets decide "
+                             f"which rows attend, so pass them with their values: a CPU or CUDA tensor "
+                             f"({name}.to('cpu') where they exist) or a list of ints") from None
     elif isinstance(x, (tuple, list)) and all(isinstance(v, int) and not isinstance(v, bool) for v in x):
         values = tuple(x)
     else:

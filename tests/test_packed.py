@@ -308,3 +308,14 @@ def _different_packings_case(rank, world):
     except ValueError as err:
         return str(err)
     return "no error"
+
+
+def test_cu_seqlens_without_readable_values_is_refused_naming_the_fix():
+    """``cu_seqlens`` on the ``meta`` device has no values to read (it used to end in a bare
+    NotImplementedError from ``.tolist()``): the package's ValueError names the argument and the fix."""
+    meta = torch.tensor([0, 5, 16], dtype=torch.int32, device="meta")
+    match = r"cu_seqlens is on device meta, whose values cannot be read; .* a CPU or CUDA tensor"
+    with pytest.raises(ValueError, match=match):
+        documents_mask(meta)
+    with pytest.raises(ValueError, match=match):
+        shard_sequence(torch.zeros(16), 2, 0, "balanced", 0, meta)

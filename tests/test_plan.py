@@ -334,3 +334,27 @@ def test_a_bad_window_is_refused_before_planning(h100, capsys):
         main(["--layers", "2", "--hidden", "32", "--heads", "8", "--seq-len", "64", "--gpus", "4", "--window-size", "8"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1 and "argument --window-size: '8' is not LEFT,RIGHT" in err
+
+
+@pytest.mark.parametrize("flag", ["--layers", "--hidden", "--heads", "--kv-heads", "--head-dim", "--ffn-hidden",
+                                  "--vocab", "--seq-len", "--gpus", "--gpus-per-node", "--tp", "--pp",
+                                  "--micro-batch-size", "--cp-sizes", "--jobs"])
+def test_cli_refuses_values_above_each_flags_bound_in_one_line(flag, capsys):
+    """``--seq-len 100000000000000000000`` used to die in a 30-line torch overflow inside the dry run:
+    every integer flag has an upper bound, named with the flag and the value."""
+    from mcp_context.plan.__main__ import MAX_VALUES
+
+    big = "100000000000000000000"
+    with pytest.raises(SystemExit) as exit_:
+        main(ARGS + [flag, big])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    assert f"argument {flag}: '{big}' is above the largest value planned for, {MAX_VALUES[flag][0]} (" in err
+
+
+def test_cli_refuses_a_shape_whose_dry_run_tensors_overflow_in_one_line(capsys):
+    """Each flag within its bound, their product beyond what torch can size (int64 bytes)."""
+    assert main(ARGS + ["--seq-len", str(2**26), "--micro-batch-size", str(2**20), "--heads", "65536",
+                        "--kv-heads", "65536", "--hidden", "65536"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "above 2**62 bytes (torch sizes storage in int64); lower --seq-len" in err, err

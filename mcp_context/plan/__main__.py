@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import NoReturn, Optional, Sequence
 
 from ..recipes.schema import ModelConfig
-from .planner import PlanRequest, plan, with_gpus_per_node
+from .dryrun import check_dry_run_fits
+from .planner import PlanRequest, plan, rank_shape, with_gpus_per_node
 from .profiles import load_profile, shipped_profiles
 from .report import plan_dict, plan_table
 
@@ -28,15 +29,45 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see --help)\n")
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (argparse puts the flag's name before the message)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
-    return value
+# Upper bound of every integer flag, and why: far beyond any model, cluster or context, and small
+# enough that the figures derived from them (tensor sizes of the dry run, bytes, FLOPs) stay exact.
+MAX_VALUES: dict[str, tuple[int, str]] = {
+    "--layers": (2**16, "2**16 layers"),
+    "--hidden": (2**20, "2**20"),
+    "--heads": (2**16, "2**16 heads"),
+    "--kv-heads": (2**16, "2**16 heads"),
+    "--head-dim": (2**16, "2**16"),
+    "--ffn-hidden": (2**24, "2**24"),
+    "--vocab": (2**31 - 1, "2**31 - 1, the int32 token ids of megatron-core's datasets"),
+    "--seq-len": (2**26, "2**26 tokens, 64x a 1M context; the dry run's time and memory grow with the sequence: "
+                         "122 s and 1.9 GB there"),
+    "--gpus": (2**24, "2**24 GPUs"),
+    "--gpus-per-node": (2**10, "2**10"),
+    "--tp": (2**24, "2**24"),
+    "--pp": (2**24, "2**24"),
+    "--micro-batch-size": (2**20, "2**20"),
+    "--cp-sizes": (2**24, "2**24"),
+    "--jobs": (2**10, "2**10 processes"),
+}
+
+
+def _bounded_int(flag: str):
+    """argparse type for ``flag``: an integer from 1 to its ``MAX_VALUES`` bound (argparse puts the
+    flag's name before the message)."""
+    hi, why = MAX_VALUES[flag]
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+        if value > hi:
+            raise argparse.ArgumentTypeError(f"{text!r} is above the largest value planned for, {hi} ({why})")
+        return value
+
+    return parse
 
 
 # the model-shape flags (integers >= 1) -> help
@@ -63,23 +94,23 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--recipe", help="recipe YAML: model shape, seq_length, TP and PP (--seq-len, --vocab, --tp and "
                                      "--pp override it)")
     for flag, what in _MODEL_FLAGS.items():
-        ap.add_argument(flag, type=_positive_int, help=what)
-    ap.add_argument("--vocab", type=_positive_int, help="vocabulary size (default: Llama-3's 128256)")
-    ap.add_argument("--seq-len", type=_positive_int, help="tokens per sample")
-    ap.add_argument("--gpus", type=_positive_int, required=True, help="GPUs in the job")
-    ap.add_argument("--gpus-per-node", type=_positive_int, help="GPUs a node (default: the profile's)")
-    ap.add_argument("--tp", type=_positive_int, help="tensor_model_parallel_size (default: recipe's, else 1)")
-    ap.add_argument("--pp", type=_positive_int, help="pipeline_model_parallel_size (default: recipe's, else 1)")
-    ap.add_argument("--micro-batch-size", type=_positive_int, default=1)
+        ap.add_argument(flag, type=_bounded_int(flag), help=what)
+    ap.add_argument("--vocab", type=_bounded_int("--vocab"), help="vocabulary size (default: Llama-3's 128256)")
+    ap.add_argument("--seq-len", type=_bounded_int("--seq-len"), help="tokens per sample")
+    ap.add_argument("--gpus", type=_bounded_int("--gpus"), required=True, help="GPUs in the job")
+    ap.add_argument("--gpus-per-node", type=_bounded_int("--gpus-per-node"), help="GPUs a node (default: the profile's)")
+    ap.add_argument("--tp", type=_bounded_int("--tp"), help="tensor_model_parallel_size (default: recipe's, else 1)")
+    ap.add_argument("--pp", type=_bounded_int("--pp"), help="pipeline_model_parallel_size (default: recipe's, else 1)")
+    ap.add_argument("--micro-batch-size", type=_bounded_int("--micro-batch-size"), default=1)
     ap.add_argument("--window-size", type=_window, metavar="LEFT,RIGHT",
                     help="sliding window of the planned attention layer, Megatron-LM's form (e.g. 4095,0; -1 is "
                          "unbounded; -1,-1 plans a layer without one); default: the recipe's model.window_size")
-    ap.add_argument("--cp-sizes", type=_positive_int, nargs="+", metavar="CP",
+    ap.add_argument("--cp-sizes", type=_bounded_int("--cp-sizes"), nargs="+", metavar="CP",
                     help="evaluate only these context_parallel_sizes (default: every divisor of gpus / (tp * pp))")
     ap.add_argument("--profile", default="h100_nvlink_ib",
                     help=f"machine profile: {', '.join(shipped_profiles())} or a YAML path")
     ap.add_argument("--json", metavar="PATH", help="also write the whole plan as JSON ('-' for stdout only)")
-    ap.add_argument("--jobs", type=_positive_int, default=1,
+    ap.add_argument("--jobs", type=_bounded_int("--jobs"), default=1,
                     help="evaluate the candidates in this many worker processes, each importing its own torch "
                          "(default 1: on a busy 2-core machine 2 workers were no faster)")
     ap.add_argument("--no-progress", action="store_true",
@@ -116,9 +147,15 @@ def _request(args: argparse.Namespace) -> PlanRequest:
                             ffn_hidden_size=args.ffn_hidden, vocab_size=args.vocab)
     if seq is None:
         raise ValueError("give the sequence length with --seq-len (or a recipe's model.seq_length)")
+    seq_max, why = MAX_VALUES["--seq-len"]
+    if seq > seq_max:  # a recipe's model.seq_length is bounded here too
+        raise ValueError(f"model.seq_length={seq} of --recipe={args.recipe} is above the largest sequence planned "
+                         f"for, {seq_max} ({why}); give --seq-len")
     profile = with_gpus_per_node(load_profile(args.profile), args.gpus_per_node)
-    return PlanRequest(model, seq, args.gpus, profile, tp or 1, pp or 1, args.micro_batch_size,
-                       cp_sizes=tuple(args.cp_sizes) if args.cp_sizes else None, window_size=args.window_size)
+    request = PlanRequest(model, seq, args.gpus, profile, tp or 1, pp or 1, args.micro_batch_size,
+                          cp_sizes=tuple(args.cp_sizes) if args.cp_sizes else None, window_size=args.window_size)
+    check_dry_run_fits(rank_shape(request))
+    return request
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

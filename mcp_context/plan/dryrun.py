@@ -136,10 +136,27 @@ class StorageBytes(TorchDispatchMode):
         self.current -= self._sizes.pop(key)[1]
 
 
+MAX_TENSOR_BYTES = 2**62
+"""Largest q/k/v/out tensor a dry run makes: torch computes a storage's byte size in int64."""
+
+
+def check_dry_run_fits(shape: RankShape) -> None:
+    """Raise ``ValueError`` naming the planner's flags when the largest tensor of a dry run (q or
+    k/v at CP = 1, the largest candidate) would hold more bytes than ``MAX_TENSOR_BYTES``."""
+    itemsize = torch.empty((), dtype=shape.dtype).element_size()
+    nbytes = shape.seq_len * shape.batch * max(shape.heads, shape.kv_heads) * shape.head_dim * itemsize
+    if nbytes > MAX_TENSOR_BYTES:
+        raise ValueError(
+            f"--seq-len {shape.seq_len} x --micro-batch-size {shape.batch} x {max(shape.heads, shape.kv_heads)} heads "
+            f"per TP rank x head dim {shape.head_dim} x {itemsize} bytes = {nbytes} bytes for one attention input, "
+            f"above 2**62 bytes (torch sizes storage in int64); lower --seq-len or --micro-batch-size")
+
+
 def dry_run_rank(comm: str, sizes: Sequence[int], layout: str, mask: Union[bool, Mask], shape: RankShape,
                  cp_rank: int) -> RankTraffic:
     """Run one attention layer's forward and backward as CP rank ``cp_rank`` of ``prod(sizes)`` with
     ``mask`` (causal/full as a bool, or a ``masks`` value such as a sliding window)."""
+    check_dry_run_fits(shape)
     cp_size = 1
     for s in sizes:
         cp_size *= s
