@@ -1,0 +1,12 @@
+"""``python -m mcp_context.selftest``: does CP give the same numbers as no CP, here, for this model?
+
+Run it on the cluster before a long job (``torchrun --nproc-per-node N -m mcp_context.selftest
+--recipe R.yaml``), or with ``--simulate`` on one device. Checks, per distinct attention kind of the
+model and per dtype, the engine's forward and backward against an fp64 reference on the gathered
+sequence; the model's boundaries (batch slicing, positions, loss); and the plan (rank agreement,
+kernel per dtype, bytes per rank, time per call). See ``docs/selftest.md``.
+
+Modules: ``setup`` (what is checked), ``reference`` (the fp64 reference), ``distributed`` (the engine
+across ranks), ``simulate`` (every member on one device), ``compare`` (errors and bars),
+``boundaries``, ``plan``, ``faults`` (test-only planted bugs), ``checks`` (running them), ``report``.
+"""

@@ -1,0 +1,206 @@
+"""``python -m mcp_context.selftest``: check CP against no CP on this machine, for this model.
+
+    torchrun --nproc-per-node 4 -m mcp_context.selftest --recipe recipes/tiny_cpu.yaml
+    python -m mcp_context.selftest --simulate --recipe recipes/llama3_8b_128k.yaml --seq-len 2048
+
+Prints a table on stdout (and every figure with ``--json PATH``), progress on stderr; the last line is
+``selftest: N passed, M failed`` and the exit status is 0 only when every check passed (2: the
+arguments or the launch are wrong).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from dataclasses import replace
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..cp_rules import COMM_TYPES, normalize_comm
+from .faults import FAULTS, check_fault
+from .setup import DEFAULT_SEQ_LEN, SOFTMAX_TYPES, Setup, model_kinds, valid_seq_len, with_documents
+
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} must be comma-separated integers, e.g. 2,2") from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m mcp_context.selftest", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipe", default=None, help="recipe YAML (recipes/*.yaml); dotted overrides follow")
+    ap.add_argument("overrides", nargs="*", help="dotted recipe overrides, e.g. model.window_size=[127,0]")
+    model = ap.add_argument_group("attention flags (instead of, or over, a recipe)")
+    model.add_argument("--heads", type=int, help="query heads per TP rank (default 8)")
+    model.add_argument("--kv-heads", type=int, help="key/value heads per TP rank (default 2)")
+    model.add_argument("--head-dim", type=int, help="query/key head dim (default 64)")
+    model.add_argument("--v-head-dim", type=int, help="value head dim if not --head-dim (MLA, e.g. 192 / 128)")
+    model.add_argument("--window", type=_ints, help="sliding window LEFT,RIGHT (e.g. 127,0)")
+    model.add_argument("--window-attn-skip-freq", type=int,
+                       help="every n-th layer attends in full (megatron-core's window_attn_skip_freq)")
+    model.add_argument("--softmax-type", choices=SOFTMAX_TYPES, help="vanilla, off-by-one or learnable (sinks)")
+    model.add_argument("--packed", action="store_true", help="packed documents (thd, a realistic length mix)")
+    cp = ap.add_argument_group("context parallelism")
+    cp.add_argument("--cp-size", type=int, help="CP ranks (default: the world size; 4 with --simulate)")
+    cp.add_argument("--hcp-sizes", type=_ints, help="hierarchical CP sizes, inner first (e.g. 2,2)")
+    cp.add_argument("--comm", choices=COMM_TYPES + ("allgather",), help="cp_comm_type (default a2a+p2p with "
+                    "--hcp-sizes, else p2p)")
+    cp.add_argument("--layout", default="zigzag", help="zigzag (Megatron), contiguous, striped; balanced (packed)")
+    run = ap.add_argument_group("run")
+    run.add_argument("--seq-len", type=int, help=f"test sequence length (default: the recipe's, at most "
+                     f"{DEFAULT_SEQ_LEN['cpu']} on CPU, {DEFAULT_SEQ_LEN['cuda']} on a GPU)")
+    run.add_argument("--batch", type=int, help="batch size (default: the recipe's micro batch, else 2; 1 packed)")
+    run.add_argument("--dtype", type=lambda t: t.split(","), help="dtypes, e.g. fp64,fp32 (default: fp64,fp32 on "
+                     "CPU; bf16 on a GPU)")
+    run.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available")
+    run.add_argument("--simulate", action="store_true", help="every CP member's schedule in one process, one device")
+    run.add_argument("--json", metavar="PATH", help="write every figure to PATH")
+    run.add_argument("--seed", type=int, default=1234)
+    run.add_argument("--repeats", type=int, default=3, help="timed calls per attention kind (default 3)")
+    run.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    run.add_argument("--plant", choices=sorted(FAULTS), help="TEST ONLY: plant a known CP bug so the self-test "
+                     "must fail (tests/test_selftest.py); never on a real check")
+    return ap
+
+
+def build_setup(args: argparse.Namespace, world_size: Optional[int]) -> Setup:
+    """The setup from the recipe (if any) with the flags over it."""
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    values = {"heads": 8, "kv_heads": 2, "head_dim": 64, "window": None, "skip": None, "softmax_type": "vanilla",
+              "packed": False, "cp_size": None, "sizes": None, "comm": None, "seq_len": None, "batch": 2,
+              "source": "flags", "half": torch.bfloat16}
+    if args.recipe is not None or args.overrides:
+        from ..plan.candidates import heads_per_tp_rank
+        from ..recipes import load_recipe
+
+        cfg = load_recipe(args.recipe, args.overrides)
+        m = cfg.model
+        heads, kv = heads_per_tp_rank(m.num_attention_heads, m.num_query_groups or m.num_attention_heads,
+                                      m.tensor_model_parallel_size)
+        values.update(heads=heads, kv_heads=kv, head_dim=m.kv_channels or m.hidden_size // m.num_attention_heads,
+                      window=m.window_size, skip=m.window_attn_skip_freq, packed=cfg.data.reset_attention_mask,
+                      cp_size=m.context_parallel_size, sizes=m.hierarchical_context_parallel_sizes,
+                      comm=m.cp_comm_type, seq_len=m.seq_length, batch=cfg.train.micro_batch_size, source=cfg.name,
+                      half=torch.float16 if m.params_dtype == "float16" else torch.bfloat16)
+    flags = {"heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "window": args.window,
+             "skip": args.window_attn_skip_freq, "softmax_type": args.softmax_type, "cp_size": args.cp_size,
+             "sizes": args.hcp_sizes, "comm": args.comm, "batch": args.batch}
+    values.update({k: v for k, v in flags.items() if v is not None})
+    values["packed"] = values["packed"] or args.packed
+    sizes = values["sizes"]
+    cp_size = values["cp_size"] or (sizes and _product(sizes)) or (4 if args.simulate else world_size)
+    if sizes is None or _product(sizes) != cp_size:
+        if sizes is not None:
+            raise ValueError(f"--hcp-sizes {sizes} multiply to {_product(sizes)}, not the CP size {cp_size}; give "
+                             f"sizes whose product is {cp_size}")
+        sizes = [cp_size]
+    comm = normalize_comm(values["comm"] or ("a2a+p2p" if len(sizes) > 1 else "p2p"))
+    if cp_size < 2:
+        raise ValueError(f"CP size {cp_size}: a self-test of context parallelism needs at least 2 CP ranks; launch "
+                         f"with torchrun --nproc-per-node N (N >= 2) or pass --simulate --cp-size N")
+    if not args.simulate and world_size != cp_size:
+        raise ValueError(f"the world has {world_size} ranks but the CP size is {cp_size}: launch with torchrun "
+                         f"--nproc-per-node {cp_size}, pass --simulate to check it on one device, or set "
+                         f"model.context_parallel_size={world_size} (with --cp-size {world_size} for flags)")
+    window = None if values["window"] is None else tuple(values["window"])
+    if window is not None and len(window) != 2:
+        raise ValueError(f"--window {list(window)} must be two integers LEFT,RIGHT, e.g. 127,0")
+    kinds = model_kinds(window, values["skip"], values["softmax_type"], values["packed"])
+    requested = args.seq_len or min(values["seq_len"] or DEFAULT_SEQ_LEN[device], DEFAULT_SEQ_LEN[device])
+    seq_len = valid_seq_len(requested, cp_size, args.layout, values["packed"])
+    dtypes = args.dtype or (["bf16"] if device == "cuda" and values["half"] == torch.bfloat16 else
+                            ["fp16"] if device == "cuda" else ["fp64", "fp32"])
+    unknown = [d for d in dtypes if d not in DTYPES]
+    if unknown:
+        raise ValueError(f"--dtype {','.join(unknown)}: choose from {', '.join(DTYPES)}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats {args.repeats} must be at least 1")
+    setup = Setup(cp_size, tuple(sizes), comm, args.layout, seq_len, values["batch"], values["heads"],
+                  values["kv_heads"], values["head_dim"], args.v_head_dim or values["head_dim"], kinds,
+                  tuple(DTYPES[d] for d in dtypes), device, args.seed, args.repeats, values["source"])
+    return with_documents(replace(setup, batch=1) if values["packed"] else setup)
+
+
+def _product(xs) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+def _init_distributed(device: str) -> bool:
+    """Join torchrun's world (gloo on CPU, NCCL on GPUs); True when this call created the group."""
+    if dist.is_initialized():
+        return False
+    if "WORLD_SIZE" not in os.environ:
+        return False
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    return True
+
+
+def describe(setup: Setup, simulate: bool) -> str:
+    mode = "simulated on one device" if simulate else f"{setup.cp_size} ranks"
+    kinds = ", ".join(setup.kind_name(k) for k in setup.kinds)
+    return (f"selftest of {setup.source}: CP {setup.cp_size} {list(setup.sizes)} {setup.comm} {setup.layout}, "
+            f"{mode}, {setup.device}; S={setup.seq_len} b={setup.batch} heads {setup.heads}/{setup.kv_heads} "
+            f"head dim {setup.head_dim}" + (f"/{setup.v_head_dim}" if setup.v_head_dim != setup.head_dim else "")
+            + f"; kinds: {kinds}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from . import report
+    from .checks import Ranks, run_checks
+
+    args = _parser().parse_args(argv)
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) .*not installed")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    created = False if args.simulate else _init_distributed(device)
+    try:
+        world = dist.get_world_size() if dist.is_initialized() and not args.simulate else None
+        try:
+            if world is None and not args.simulate:
+                raise ValueError("no process group: launch with torchrun --nproc-per-node N -m mcp_context.selftest "
+                                 "..., or pass --simulate to run every CP member on this one device")
+            setup = build_setup(args, world)
+            check_fault(args.plant, any(k.sink for k in setup.kinds), any(k.packed for k in setup.kinds))
+            if args.plant == "cu-seqlens-differ" and not args.simulate and dist.get_rank() == 1:
+                from .setup import perturbed_documents
+
+                setup = replace(setup, documents=perturbed_documents(setup.documents))
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        groups = None
+        if not args.simulate:
+            from ..comm import build_hcp_groups
+
+            groups = build_hcp_groups(list(setup.sizes))
+        ranks = Ranks(None if groups is None else groups.cp_group, progress=not args.no_progress)
+        ranks.say(describe(setup, args.simulate))
+        results = run_checks(setup, ranks, groups, args.plant)
+        if ranks.rank == 0:
+            print(describe(setup, args.simulate))
+            print(report.table(results))
+            if args.json:
+                report.write_json(args.json, {"setup": setup.fingerprint(), "device": setup.device,
+                                              "simulate": args.simulate, "torch": torch.__version__,
+                                              "planted": args.plant}, results)
+            print(report.summary_line(results), flush=True)
+        return 0 if all(r.passed for r in results) else 1
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""The model's boundaries: what Megatron's batch slicing and loss do at the CP shard edges.
+
+A batch of tokens, labels, loss mask and position ids over the full sequence is sliced for every CP
+rank with ``slice_batch_for_cp`` (the model's own slicing: zigzag, per document when packed, as
+megatron-core's ``get_batch_on_this_cp_rank`` and TE's thd partitioning), then:
+
+- ``unslice``: the shards put back with ``unshard_sequence`` give every tensor back exactly;
+- ``positions``: the gathered position ids restart at 0 at every document start and count up by one
+  inside a document (packed), or are 0..S-1 (unpacked) — RoPE offsets right for every layout;
+- ``loss``: the masked per-token loss averaged over the CP ranks (``masked_token_mean``) equals the
+  full sequence's masked mean on every rank, and the ranks' backward shares add up to it.
+
+Distributed, each rank slices with its real CP group and the loss all-reduces; ``--simulate`` plays
+each rank in turn in a fake one-process world (the loss then adds the members' masked sums itself).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..layouts import unshard_sequence
+from .setup import Setup
+
+KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+LOSS_TOL = 1e-12
+"""fp64 masked means of O(1) losses over <= 1M tokens: summation order only (~1e-15 relative)."""
+
+
+def full_batch(setup: Setup, packed: bool) -> tuple[dict, Optional[object]]:
+    """Seeded ``[b, S]`` tokens, labels (tokens shifted by one), loss mask (random zeros; padding rows 0)
+    and position ids (restarting per document, counting on through a document's padding) and the
+    per-token loss (fp64); with ``packed`` also megatron-core's ``PackedSeqParams`` (thd)."""
+    gen = torch.Generator().manual_seed(setup.seed + 7)
+    batch_size = 1 if packed else setup.batch
+    seq = setup.seq_len
+    tokens = torch.randint(0, 32000, (batch_size, seq + 1), generator=gen)
+    mask = (torch.rand(batch_size, seq, generator=gen) > 0.1).to(torch.float32)
+    positions = torch.arange(seq).expand(batch_size, seq).clone()
+    params = None
+    if packed:
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu, padded = setup.documents
+        for d in range(len(cu) - 1):
+            positions[0, padded[d]:padded[d + 1]] = torch.arange(padded[d + 1] - padded[d])
+            mask[0, padded[d] + cu[d + 1] - cu[d]:padded[d + 1]] = 0.0
+        cu_t, padded_t = torch.tensor(cu, dtype=torch.int32), torch.tensor(padded, dtype=torch.int32)
+        longest = int(padded_t.diff().max())
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t, cu_seqlens_q_padded=padded_t,
+                                 cu_seqlens_kv_padded=padded_t, max_seqlen_q=longest, max_seqlen_kv=longest)
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": mask, "position_ids": positions,
+             "per_token_loss": torch.rand(batch_size, seq, generator=gen, dtype=torch.float64) * 10}
+    return batch, params
+
+
+@contextlib.contextmanager
+def _fake_rank(cp_size: int, rank: int):
+    from ..plan.dryrun import fake_world
+
+    with fake_world(cp_size, rank):
+        yield dist.group.WORLD
+
+
+def slices_per_rank(setup: Setup, batch: dict, params, group=None) -> list[dict]:
+    """Every CP rank's ``slice_batch_for_cp`` of ``batch`` (with ``group``: this rank's, all-gathered;
+    without: each rank played in a fake world)."""
+    from ..megatron.batch import slice_batch_for_cp
+
+    if group is not None:
+        mine = slice_batch_for_cp(batch, group, params)
+        every: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, mine, group=group)
+        return every
+    slices = []
+    for rank in range(setup.cp_size):
+        with _fake_rank(setup.cp_size, rank) as world:
+            slices.append(slice_batch_for_cp(batch, world, params))
+    return slices
+
+
+def unsliced(slices: list[dict], params) -> dict:
+    cu = None if params is None else params.cu_seqlens_q
+    padded = None if params is None else params.cu_seqlens_q_padded
+    return {key: unshard_sequence([s[key] for s in slices], "zigzag", 1, cu, padded) for key in
+            (*KEYS, "per_token_loss")}
+
+
+def check_unslice(batch: dict, back: dict) -> list[str]:
+    """What did not come back exactly."""
+    return [f"{key}: {int((back[key] != batch[key]).sum())} of {batch[key].numel()} values differ"
+            for key in KEYS if not torch.equal(back[key], batch[key])]
+
+
+def check_positions(setup: Setup, back: dict, packed: bool) -> list[str]:
+    """Positions restart at every document start and count up by one inside it (0..S-1 unpacked)."""
+    pos = back["position_ids"][0]
+    if not packed:
+        return [] if torch.equal(pos, torch.arange(setup.seq_len)) else ["positions are not 0..S-1 after un-slicing"]
+    cu, padded = setup.documents
+    problems = []
+    for d in range(len(cu) - 1):
+        doc = pos[padded[d]:padded[d] + cu[d + 1] - cu[d]]
+        if not torch.equal(doc, torch.arange(doc.numel())):
+            problems.append(f"document {d} (rows {padded[d]}..): positions start at {int(doc[0])}, not a 0.. run")
+    return problems
+
+
+def check_loss(shares: list[tuple[float, float]], batch: dict) -> tuple[list[str], dict]:
+    """Every rank's ``(loss_for_backward, global_mean)`` against the full sequence's masked mean."""
+    loss, mask = batch["per_token_loss"], batch["loss_mask"].double()
+    full = float((loss * mask).sum() / mask.sum().clamp(min=1))
+    total = sum(share for share, _ in shares)
+    worst = max(abs(g - full) for _, g in shares)
+    problems = []
+    if worst > LOSS_TOL * max(1.0, abs(full)):
+        problems.append(f"the CP-averaged loss differs from the full-sequence loss by {worst:.2e}")
+    if abs(total - full) > LOSS_TOL * max(1.0, abs(full)):
+        problems.append(f"the ranks' backward shares add to {total:.12g}, not the full loss {full:.12g}")
+    return problems, {"full_loss": full, "cp_loss": shares[0][1], "error": max(worst, abs(total - full))}
+
+
+def distributed_shares(mine: dict, group) -> list[tuple[float, float]]:
+    """``masked_token_mean`` over the real CP group on this rank's slice; every rank's result."""
+    from ..megatron.batch import masked_token_mean
+
+    share, global_mean = masked_token_mean(mine["per_token_loss"], mine["loss_mask"], group)
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, (float(share), float(global_mean)), group=group)
+    return every
+
+
+def simulated_shares(slices: list[dict]) -> list[tuple[float, float]]:
+    """Each member's ``masked_token_mean`` share of the CP mean (one process: the members' masked sums
+    are added here instead of all-reduced)."""
+    from ..megatron.batch import masked_token_mean
+
+    count = max(sum(float(s["loss_mask"].sum()) for s in slices), 1.0)
+    total = sum(float((s["per_token_loss"] * s["loss_mask"]).sum()) for s in slices) / count
+    shares = []
+    for s in slices:
+        local, _ = masked_token_mean(s["per_token_loss"], s["loss_mask"], None)
+        shares.append((float(local) * float(s["loss_mask"].sum()) / count, total))
+    return shares

@@ -1,0 +1,265 @@
+"""Running the checks, in order, on every CP rank (or in one process with ``--simulate``).
+
+Order: the ranks' agreement first (nothing collective runs on a disagreement: a wrong plan would hang
+or be silently wrong), the kernel per dtype, then per attention kind the engine against the reference
+in each dtype and its bytes and time, then the model's boundaries. Every check ends as one
+``CheckResult`` that is the same on every rank: what needs the gathered data is computed on rank 0
+and broadcast; an exception in a check fails that check (on every rank) and the run goes on.
+"""
+from __future__ import annotations
+
+import sys
+import traceback
+from dataclasses import replace
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import boundaries, compare, plan
+from .distributed import EngineRun, median_ms
+from .faults import FAULTY_RANK
+from .reference import document_ids, random_inputs, reference_attention
+from .report import CheckResult
+from .setup import AttentionKind, Setup, perturbed_documents
+from .simulate import blocks_per_row, cp_schedule, kind_mask, simulate_attention
+
+
+class Ranks:
+    """The CP ranks a run spans: a process group, or (``group=None``) this one process playing all."""
+
+    def __init__(self, group=None, progress: bool = True):
+        self.group, self.progress = group, progress
+        self.rank = 0 if group is None else dist.get_rank(group)
+        self.size = 1 if group is None else dist.get_world_size(group)
+
+    def gather(self, obj) -> list:
+        if self.group is None:
+            return [obj]
+        every: list = [None] * self.size
+        dist.all_gather_object(every, obj, group=self.group)
+        return every
+
+    def from_rank0(self, fn: Callable[[], CheckResult], name: str) -> CheckResult:
+        """``fn()`` on rank 0 (an exception becomes a failed check), the same result on every rank."""
+        result = None
+        if self.rank == 0:
+            result = _guarded(fn, name)
+        if self.group is None:
+            return result
+        box = [result]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return box[0]
+
+    def first_error(self, error: Optional[str]) -> Optional[str]:
+        """The first rank's error (``"rank r: ..."``), the same on every rank, or None."""
+        errors = self.gather(error)
+        return next((f"rank {r}: {e}" for r, e in enumerate(errors) if e), None)
+
+    def say(self, text: str) -> None:
+        if self.progress and self.rank == 0:
+            print(f"selftest: {text}", file=sys.stderr, flush=True)
+
+
+def _first_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+
+
+def _guarded(fn: Callable[[], CheckResult], name: str) -> CheckResult:
+    try:
+        return fn()
+    except Exception as err:  # a check that raises has failed; the others still run
+        return CheckResult(name, False, _first_line(err), {"error": traceback.format_exc(limit=3)})
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+
+def _rounded(data: dict, dtype: torch.dtype) -> dict:
+    """The inputs rounded once to ``dtype`` (the sinks to fp32 for half precision), kept in fp64: the
+    engine and the reference then see the same numbers."""
+    sink_dtype = torch.float32 if dtype in compare.HALF else dtype
+    return {name: None if x is None else x.to(sink_dtype if name == "sink" else dtype).double()
+            for name, x in data.items()}
+
+
+def agreement(setup: Setup, ranks: Ranks, fault: Optional[str], simulate: bool) -> CheckResult:
+    if simulate:  # one process plays every rank: a planted rank reads its own packing
+        fingerprints = [setup.fingerprint()] * setup.cp_size
+        if fault == "cu-seqlens-differ":
+            fingerprints = list(fingerprints)
+            fingerprints[FAULTY_RANK] = replace(setup, documents=perturbed_documents(setup.documents)).fingerprint()
+    else:
+        fingerprints = ranks.gather(setup.fingerprint())
+    problems = plan.disagreements(fingerprints)
+    fp = fingerprints[0]
+    summary = (f"{len(fingerprints)} ranks agree: CP {fp['cp_size']} {fp['sizes']} {fp['comm']} {fp['layout']}, "
+               f"S={fp['seq_len']}, " + (f"{len(setup.documents[0]) - 1} documents" if fp['packing'] else "unpacked")) if not problems else "; ".join(problems)
+    return CheckResult("plan.agreement", not problems, summary, {"fingerprints": fingerprints})
+
+
+def kernel_check(setup: Setup) -> list[CheckResult]:
+    """The kernel ``auto`` picks per dtype, the backends that serve, and why each other one does not
+    (the probe's reasons, first clause; all of them in the JSON)."""
+    results = []
+    for report in plan.kernels(setup):
+        serving = [name for name, verdict in report["backends"].items() if verdict.startswith("serves")]
+        reasons: dict[str, list[str]] = {}
+        for backend, verdict in report["backends"].items():
+            if backend not in serving:
+                reasons.setdefault(verdict.split(";")[0][:60], []).append(backend)
+        refused = [f"{', '.join(names)}: {reason}" for reason, names in reasons.items()]
+        summary = (f"auto -> {report['auto']} on {report['device']} (serve: {', '.join(serving)}"
+                   + (f"; not: {'; '.join(refused)}" if refused else "") + ")")
+        name = f"plan.kernel {dtype_name(getattr(torch, report['dtype']))}"
+        results.append(CheckResult(name, True, summary, report))
+    return results
+
+
+def _attention_figures(setup: Setup, kind: AttentionKind, dtype: torch.dtype, rounded: dict, full: dict
+                       ) -> CheckResult:
+    """Rank 0: the gathered result against the reference on the same rounded inputs."""
+    name = f"attention[{setup.kind_name(kind)}] {dtype_name(dtype)}"
+    documents = document_ids(setup.seq_len, *setup.documents) if kind.packed else None
+    reference = reference_attention(rounded["q"], rounded["k"], rounded["v"], rounded["dout"],
+                                    setup.head_dim ** -0.5, kind.window, documents, rounded["sink"])
+    if dtype in compare.HALF:
+        fused = simulate_attention(setup, kind, dtype, rounded, cp_size=1, inner=1, layout="zigzag")
+        if "blocks" not in full:
+            from ..kernels import get_kernel
+
+            kernel = get_kernel("auto", torch.device(setup.device), dtype, head_dim=setup.head_dim,
+                                v_head_dim=setup.v_head_dim)
+            full["blocks"] = blocks_per_row(cp_schedule(setup, kind, kernel.capabilities.masks))
+        figures = compare.half_precision_figures(full, fused, reference, dtype)
+        shown = ", ".join(f"{n} {f['error']:.1e}/{f['bound']:.1e}"
+                          + (f" ({f['ratio']:.2f}x fused)" if f["ratio"] is not None else "")
+                          for n, f in figures.items())
+    else:
+        figures = compare.full_precision_figures(full, reference, dtype)
+        worst = max(figures, key=lambda n: figures[n]["error"] / figures[n]["bound"])
+        shown = (f"max error {max(f['error'] for f in figures.values()):.1e} "
+                 f"(worst {worst}: {figures[worst]['error']:.1e} <= {figures[worst]['bound']:.1e})")
+    bad = compare.failures(figures)
+    return CheckResult(name, not bad, "; ".join(bad) if bad else shown, {"outputs": figures})
+
+
+def attention_check(setup: Setup, kind: AttentionKind, dtype: torch.dtype, data: dict, ranks: Ranks,
+                    groups, fault: Optional[str]) -> tuple[CheckResult, Optional[EngineRun], Optional[float]]:
+    """The engine's forward and backward of ``kind`` in ``dtype`` against the fp64 reference; the run
+    is returned for the bytes and time (None with ``--simulate`` or when the call failed), and with
+    ``--simulate`` member 0's seconds."""
+    name = f"attention[{setup.kind_name(kind)}] {dtype_name(dtype)}"
+    rounded = _rounded(data, dtype)
+    if groups is None:
+        seconds = []
+
+        def simulated() -> CheckResult:
+            full = simulate_attention(setup, kind, dtype, rounded, fault, timed=dtype == setup.dtypes[0])
+            seconds.append(full["seconds"])
+            return _attention_figures(setup, kind, dtype, rounded, full)
+        return ranks.from_rank0(simulated, name), None, (seconds[0] if seconds else None)
+    error, local, run = None, None, None
+    try:
+        run = EngineRun(setup, kind, dtype, rounded, groups, fault)
+        local = run.call()
+    except Exception as err:  # the engine's own rank-agreement check raises on every rank alike
+        error = _first_line(err)
+    error = ranks.first_error(error)
+    if error is not None:
+        return CheckResult(name, False, error), None, None
+    full = run.gathered(local)
+    return ranks.from_rank0(lambda: _attention_figures(setup, kind, dtype, rounded, full), name), run, None
+
+
+def bytes_check(setup: Setup, kind: AttentionKind, dtype: torch.dtype, ranks: Ranks, run: Optional[EngineRun],
+                seconds: Optional[float] = None) -> CheckResult:
+    """Bytes per rank by operation against the analytic figure, and the time per call."""
+    name = f"plan.bytes[{setup.kind_name(kind)}]"
+    expected = plan.analytic_bytes(setup, dtype)
+    if run is not None:
+        sent, times = run.measure(setup.repeats)
+        every = ranks.gather((sent, median_ms(times)))
+        counted, ms = [s for s, _ in every], max(t for _, t in every)
+        source = "trace, every rank"
+    else:
+        traced = plan.dry_run_bytes(setup, kind, kind_mask(kind, setup.seq_len, setup.documents), dtype)
+        counted = [] if traced is None else [traced]
+        ms = 1e3 * seconds if seconds is not None else float("nan")
+        source = "planner dry run, rank 0" if traced is not None else "analytic only (MLA dims: no dry run)"
+
+    def verdict() -> CheckResult:
+        problems = plan.bytes_verdict(kind, counted, expected)
+        total = sum(counted[0].values()) if counted else sum(expected.values())
+        relation = "=" if plan.is_plain(kind) else "<="
+        summary = (f"{total / 2**20:.2f} MiB/rank ({source}) {relation} analytic {sum(expected.values()) / 2**20:.2f}"
+                   f" MiB; {ms:.1f} ms per fwd+bwd call" + (" (member 0, one device)" if run is None else ""))
+        return CheckResult(name, not problems, "; ".join(problems) if problems else summary,
+                           {"sent": counted, "analytic": expected, "ms_per_call": ms, "source": source})
+    return ranks.from_rank0(verdict, name)
+
+
+def boundary_checks(setup: Setup, ranks: Ranks, group) -> list[CheckResult]:
+    packed = any(k.packed for k in setup.kinds)
+    batch, params = boundaries.full_batch(setup, packed)
+    slices = boundaries.slices_per_rank(setup, batch, params, group)
+    shares = (boundaries.distributed_shares(slices[ranks.rank], group) if group is not None
+              else boundaries.simulated_shares(slices))
+
+    def unslice() -> CheckResult:
+        back = boundaries.unsliced(slices, params)
+        bad = boundaries.check_unslice(batch, back)
+        what = "packed " if packed else ""
+        return CheckResult("boundaries.unslice", not bad, "; ".join(bad) or
+                           f"{what}tokens, labels, loss mask, position ids back exactly ({setup.cp_size} slices)")
+
+    def positions() -> CheckResult:
+        bad = boundaries.check_positions(setup, boundaries.unsliced(slices, params), packed)
+        n_docs = len(setup.documents[0]) - 1 if packed else 1
+        return CheckResult("boundaries.positions", not bad, "; ".join(bad) or
+                           (f"restart at 0 in each of {n_docs} documents" if packed else "0..S-1 in order"))
+
+    def loss() -> CheckResult:
+        bad, figures = boundaries.check_loss(shares, batch)
+        return CheckResult("boundaries.loss", not bad, "; ".join(bad) or
+                           f"CP mean {figures['cp_loss']:.12f} = full {figures['full_loss']:.12f} "
+                           f"(|diff| {figures['error']:.1e})", figures)
+    return [ranks.from_rank0(fn, name) for fn, name in ((unslice, "boundaries.unslice"),
+                                                         (positions, "boundaries.positions"), (loss, "boundaries.loss"))]
+
+
+def run_checks(setup: Setup, ranks: Ranks, groups=None, fault: Optional[str] = None) -> list[CheckResult]:
+    """Every check, in order (``groups=None``: ``--simulate``)."""
+    simulate = groups is None
+    results = [agreement(setup, ranks, fault, simulate)]
+    ranks.say(f"plan agreement: {'ok' if results[0].passed else 'FAILED'}")
+    if not results[0].passed and not simulate:
+        results.append(CheckResult("checks", False, "not run: the ranks disagree on the plan (see plan.agreement)"))
+        return results
+    results += kernel_check(setup)
+    for kind in setup.kinds:
+        data = random_inputs(setup.seq_len, setup.batch, setup.heads, setup.kv_heads, setup.head_dim,
+                             setup.v_head_dim, setup.seed, kind.softmax_type)
+        first_run, seconds = None, None
+        for i, dtype in enumerate(setup.dtypes):
+            ranks.say(f"attention {setup.kind_name(kind)} {dtype_name(dtype)} ...")
+            result, run, member_seconds = attention_check(setup, kind, dtype, data, ranks, groups, fault)
+            results.append(result)
+            if i == 0:
+                first_run, seconds = run, member_seconds
+            ranks.say(f"  {result.name}: {'pass' if result.passed else 'FAIL'}")
+        if not simulate and first_run is None:
+            continue  # the call failed: its error is the check's
+        results.append(bytes_check(setup, kind, setup.dtypes[0], ranks, first_run, seconds))
+    ranks.say("boundaries ...")
+    results += _boundaries_guarded(setup, ranks, groups)
+    return results
+
+
+def _boundaries_guarded(setup: Setup, ranks: Ranks, groups) -> list[CheckResult]:
+    group = None if groups is None else groups.cp_group
+    try:
+        return boundary_checks(setup, ranks, group)
+    except Exception as err:  # a slicing error raises alike on every rank
+        return [CheckResult("boundaries", False, _first_line(err), {"error": traceback.format_exc(limit=3)})]
