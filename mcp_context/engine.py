@@ -200,8 +200,11 @@ class ContextParallelAttention:
             cp_size = self.groups.cp_size
             if not packed:  # a packed layout checks the documents it places
                 check_seq_len(q.shape[0] * cp_size, cp_size, self.layout)
-            check_heads(q.shape[2], k.shape[2], a2a_degree(self.comm, self.groups.sizes), self.comm)
-            kernel = get_kernel(self.backend, q.device, q.dtype, dropout=self.dropout_p > 0, head_dim=q.shape[3])
+            inner = a2a_degree(self.comm, self.groups.sizes)
+            check_heads(q.shape[2], k.shape[2], inner, self.comm)
+            # the kernel sees blocks of at most this rank's rows after the all-to-all, for b * h / inner heads
+            kernel = get_kernel(self.backend, q.device, q.dtype, dropout=self.dropout_p, head_dim=q.shape[3],
+                                v_head_dim=v.shape[3], rows=q.shape[0] * inner, heads=q.shape[1] * q.shape[2] // inner)
             scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
             scheme = resolve_scheme(self.groups, self.comm, self.layout, mask if packed else self.mask, q.shape[0],
                                     k.shape[2], kernel, scale, self.dropout_p)

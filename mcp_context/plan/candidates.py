@@ -3,7 +3,7 @@
 A ``Candidate`` is one choice of ``context_parallel_size``, ``hierarchical_context_parallel_sizes``,
 ``cp_comm_type`` and token layout. ``enumerate_candidates`` lists every one the engine accepts: CP
 sizes dividing the GPUs left after TP and PP, every flat scheme, every ordered factorisation into
-two or more levels for ``a2a+p2p``, every layout the sequence length can be split by. A choice the
+two or more levels for the hierarchical ones (``cp_rules.COMM_SCHEMES``), every layout the sequence length can be split by. A choice the
 engine would refuse (heads not divisible by the all-to-all degree, ...) is returned separately with
 the engine's own error message, so the table can say why it is absent.
 """
@@ -12,7 +12,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..cp_rules import LAYOUTS, a2a_degree, check_heads, check_seq_len
+from ..cp_rules import COMM_SCHEMES, COMM_TYPES, LAYOUTS, a2a_degree, check_heads, check_seq_len
+
+NO_CP = "none"  # the cp_comm_type column of a CP size of 1 (no communication)
 
 
 @dataclass(frozen=True)
@@ -26,12 +28,12 @@ class Candidate:
 
     @property
     def a2a_degree(self) -> int:
-        return 1 if self.comm == "none" else a2a_degree(self.comm, self.sizes)
+        return 1 if self.cp_size == 1 else a2a_degree(self.comm, self.sizes)
 
     @property
     def engine_comm(self) -> str:
         """The scheme the engine runs (a CP size of 1 is a ring of one)."""
-        return "p2p" if self.comm == "none" else self.comm
+        return COMM_TYPES[0] if self.cp_size == 1 else self.comm
 
     def label(self) -> str:
         levels = "x".join(map(str, self.sizes)) if len(self.sizes) > 1 else str(self.cp_size)
@@ -63,16 +65,16 @@ def enumerate_candidates(cp_sizes: list[int], seq_len: int, heads: int, kv_heads
     rejected: list[tuple[Candidate, str]] = []
     for cp in cp_sizes:
         if cp == 1:
-            options = [(("none", (1,)), "contiguous")]
+            options = [((NO_CP, (1,)), "contiguous")]
         else:
-            schemes = [(c, (cp,)) for c in ("p2p", "a2a", "all_gather")]
-            schemes += [("a2a+p2p", sizes) for sizes in _factorisations(cp)]
+            schemes = [(name, sizes) for name, rule in COMM_SCHEMES.items()
+                       for sizes in ([(cp,)] if rule.min_levels == 1 else _factorisations(cp, rule.min_levels))]
             options = [(s, layout) for s in schemes for layout in LAYOUTS]
         for (comm, sizes), layout in options:
             cand = Candidate(cp, sizes, comm, layout)
             try:
                 check_seq_len(seq_len, cp, layout)
-                if comm != "none":
+                if cp > 1:
                     check_heads(heads, kv_heads, cand.a2a_degree, comm)
             except ValueError as err:
                 rejected.append((cand, str(err)))

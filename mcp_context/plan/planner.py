@@ -284,7 +284,7 @@ def explain(req: PlanRequest, best: PlanRow, rows: list[PlanRow]) -> list[str]:
                        f"against {sent / 2**20:.1f} MiB ({fewest.seconds_per_sequence / best.seconds_per_sequence:.3f}x "
                        f"the time per sequence)")
     others = [r for r in rows[1:] if r.fits == best.fits]
-    hierarchical = [r for r in others if r.candidate.comm == "a2a+p2p"] if c.comm != "a2a+p2p" else []
+    hierarchical = [r for r in others if len(r.candidate.sizes) > 1] if len(c.sizes) == 1 else []
     for what, pool in (("runner-up", others), ("best hierarchical layout", hierarchical)):
         if pool:  # the same order the choice used: time among fitting layouts, memory otherwise
             row = pool[0] if best.fits else min(pool, key=lambda r: (r.memory_bytes, r.seconds_per_sequence))
