@@ -408,3 +408,16 @@ def test_diagonal_runs_through_the_ring_executor_match_the_reference():
         assert (qm.grad - ref[0].grad[rows]).abs().max().item() <= 1e-10, member
     for got, want in zip(kv, ref[1:]):
         assert (got.grad - want.grad[order]).abs().max().item() <= 1e-10
+
+
+def test_size_dispatch_sends_a_run_of_small_squares_to_the_small_block_kernel():
+    """``auto`` on CUDA gives blocks up to 1024 rows to flash and larger ones to cuDNN; a diagonal run of
+    64-row squares over 2048 rows is one call of 64-row blocks, so it goes to the small-block kernel (here
+    the math kernel; the large one is the fused CPU op)."""
+    from mcp_context.kernels.registry import SizeDispatchKernel
+
+    small, large = MathKernel(), get_kernel("torch:cpu_flash", CPU, torch.float64)
+    kernel = SizeDispatchKernel(small, large, max_small_rows=1024)
+    q = torch.randn(1, 2, 2048, 8, dtype=torch.float64)
+    assert kernel._pick(q, q, BlockMask(None, 0, 32)) is small and kernel._pick(q, q, BlockMask(None, 0)) is large
+    assert kernel._pick(q, q, BlockMask(0, None, 2)) is small and kernel._pick(q, q, True) is large

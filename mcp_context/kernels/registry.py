@@ -79,14 +79,16 @@ class SizeDispatchKernel:
         self.name = f"{large.name}+{small.name.split(':')[-1]}<={max_small_rows}"
         self.capabilities: Capabilities = large.capabilities
 
-    def _pick(self, q: torch.Tensor, k: torch.Tensor) -> Kernel:
-        return self.small if max(q.shape[2], k.shape[2]) <= self.max_small_rows else self.large
+    def _pick(self, q: torch.Tensor, k: torch.Tensor, mask) -> Kernel:
+        """By the rows of one call's blocks: a diagonal run (``BlockMask.diagonal``) is many small ones."""
+        rows = max(q.shape[2], k.shape[2]) // block_mask(mask).diagonal
+        return self.small if rows <= self.max_small_rows else self.large
 
     def forward(self, q, k, v, causal, scale, dropout=None):
-        return self._pick(q, k).forward(q, k, v, causal, scale, dropout)
+        return self._pick(q, k, causal).forward(q, k, v, causal, scale, dropout)
 
     def backward(self, dout, q, k, v, out, lse, causal, scale, dropout=None):
-        return self._pick(q, k).backward(dout, q, k, v, out, lse, causal, scale, dropout)
+        return self._pick(q, k, causal).backward(dout, q, k, v, out, lse, causal, scale, dropout)
 
 
 def _block_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> tuple:
