@@ -6,7 +6,7 @@ each behind a probe that the CUDA use is still there (so a release that fixed on
 Once applied, megatron-core places its tensors on the CPU for the rest of the process:
 
 - functions that place tensors with ``torch.cuda.current_device()`` — RoPE's `inv_freq` move in
-  `RotaryEmbedding.get_emb`, the global memory buffer (`GlobalMemoryBuffer.get_tensor`), the
+  `RotaryEmbedding.get_emb` and `YarnRotaryEmbedding.get_emb` (MLA), the MoE router's `gating`, the global memory buffer (`GlobalMemoryBuffer.get_tensor`), the
   sequence-parallel all-gather / reduce-scatter helpers in `tensor_parallel.mappings`, and the
   reduce-scatter buffer in the tensor-parallel linear backward — run with ``current_device()``
   answering the CPU device for the duration of the call (the original code runs unchanged);
@@ -32,8 +32,9 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 from megatron.core import utils as mcore_utils
-from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
 from megatron.core.tensor_parallel import layers as tp_layers
+from megatron.core.transformer.moe import router as moe_router
 from megatron.core.tensor_parallel import mappings as tp_mappings
 from megatron.core.tensor_parallel import random as tp_random
 from megatron.core.transformer import utils as transformer_utils
@@ -43,6 +44,8 @@ from megatron_patches._patching import is_patched, qualified_name, replace_attri
 # (owner, attribute): functions that call torch.cuda.current_device() to place a tensor.
 _CURRENT_DEVICE_USERS: tuple[tuple[Any, str], ...] = (
     (rotary_pos_embedding.RotaryEmbedding, "get_emb"),
+    (yarn_rotary_pos_embedding.YarnRotaryEmbedding, "get_emb"),  # MLA's YaRN RoPE (DeepSeek-V3)
+    (moe_router.Router, "gating"),  # moves a CPU router weight to current_device() on every call
     (mcore_utils.GlobalMemoryBuffer, "get_tensor"),
     (tp_mappings, "_gather_along_first_dim"),
     (tp_mappings, "_gather_along_last_dim"),

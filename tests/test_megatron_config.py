@@ -120,3 +120,29 @@ def test_core_attention_refuses_what_it_cannot_do():
     assert "does not support packed sequences" in messages["packed"]
     assert "does not support attention_bias" in messages["bias"]
     assert "attn_mask_type=arbitrary with an explicit attention_mask is not supported" in messages["mask"]
+
+
+@pytest.mark.parametrize("backend,kernel", [("flash", "torch:flash"), ("fused", "torch:cudnn"), ("unfused", "math"),
+                                            ("local", "math"), ("auto", "auto")])
+def test_attention_backend_maps_onto_our_kernel_registry(backend, kernel):
+    from megatron.core.transformer.enums import AttnBackend
+
+    from mcp_context.kernels import BACKENDS
+    from mcp_context.megatron.config import kernel_backend
+
+    assert kernel_backend(_config(attention_backend=AttnBackend[backend])) == kernel in BACKENDS
+
+
+def test_deterministic_mode_on_cuda_needs_the_math_kernel():
+    from megatron.core.transformer.enums import AttnBackend
+
+    from mcp_context.megatron.config import check_deterministic
+
+    config = _config(deterministic_mode=True)
+    with pytest.raises(HCPConfigError, match=r"deterministic_mode=True with attention_backend=.*auto.* \(kernel backend "
+                                             r"'auto'\) on CUDA: the fused SDPA backwards .* set "
+                                             r"attention_backend='unfused'"):
+        check_deterministic(config, "auto", torch.device("cuda", 0))
+    check_deterministic(config, "math", torch.device("cuda", 0))  # math: matmuls, fixed ring and merge order
+    check_deterministic(config, "auto", torch.device("cpu"))  # holds by construction on the CPU
+    check_deterministic(_config(attention_backend=AttnBackend.flash), "torch:flash", torch.device("cuda", 0))

@@ -13,7 +13,7 @@ import torch
 
 import megatron_patches
 from tests._dist import run_distributed
-from tests.tiny_gpt import batch, init_parallel, tiny_config, tiny_gpt, tp_shard
+from tests.tiny_gpt import HEADS, ParityCase, batch, init_parallel, parity_cases, tiny_config, tiny_gpt, tp_shard
 
 SEQ = 16
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -113,3 +113,103 @@ def test_gpt_with_sliding_windows_matches_cp1_losses_and_gradients(comm, extra):
     on layer 1 only (window_attn_skip_freq=2: layer 2 attends in full). Same tolerances as above."""
     losses = run_distributed(4, _parity, 1, 4, [2, 2], comm, extra)
     assert len(set(losses)) == 1
+
+
+# ---- attention sinks (softmax_type) and MLA: many variants per distributed call ----
+
+SINK_COMMS = ("p2p", "a2a+p2p", "all_gather", "a2a")  # a2a at CP=4 replicates the 2 KV heads
+
+
+def test_sinks_match_megatron_cores_attention_at_cp1():
+    """softmax_type 'off-by-one' and 'learnable', without and with a window on alternate layers, at CP=4 as
+    [2, 2] in every comm type, against megatron-core's own DotProductAttention (which applies the offset)
+    at CP=1: every token's loss and every gradient, softmax_offset's (summed over CP) included, 1e-5."""
+    cases = [ParityCase(f"{kind}{'-window' if window else ''}",
+                        (("softmax_type", kind),) + ((("window_size", (3, 0)), ("window_attn_skip_freq", 2))
+                                                     if window else ()), comms=SINK_COMMS)
+             for kind in ("off-by-one", "learnable") for window in (False, True)]
+    errors = run_distributed(4, parity_cases, cases, [(4, [2, 2])])
+    assert not errors[0], "\n".join(errors[0])
+
+
+def test_mla_model_at_cp2_and_cp4_equals_cp1():
+    """DeepSeek-V3-style multi-latent attention (q/kv LoRA with latent norms, dqk = 8 + 4 RoPE dims, dv = 6;
+    RoPE and YaRN) at CP=2 and CP=4 as [2, 2] equals the same model at CP=1 (megatron-core
+    0.16.1 has no local MLA attention; the engine's tests compare MLA with an fp64 reference)."""
+    yarn = (("rope_type", "yarn"), ("rotary_scaling_factor", 4.0), ("original_max_position_embeddings", 4),
+            ("mscale", 0.7), ("mscale_all_dim", 0.7), ("beta_fast", 8.0), ("beta_slow", 2.0),
+            ("rotary_base", 5000), ("rotary_percent", 1.0))
+    cases = [ParityCase("mla", mla=True, comms=("p2p", "a2a", "all_gather", "a2a+p2p")),
+             ParityCase("mla-yarn", yarn, mla=True, comms=("a2a+p2p",))]
+    errors = run_distributed(4, parity_cases, cases, [(2, None), (4, [2, 2])])
+    assert not errors[0], "\n".join(errors[0])
+
+
+def _deterministic_grads(rank, world):
+    from megatron.core import parallel_state
+
+    from mcp_context.megatron import masked_token_mean, slice_batch_for_cp
+    from mcp_context.megatron.specs import hcp_local_spec
+
+    megatron_patches.apply_all(device="cpu")
+    init_parallel(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 2])
+    try:
+        runs = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            config = tiny_config(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 2],
+                                 cp_comm_type="a2a+p2p", deterministic_mode=True, softmax_type="learnable")
+            model = tiny_gpt(config, hcp_local_spec, seq=SEQ)
+            tokens, positions, labels = batch(SEQ)
+            local = slice_batch_for_cp({"tokens": tokens, "position_ids": positions, "labels": labels,
+                                        "loss_mask": _loss_mask()})
+            per_token = model(local["tokens"], local["position_ids"], None, labels=local["labels"])
+            masked_token_mean(per_token, local["loss_mask"], parallel_state.get_context_parallel_group())[0].backward()
+            runs.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        return all(torch.equal(runs[0][n], runs[1][n]) for n in runs[0])
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_deterministic_mode_gives_bitwise_equal_gradients_at_cp4():
+    """deterministic_mode=True on the CPU: two runs at CP=4 as [2, 2] give bitwise-equal gradients (it holds
+    by construction: fixed ring and merge order, one thread per rank). On CUDA it is refused unless
+    attention_backend picks the math kernel (tests/test_megatron_config.py)."""
+    assert all(run_distributed(4, _deterministic_grads))
+
+
+def _offsets(rank, world):
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from mcp_context.megatron.specs import hcp_local_spec
+    from tests.tiny_gpt import current_device_is_cpu
+
+    megatron_patches.apply_all(device="cpu")
+    init_parallel(tensor_model_parallel_size=2)
+    try:
+        made = {}
+        for kind in ("off-by-one", "learnable"):
+            for who, spec in (("stock", get_gpt_layer_local_spec(normalization="RMSNorm")), ("ours", hcp_local_spec)):
+                torch.manual_seed(7)
+                with current_device_is_cpu():
+                    model = tiny_gpt(tiny_config(tensor_model_parallel_size=2, softmax_type=kind), spec)
+                core = model.decoder.layers[1].self_attention.core_attention
+                made[kind, who] = (core.softmax_offset, {n for n, _ in model.named_parameters()},
+                                   set(model.state_dict()))
+        return made
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_softmax_offset_is_made_like_megatron_cores():
+    """Same name, shape [heads per TP partition], dtype, initial values (config.init_method under the same
+    seed) and parameter/state-dict names as megatron-core's DotProductAttention, at TP=2; 'off-by-one' is
+    zeros and not a parameter."""
+    for made in run_distributed(2, _offsets):
+        for kind in ("off-by-one", "learnable"):
+            (stock, stock_params, stock_state), (ours, our_params, our_state) = made[kind, "stock"], made[kind, "ours"]
+            assert ours.shape == stock.shape == (HEADS // 2,) and ours.dtype == stock.dtype
+            assert isinstance(ours, torch.nn.Parameter) == isinstance(stock, torch.nn.Parameter) == (kind == "learnable")
+            torch.testing.assert_close(ours, stock, atol=0, rtol=0)
+            assert our_params == stock_params and our_state == stock_state

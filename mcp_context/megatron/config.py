@@ -112,3 +112,73 @@ def _check_seq_length(config: Any, seq_length: int, p: str) -> None:
                       tp=tp if config.sequence_parallel else 1)
     except ValueError as err:
         raise HCPConfigError(str(err)) from None
+
+
+# ---- attention fields beyond context parallelism (the audit: tests/test_megatron_fields.py) ----
+
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+# megatron-core's AttnBackend -> our kernel registry's backend.
+ATTENTION_BACKENDS = {"flash": "torch:flash", "fused": "torch:cudnn", "unfused": "math", "local": "math",
+                      "auto": "auto"}
+DETERMINISTIC_CUDA_BACKENDS = ("math",)
+
+# (field, refused when, why and the fix): fields whose meaning our attention cannot deliver.
+_NO_MAX_LOGIT = ("needs each head's maximum attention logit from the core attention (current_max_attn_logits), "
+                 "which the context-parallel engine does not compute")
+_CUDA_GRAPH = ("captures the layer in a CUDA graph; our attention reads packings on the host and checks rank "
+               "agreement per call, and has not been captured or run in a graph")
+REFUSED_FIELDS = (
+    ("qk_clip", bool, f"{_NO_MAX_LOGIT}; set qk_clip=False"),
+    ("log_max_attention_logit", bool, f"{_NO_MAX_LOGIT}; set log_max_attention_logit=False"),
+    ("fp8_dot_product_attention", bool, "our kernels take bf16/fp16/fp32 q/k/v, not FP8; set it False (FP8 "
+                                        "linears, fp8=..., are fine)"),
+    ("fp8_multi_head_attention", bool, "our kernels take bf16/fp16/fp32 q/k/v, not FP8; set it False"),
+    ("experimental_attention_variant", lambda v: v is not None,
+     "replaces softmax attention (gated_delta_net, dsa); mcp_context's specs build softmax attention only; "
+     "leave it None"),
+    ("flash_decode", bool, "decodes with flash-attn's kernel, bypassing the core attention; mcp_context serves "
+                           "training and full-sequence forward passes; set flash_decode=False"),
+    ("batch_invariant_mode", bool, "asks for batch-invariant kernels; mcp_context's kernels and merge have not "
+                                   "been checked for batch invariance; set batch_invariant_mode=False"),
+    ("hybrid_context_parallel", bool, "regroups the context-parallel ranks per batch; our attention runs on the "
+                                      "fixed CP group; set hybrid_context_parallel=False"),
+    ("use_kitchen", bool, "builds kitchen's quantised modules, which mcp_context's specs do not; set "
+                          "use_kitchen=False"),
+    ("use_kitchen_attention", bool, "replaces the core attention with kitchen's; set use_kitchen_attention=False"),
+    ("enable_cuda_graph", bool, f"{_CUDA_GRAPH}; set enable_cuda_graph=False"),
+    ("external_cuda_graph", bool, f"{_CUDA_GRAPH}; set external_cuda_graph=False"),
+    ("cuda_graph_impl", lambda v: v != "none", f"{_CUDA_GRAPH}; set cuda_graph_impl='none'"),
+)
+
+
+def check_attention_fields(config: Any, prefix: str = "") -> None:
+    """Refuse, naming the field, the value and the fix, every attention field we cannot honour."""
+    for field, refused, why in REFUSED_FIELDS:
+        value = getattr(config, field, None)
+        if value is not None and refused(value):
+            raise HCPConfigError(f"{prefix}{field}={value!r}: {why}")
+    if config.softmax_type not in SOFTMAX_TYPES:
+        raise HCPConfigError(f"{prefix}softmax_type={config.softmax_type!r} is not one of "
+                             f"{', '.join(SOFTMAX_TYPES)}; choose one of them")
+    kernel_backend(config, prefix)
+
+
+def kernel_backend(config: Any, prefix: str = "") -> str:
+    """Our kernel registry's backend for ``attention_backend`` (an ``AttnBackend`` or its name)."""
+    backend = config.attention_backend
+    name = getattr(backend, "name", backend)
+    if name not in ATTENTION_BACKENDS:
+        raise HCPConfigError(f"{prefix}attention_backend={backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
+    return ATTENTION_BACKENDS[name]
+
+
+def check_deterministic(config: Any, backend: str, device: Any) -> None:
+    """``deterministic_mode`` on CUDA needs kernels whose backward has a fixed accumulation order."""
+    if config.deterministic_mode and getattr(device, "type", device) == "cuda" \
+            and backend not in DETERMINISTIC_CUDA_BACKENDS:
+        raise HCPConfigError(
+            f"deterministic_mode=True with attention_backend={config.attention_backend!r} (kernel backend "
+            f"{backend!r}) on CUDA: the fused SDPA backwards (flash, cuDNN, efficient) are not guaranteed to "
+            f"accumulate gradients in a fixed order (efficient and flash use atomics) and none was checked on a GPU "
+            f"here; set attention_backend='unfused' (our math kernel: matmuls, a fixed "
+            f"ring and merge order), or deterministic_mode=False")

@@ -10,6 +10,13 @@ Sliding-window layers (``window_size``, with ``window_attn_skip_freq`` choosing 
 it) run the window through every comm type: query ``i`` sees keys ``i - left .. i + right``, with
 ``right`` capped at 0 for a causal layer.
 
+``softmax_type`` 'off-by-one' and 'learnable' (gpt-oss's sinks) give the engine a per-head
+``softmax_offset`` made as megatron-core makes it; MLA's ``k_channels``/``v_channels`` (value head dim
+different from the query/key one) are taken as ``TEDotProductAttention`` takes them. Every other
+attention field of the config is honoured or refused at build (``config.check_attention_fields``;
+``attention_backend`` picks our kernel backend), and a spec from ``get_gpt_layer_hcp_spec`` carries
+the layer structure it builds, so a config it does not represent is refused (``spec_facts``).
+
 With ``attn_mask_type=causal`` the ``attention_mask`` argument is ignored, as in
 ``TEDotProductAttention``: the mask is implied by the positions each CP rank holds. Packed sequences
 (``packed_seq_params`` with ``qkv_format="thd"``: ``q [t, np, hn]``, global ``cu_seqlens_q`` and
@@ -31,7 +38,9 @@ from ..cp_rules import normalize_comm
 from ..engine import ContextParallelAttention
 from ..masks import SlidingWindow
 from ..comm import HCPGroups
-from .config import HCPConfigError, normalize_cp_comm_type, validate_cp_config
+from .config import (HCPConfigError, check_attention_fields, check_deterministic, kernel_backend,
+                     normalize_cp_comm_type, validate_cp_config)
+from .spec_facts import LayerSpecFacts, check_spec_fits
 
 LAYOUT = "zigzag"  # megatron-core's get_batch_on_this_cp_rank and RoPE slicing assume it
 
@@ -67,15 +76,34 @@ def _packed_documents(params: Any) -> dict:
     return {"cu_seqlens": params.cu_seqlens_q, "cu_seqlens_padded": params.cu_seqlens_q_padded}
 
 
+def _tp_group(pg_collection: Any) -> Any:
+    tp = getattr(pg_collection, "tp", None) if pg_collection is not None else None
+    if tp is None:
+        from megatron.core import parallel_state
+
+        tp = parallel_state.get_tensor_model_parallel_group(check_initialized=False)
+    return tp
+
+
+def _size(group: Any) -> int:
+    return 1 if group is None else torch.distributed.get_world_size(group)
+
+
 class HCPDotProductAttention(MegatronModule):
-    """Exact hierarchical context-parallel attention: ``q [s, b, np, hn], k/v [s, b, ng, hn] -> [s, b, np*hn]``."""
+    """Exact hierarchical context-parallel attention:
+    ``q [s, b, np, dk], k [s, b, ng, dk], v [s, b, ng, dv] -> [s, b, np*dv]`` (``dv = dk`` except for MLA)."""
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
-                 cp_comm_type: Optional[str] = None, pg_collection: Any = None, model_comm_pgs: Any = None):
+                 k_channels: Optional[int] = None, v_channels: Optional[int] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection: Any = None, model_comm_pgs: Any = None,
+                 layer_spec: Optional[LayerSpecFacts] = None):
         super().__init__(config=config)
         normalize_cp_comm_type(config)
         validate_cp_config(config)
+        check_attention_fields(config)
+        if layer_spec is not None:  # the spec this layer was built from: does it represent the config?
+            check_spec_fits(config, layer_spec)
         self.layer_number = max(1, layer_number)
         # Sliding-window layers (every layer, or those window_attn_skip_freq picks) get the window;
         # the others attend in full, as megatron-core's own attention does.
@@ -92,11 +120,14 @@ class HCPDotProductAttention(MegatronModule):
             comm = comm[self.layer_number - 1]
         # CP=1 needs no communication, whatever was configured.
         self.cp_comm_type = "p2p" if config.context_parallel_size == 1 else normalize_comm(comm or "p2p")
-        head_dim = config.kv_channels
-        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-        if config.apply_query_key_layer_scaling:
-            self.softmax_scale /= self.layer_number
+        # MLA passes its query/key head dim (k_channels) and value head dim (v_channels), as to TE's attention.
+        self.k_channels = k_channels if k_channels is not None else config.kv_channels
+        self.v_channels = v_channels if v_channels is not None else config.kv_channels
+        # apply_query_key_layer_scaling: megatron-core divides the scale by the layer number and its softmax
+        # multiplies the scores back by the same number (an fp16 range trick): no change to the maths.
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.k_channels)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.backend = kernel_backend(config)
         self.pg_collection = pg_collection if pg_collection is not None else model_comm_pgs
         self.groups = _hcp_groups(self.pg_collection)
         self._engines: dict[tuple[bool, bool], ContextParallelAttention] = {}  # per (causal, dropout)
@@ -105,6 +136,27 @@ class HCPDotProductAttention(MegatronModule):
                                  f"context-parallel process group has {self.groups.cp_size} ranks; initialise "
                                  f"parallel_state with context_parallel_size={config.context_parallel_size} (and "
                                  f"the same hierarchical_context_parallel_sizes) before building the model")
+        self.tp_group = _tp_group(self.pg_collection)
+        self.num_attention_heads_per_partition = config.num_attention_heads // _size(self.tp_group)
+        self._init_softmax_offset(config)
+
+    def _init_softmax_offset(self, config) -> None:
+        """``softmax_offset`` as megatron-core's ``DotProductAttention`` makes it (name, shape, dtype, init), so
+        stock checkpoints load: None ('vanilla'), zeros that are not a parameter ('off-by-one'), or a parameter
+        of one sink logit per head of this TP partition ('learnable'). Placed on the CPU when the model is
+        initialised there (megatron-core always uses ``torch.cuda.current_device()``)."""
+        device = "cpu" if config.use_cpu_initialization or not torch.cuda.is_available() \
+            else torch.cuda.current_device()
+        shape, dtype = (self.num_attention_heads_per_partition,), config.params_dtype
+        if config.softmax_type == "vanilla":
+            self.softmax_offset = None
+        elif config.softmax_type == "off-by-one":
+            self.softmax_offset = torch.zeros(shape, device=device, dtype=dtype)
+        else:  # learnable (check_attention_fields refused anything else)
+            self.register_parameter("softmax_offset", torch.nn.Parameter(torch.empty(shape, device=device,
+                                                                                     dtype=dtype)))
+            if config.perform_initialization:
+                self.softmax_offset = config.init_method(self.softmax_offset)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
@@ -123,19 +175,23 @@ class HCPDotProductAttention(MegatronModule):
         dropout = self.training and self.dropout_p > 0
         if packed:  # thd: [t, np, hn], the batch dimension squeezed out by megatron-core
             query, key, value = (x.unsqueeze(1) for x in (query, key, value))
-        out = self._engine(causal, dropout)(query, key, value,
-                                            dropout_seed=self._dropout_seed(query.device) if dropout else None,
-                                            **packed)
+        offset = self.softmax_offset
+        if offset is not None and offset.device != query.device and not isinstance(offset, torch.nn.Parameter):
+            self.softmax_offset = offset = offset.to(query.device)  # off-by-one's zeros follow the activations
+        out = self._engine(causal, dropout, query.device)(
+            query, key, value, dropout_seed=self._dropout_seed(query.device) if dropout else None,
+            softmax_offset=offset, **packed)
         s, b, h, d = out.shape
         return out.reshape(s, h * d) if packed else out.reshape(s, b, h * d)
 
-    def _engine(self, causal: bool, dropout: bool) -> ContextParallelAttention:
+    def _engine(self, causal: bool, dropout: bool, device: torch.device) -> ContextParallelAttention:
         """The engine for this mask and train/eval mode, built on first use and kept for the layer's life."""
         key = (causal, dropout)
         if key not in self._engines:
+            check_deterministic(self.config, self.backend, device)
             self._engines[key] = ContextParallelAttention(
                 self.groups, causal=causal, layout=LAYOUT, comm=self.cp_comm_type, softmax_scale=self.softmax_scale,
-                dropout_p=self.dropout_p if dropout else 0.0, window_size=self.window_size)
+                backend=self.backend, dropout_p=self.dropout_p if dropout else 0.0, window_size=self.window_size)
         return self._engines[key]
 
     @staticmethod
@@ -147,3 +203,10 @@ class HCPDotProductAttention(MegatronModule):
         with tensor_parallel.get_cuda_rng_tracker().fork():
             return int(torch.randint(0, 2**62, (1,), device=device).item())
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """The learnable ``softmax_offset`` sharded over TP along its head dim, as megatron-core saves it."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        state_dict = self.state_dict(prefix="", keep_vars=True) if self.config.softmax_type == "learnable" else {}
+        return make_sharded_tensors_for_checkpoint(state_dict, prefix, {"softmax_offset": 0}, sharded_offsets,
+                                                   tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])

@@ -8,36 +8,46 @@ supports).
 
 Megatron-LM's ``pretrain_gpt.py --spec mcp_context.megatron.specs NAME`` reads ``NAME`` from the
 module's namespace (megatron-core's ``spec_utils.import_module``: ``vars(module)[NAME]``) and uses it
-as a spec without calling it, so every name in ``SPEC_NAMES`` is a plain module attribute:
-``hcp_local_spec`` always; ``hcp_te_spec`` / ``hcp_te_attention_spec`` built at import when
+as a spec without calling it, so every name in ``SPEC_NAMES`` is a plain module attribute: one
+local spec per layer structure in ``spec_facts.SPEC_VARIANTS`` (``hcp_local_spec``, ``hcp_qknorm_local_spec``,
+``hcp_moe_local_spec``, ``hcp_qknorm_moe_local_spec``, ``hcp_mla_local_spec``, ``hcp_mla_moe_local_spec``),
+each refusing at model build a config it does not represent; ``hcp_te_spec`` / ``hcp_te_attention_spec`` built at import when
 Transformer Engine is importable, else an ``UnavailableSpec`` whose use raises a clear error.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Optional
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .core_attention import HCPDotProductAttention
+from .spec_facts import SPEC_VARIANTS, LayerSpecFacts
 
 CORE_ATTENTIONS = ("hcp", "te")
+MOE_PLACEHOLDER_EXPERTS = 2  # megatron-core's spec only asks whether there are experts; the config gives how many
 
 
 def get_gpt_layer_hcp_spec(num_experts: Optional[int] = None, moe_grouped_gemm: bool = False,
                            qk_layernorm: bool = False, normalization: str = "RMSNorm", use_te: bool = False,
-                           core_attention: str = "hcp") -> ModuleSpec:
+                           core_attention: str = "hcp", qk_l2_norm: bool = False,
+                           multi_latent_attention: bool = False) -> ModuleSpec:
     """A GPT transformer-layer spec whose attention is context-parallel on any device.
 
-    ``use_te``: Transformer Engine linears and norms (needs TE). ``core_attention``: ``"hcp"`` (ours,
-    every cp_comm_type and hierarchy depth) or ``"te"`` (TE's ``TEDotProductAttention``, only with
-    ``use_te``).
+    The arguments are megatron-core's ``get_gpt_layer_local_spec`` ones and build the same layer (q/k
+    LayerNorm or L2 norm, MoE with local experts, MLA). ``use_te``: Transformer Engine linears and norms
+    (needs TE). ``core_attention``: ``"hcp"`` (ours, every cp_comm_type and hierarchy depth) or ``"te"``
+    (TE's ``TEDotProductAttention``, only with ``use_te``). With ours, the spec carries the structure it
+    builds (``LayerSpecFacts``) and the model's config is checked against it at build time.
     """
     if core_attention not in CORE_ATTENTIONS:
         raise ValueError(f"core_attention={core_attention!r} is not one of {', '.join(CORE_ATTENTIONS)}")
     if core_attention == "te" and not use_te:
         raise ValueError("core_attention='te' (TEDotProductAttention) needs use_te=True")
+    layer_args = dict(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, qk_layernorm=qk_layernorm,
+                      qk_l2_norm=qk_l2_norm, multi_latent_attention=multi_latent_attention)
     if use_te:
         if _te_import_error() is not None:
             raise RuntimeError("get_gpt_layer_hcp_spec(use_te=True) needs Transformer Engine, which is not "
@@ -45,15 +55,36 @@ def get_gpt_layer_hcp_spec(num_experts: Optional[int] = None, moe_grouped_gemm: 
                                "flavour (use_te=False, spec name hcp_local_spec)")
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
-                                                          qk_layernorm=qk_layernorm)
+        spec = get_gpt_layer_with_transformer_engine_spec(**layer_args)
         if core_attention == "te":
             return spec
     else:
-        spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm,
-                                        qk_layernorm=qk_layernorm, normalization=normalization)
+        spec = get_gpt_layer_local_spec(normalization=normalization, **layer_args)
+    facts = LayerSpecFacts(qk_layernorm=qk_layernorm, qk_l2_norm=qk_l2_norm, moe=num_experts is not None,
+                           moe_grouped_gemm=num_experts is not None and moe_grouped_gemm,
+                           multi_latent_attention=multi_latent_attention, use_te=use_te)
+    return _with_core_attention(spec, dataclasses.replace(facts, name=facts.getter_call()))
+
+
+def _with_core_attention(spec: ModuleSpec, facts: LayerSpecFacts) -> ModuleSpec:
+    """``spec`` with our core attention, which checks the model's config against ``facts`` when built."""
     spec = copy.deepcopy(spec)
-    spec.submodules.self_attention.submodules.core_attention = HCPDotProductAttention
+    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
+        module=HCPDotProductAttention, params={"layer_spec": facts})
+    return spec
+
+
+def _variant(facts: LayerSpecFacts) -> ModuleSpec:
+    """The module-level spec for one row of ``SPEC_VARIANTS``."""
+    return _named(get_gpt_layer_hcp_spec(num_experts=MOE_PLACEHOLDER_EXPERTS if facts.moe else None,
+                                         qk_layernorm=facts.qk_layernorm, qk_l2_norm=facts.qk_l2_norm,
+                                         multi_latent_attention=facts.multi_latent_attention), facts.name)
+
+
+def _named(spec: ModuleSpec, name: str) -> ModuleSpec:
+    """``spec``, whose refusals call it by its --spec name."""
+    params = spec.submodules.self_attention.submodules.core_attention.params
+    params["layer_spec"] = dataclasses.replace(params["layer_spec"], name=name)
     return spec
 
 
@@ -99,13 +130,24 @@ def _te_import_error() -> Optional[str]:
     return None
 
 
-hcp_local_spec = get_gpt_layer_hcp_spec()
-"""Local (torch) layers, our attention: any device."""
+# Local (torch) layers, our attention, any device; one object per layer structure (spec_facts.SPEC_VARIANTS).
+hcp_local_spec = _variant(SPEC_VARIANTS["hcp_local_spec"])
+"""Dense MLP, no q/k norm: Llama, Mistral; sinks (softmax_type) and windows come from the config."""
+hcp_qknorm_local_spec = _variant(SPEC_VARIANTS["hcp_qknorm_local_spec"])
+"""q/k LayerNorm (qk_layernorm=True), dense MLP: Qwen3."""
+hcp_moe_local_spec = _variant(SPEC_VARIANTS["hcp_moe_local_spec"])
+"""MoE with megatron-core's local experts in every layer: Mixtral, gpt-oss."""
+hcp_qknorm_moe_local_spec = _variant(SPEC_VARIANTS["hcp_qknorm_moe_local_spec"])
+"""q/k LayerNorm and MoE: Qwen3-MoE."""
+hcp_mla_local_spec = _variant(SPEC_VARIANTS["hcp_mla_local_spec"])
+"""Multi-latent attention with its latent norms (qk_layernorm=True), dense MLP: an MLATransformerConfig."""
+hcp_mla_moe_local_spec = _variant(SPEC_VARIANTS["hcp_mla_moe_local_spec"])
+"""Multi-latent attention with latent norms and MoE in every layer: DeepSeek-V3-style (moe_layer_freq=1)."""
 
 _TE_SPECS = {"hcp_te_spec": dict(use_te=True), "hcp_te_attention_spec": dict(use_te=True, core_attention="te")}
 _TE_MISSING = _te_import_error()
 if _TE_MISSING is None:
-    hcp_te_spec = get_gpt_layer_hcp_spec(**_TE_SPECS["hcp_te_spec"])
+    hcp_te_spec = _named(get_gpt_layer_hcp_spec(**_TE_SPECS["hcp_te_spec"]), "hcp_te_spec")
     """Transformer Engine linears and norms, our attention."""
     hcp_te_attention_spec = get_gpt_layer_hcp_spec(**_TE_SPECS["hcp_te_attention_spec"])
     """Transformer Engine linears and norms, and TE's own TEDotProductAttention."""
@@ -113,5 +155,5 @@ else:
     hcp_te_spec = UnavailableSpec("hcp_te_spec", _TE_MISSING)
     hcp_te_attention_spec = UnavailableSpec("hcp_te_attention_spec", _TE_MISSING)
 
-SPEC_NAMES = ("hcp_local_spec", *_TE_SPECS)
+SPEC_NAMES = (*SPEC_VARIANTS, *_TE_SPECS)
 """Every module-level spec, as Megatron-LM's ``--spec mcp_context.megatron.specs NAME`` names it."""
