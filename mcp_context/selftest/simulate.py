@@ -96,7 +96,7 @@ def simulate_attention(setup: Setup, kind: AttentionKind, dtype: torch.dtype, da
     k_all, v_all = (data[n].repeat_interleave(kv_repeat, dim=2)[order].to(device, dtype).requires_grad_()
                     for n in ("k", "v"))
     sink_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-    sink = None if data["sink"] is None else data["sink"].to(device, sink_dtype).requires_grad_()
+    sink = None if data["sink"] is None else data["sink"].to(device, sink_dtype).detach().clone().requires_grad_()
     hq, hk = heads // inner, k_all.shape[2] // inner
     scale = setup.head_dim ** -0.5
     full = {"out": torch.zeros(seq_len, q.shape[1], heads, setup.v_head_dim, dtype=torch.float64),

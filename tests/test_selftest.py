@@ -1,0 +1,219 @@
+"""``python -m mcp_context.selftest``: it passes where CP is right and fails, naming the check, where it is not.
+
+Passing (CPU, fp64 within 1e-10 * max(1, max|ref|), fp32 within 1e-5 * max(1, max|ref|); bf16 within
+1.5 * sqrt(blocks) * max(one fused call's error, u * max|ref|)):
+- every recipe in recipes/ at its own CP layout, scaled down with --seq-len, with --simulate;
+- CP=8 [2, 2, 2] with --simulate for sinks, MLA head dims, windowed layers and packed documents;
+- CP=4 [2, 2] (the tiny recipe) and CP=4 p2p (sinks, MLA, window and packed at once) across 4 gloo
+  ranks, through the same ``main`` a torchrun launch calls.
+Failing: each planted fault (data sliced in another layout, a wrong softmax scale on one rank, a
+dropped sink, another cu_seqlens on one rank) exits 1 naming the check that caught it, simulated and
+across ranks. The 4-rank cases run ``main`` in the gloo worker pool (a torchrun launch costs ~45 s on
+the 2-core machine; the README's sample output is such a launch).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mcp_context.selftest.__main__ import main
+from mcp_context.selftest.reference import document_ids, reference_attention
+from mcp_context.selftest.setup import document_mix, model_kinds
+from tests._dist import run_distributed
+from tests.reference import full_attention
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread: the tiny blocks here are slower with more on a shared 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _run(argv: list[str]) -> tuple[int, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(argv + ["--no-progress"])
+    return status, out.getvalue() + err.getvalue()
+
+
+def _rows(text: str) -> dict[str, str]:
+    """``{check name: 'pass' | 'FAIL'}`` from the table."""
+    rows = {}
+    for line in text.splitlines():
+        parts = line.split()
+        for verdict in ("pass", "FAIL"):
+            if verdict in parts[1:]:
+                rows[line[:line.index(f" {verdict} ")].strip()] = verdict
+    return rows
+
+
+def _assert_all_pass(status: int, text: str) -> None:
+    assert status == 0, text
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("selftest: ") and last.endswith(" passed, 0 failed"), text
+    assert "attention[" in text and "boundaries.loss" in text and "plan.bytes[" in text, text
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
+def test_every_recipe_passes_simulated_at_its_cp_layout(recipe):
+    status, text = _run(["--simulate", "--recipe", str(recipe), "--seq-len", "256", "--dtype", "fp64"])
+    _assert_all_pass(status, text)
+
+
+CONFIGS = {
+    "sinks": ["--softmax-type", "learnable"],
+    "mla": ["--head-dim", "24", "--v-head-dim", "16"],
+    "window": ["--window", "9,0", "--window-attn-skip-freq", "2"],
+    "packed": ["--packed", "--softmax-type", "off-by-one"],
+}
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=list(CONFIGS))
+def test_attention_configurations_pass_simulated_at_cp8_hierarchical(config):
+    status, text = _run(["--simulate", "--hcp-sizes", "2,2,2", "--seq-len", "128", "--dtype", "fp64,fp32",
+                         "--heads", "8", "--kv-heads", "2", "--head-dim", "16", *CONFIGS[config]])
+    _assert_all_pass(status, text)
+    if config == "window":  # both kinds of layer: the windowed ones and every second one in full
+        assert "attention[window(9,0)] fp64" in text and "attention[causal] fp64" in text
+
+
+def test_half_precision_is_held_to_one_fused_call_and_prints_the_ratio(tmp_path):
+    """bf16 on the CPU's fused op: the path a GPU run takes, with the ratio and bound in the JSON."""
+    path = tmp_path / "bf16.json"
+    status, text = _run(["--simulate", "--cp-size", "4", "--seq-len", "256", "--dtype", "bf16", "--json", str(path)])
+    _assert_all_pass(status, text)
+    doc = json.loads(path.read_text())
+    check = next(c for c in doc["checks"] if c["name"] == "attention[causal] bf16")
+    for name in ("out", "dq", "dk", "dv"):
+        figure = check["figures"]["outputs"][name]
+        assert 0 < figure["error"] <= figure["bound"] and figure["fused_error"] > 0 and figure["blocks"] >= 1
+    assert "x fused" in text
+
+
+def test_json_holds_every_check_and_the_counts(tmp_path):
+    path = tmp_path / "out.json"
+    status, text = _run(["--simulate", "--seq-len", "64", "--dtype", "fp64", "--json", str(path)])
+    doc = json.loads(path.read_text())
+    assert status == 0 and doc["failed"] == 0 and doc["passed"] == len(doc["checks"]) == len(_rows(text))
+    bytes_check = next(c for c in doc["checks"] if c["name"].startswith("plan.bytes"))
+    assert bytes_check["figures"]["sent"][0] == bytes_check["figures"]["analytic"]
+
+
+FAULT_CASES = [
+    ("layout-mismatch", [], "attention[causal] fp64"),
+    ("wrong-scale", [], "attention[causal] fp64"),
+    ("dropped-sink", ["--softmax-type", "learnable"], "attention[causal+sinks:learnable] fp64"),
+    ("cu-seqlens-differ", ["--packed"], "plan.agreement"),
+]
+
+
+@pytest.mark.parametrize("fault,flags,caught_by", FAULT_CASES, ids=[f for f, _, _ in FAULT_CASES])
+def test_a_planted_fault_fails_simulated_naming_the_check(fault, flags, caught_by):
+    status, text = _run(["--simulate", "--hcp-sizes", "2,2", "--seq-len", "64", "--dtype", "fp64", "--plant", fault,
+                         *flags])
+    rows = _rows(text)
+    assert status == 1 and rows[caught_by] == "FAIL", text
+    assert text.strip().splitlines()[-1].endswith(f"{sum(v == 'FAIL' for v in rows.values())} failed")
+    assert rows["boundaries.unslice"] == "pass"  # a fault in the attention does not smear over other checks
+
+
+def _distributed_main(rank, world, argv):
+    status, text = _run(argv)
+    return status, text if rank == 0 else ""
+
+
+DISTRIBUTED = {
+    "cp4-hcp-tiny-recipe": ["--recipe", "recipes/tiny_cpu.yaml", "--seq-len", "128"],
+    "cp4-p2p-sinks-mla-window-packed": ["--comm", "p2p", "--seq-len", "128", "--dtype", "fp64", "--head-dim", "24",
+                                        "--v-head-dim", "16", "--softmax-type", "learnable", "--window", "15,0",
+                                        "--window-attn-skip-freq", "2", "--packed"],
+}
+
+
+@pytest.mark.parametrize("case", DISTRIBUTED, ids=list(DISTRIBUTED))
+def test_passes_across_four_gloo_ranks(case, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    results = run_distributed(4, _distributed_main, DISTRIBUTED[case])
+    assert [status for status, _ in results] == [0] * 4, results[0][1]
+    _assert_all_pass(*results[0])
+    assert "(trace, every rank)" in results[0][1]
+
+
+@pytest.mark.parametrize("fault,flags,caught_by", FAULT_CASES, ids=[f for f, _, _ in FAULT_CASES])
+def test_a_planted_fault_fails_across_ranks_naming_the_check(fault, flags, caught_by):
+    results = run_distributed(4, _distributed_main, ["--hcp-sizes", "2,2", "--seq-len", "64", "--dtype", "fp64",
+                                                     "--repeats", "1", "--plant", fault, *flags])
+    assert [status for status, _ in results] == [1] * 4, results[0][1]
+    assert _rows(results[0][1])[caught_by] == "FAIL", results[0][1]
+    if fault == "dropped-sink":  # the engine's own agreement check names the disagreement
+        assert "softmax_offset presence" in results[0][1]
+
+
+def test_table_on_stdout_progress_on_stderr_summary_last():
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(["--simulate", "--seq-len", "32", "--dtype", "fp64", "--repeats", "1", "--plant", "wrong-scale"])
+    assert status == 1
+    assert out.getvalue().strip().splitlines()[-1] == "selftest: 6 passed, 1 failed", out.getvalue()
+    assert "selftest: plan agreement: ok" in err.getvalue() and "attention[causal] fp64: FAIL" in err.getvalue()
+    assert "selftest: 6 passed" not in err.getvalue()
+
+
+def test_the_module_entry_exits_with_mains_status():
+    """``python -m mcp_context.selftest`` exits with ``main``'s status (2 here: no process group and no
+    --simulate, refused with the fix before anything heavy is imported)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-m", "mcp_context.selftest", "--cp-size", "4"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--simulate" in proc.stderr and "torchrun" in proc.stderr, proc.stderr
+
+
+def test_model_kinds_follow_window_attn_skip_freq():
+    assert [k.window for k in model_kinds(None, None, "vanilla", False)] == [None]
+    assert [k.window for k in model_kinds([7, 0], None, "vanilla", False)] == [(7, 0)]
+    assert [k.window for k in model_kinds([7, 0], 2, "vanilla", False)] == [(7, 0), None]
+    assert [k.window for k in model_kinds([7, 0], [1, 1, 0], "learnable", True)] == [(7, 0), None]
+    assert all(k.sink and k.packed for k in model_kinds([7, 0], [1, 0], "learnable", True))
+
+
+def test_document_mix_is_a_realistic_padded_packing():
+    cu, padded = document_mix(4096, 16, seed=3)
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    spans = [b - a for a, b in zip(padded, padded[1:])]
+    assert padded[-1] == 4096 and all(s % 16 == 0 for s in spans)
+    assert all(0 < n <= s < n + 16 for n, s in zip(lengths, spans))
+    assert max(spans) >= 0.4 * 4096 - 16 and len(lengths) >= 8 and min(lengths) < 100
+
+
+def test_the_chunked_reference_equals_the_tests_independent_reference():
+    """The self-test's own reference (query chunks, sinks, windows, documents) against tests/reference.py."""
+    gen = torch.Generator().manual_seed(0)
+    s, h, kv = 48, 4, 2
+    q, k, v, dout = (torch.randn(s, 1, n, 8, generator=gen, dtype=torch.float64) for n in (h, kv, kv, h))
+    sink = torch.randn(h, generator=gen, dtype=torch.float64)
+    cu, padded = [0, 10, 30, 41], [0, 16, 32, 48]
+    docs = document_ids(s, cu, padded)
+    got = reference_attention(q, k, v, dout, 0.3, (5, 0), docs, sink, chunk=7)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, sink)]
+    out, lse = full_attention(*leaves[:3], True, 0.3, (5, 0), docs, leaves[3])
+    out.backward(dout)
+    expected = {"out": out, "lse": lse, "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad,
+                "dsink": leaves[3].grad}
+    for name, ref in expected.items():
+        finite = torch.isfinite(ref)
+        assert torch.equal(finite, torch.isfinite(got[name])), name
+        assert torch.allclose(got[name][finite], ref.detach()[finite], atol=1e-12, rtol=0), name
