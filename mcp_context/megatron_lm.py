@@ -18,10 +18,30 @@ from mcp_context.cp_rules import COMM_ALIASES
 from mcp_context.data.corpus import (BUNDLED_CORPUS, corpus_path, data_prefixes, read_documents, empty_test_split,
                                      tokenizer_model_path)
 from mcp_context.recipes import RecipeConfig, RecipeError
+from mcp_context.recipes.schema import check_vocab_size, precision
 
 SPEC_MODULE = "mcp_context.megatron.specs"
 SPEC_NAMES = {"local": "hcp_local_spec", "te": "hcp_te_spec"}
 _TRANSFORMER_IMPL = {"local": "local", "te": "transformer_engine"}
+TOKENIZER_TYPES = {"SentencePieceTokenizer": "GPTSentencePieceTokenizer", "HuggingFaceTokenizer": "HuggingFaceTokenizer"}
+"""``data.tokenizer_type`` -> Megatron-LM's ``--tokenizer-type`` of the same tokenizer. Our SentencePiece
+tokenizer is Megatron-LM's ``GPTSentencePieceTokenizer`` (the model's pieces, end of document = EOS);
+its ``SentencePieceTokenizer`` adds <CLS>, <SEP>, <EOD> and <MASK> ids, a larger embedding and an
+end-of-document id our tokenised data never holds."""
+
+OUR_ENTRY_ONLY = {
+    "name": "the recipe's label (first comment line)",
+    "description": "the recipe's label (first comment line)",
+    "data.corpus": "the text the prepare step tokenises into the --data-path files",
+    "data.json_key": "read by the prepare step; Megatron-LM reads the tokenised --data-path files",
+    "data.tokenizer_vocab_size": "the size of the SentencePiece model the prepare step trains (--tokenizer-model)",
+    "train.world_size": "the launcher's rank count (torchrun's nproc-per-node times nnodes, printed there)",
+    "train.device": "Megatron-LM trains on CUDA only",
+}
+"""Recipe fields with no ``pretrain_gpt.py`` flag, and why; printed in the command's comment block.
+Every other field is printed as the flag that means the same thing, or refused where no flag does
+(``tests/test_recipes_megatron_lm.py`` walks the schema)."""
+
 LOCAL_IMPL_FLAGS = ("--no-rope-fusion", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion")
 """Megatron-LM turns these fusions on by default and they need Transformer Engine (RoPE) or apex
 (layer norm, weight-gradient accumulation); a ``local`` recipe promises neither, so its command
@@ -56,8 +76,8 @@ def to_megatron_args(cfg: RecipeConfig) -> list[str]:
     # Model shape.
     add("--num-layers", m.num_layers)
     add("--hidden-size", m.hidden_size)
-    if m.ffn_hidden_size is not None:
-        add("--ffn-hidden-size", m.ffn_hidden_size)
+    # always: Megatron-LM's default with --swiglu is 2/3 of TransformerConfig's 4 * hidden_size
+    add("--ffn-hidden-size", m.ffn_hidden_size if m.ffn_hidden_size is not None else 4 * m.hidden_size)
     add("--num-attention-heads", m.num_attention_heads)
     if m.num_query_groups is not None and m.num_query_groups != m.num_attention_heads:
         add("--group-query-attention")
@@ -94,7 +114,7 @@ def to_megatron_args(cfg: RecipeConfig) -> list[str]:
     add("--attention-dropout", m.attention_dropout)
     add("--hidden-dropout", m.hidden_dropout)
     add("--init-method-std", m.init_method_std)
-    add("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by)
+    add("--make-vocab-size-divisible-by", vocab_multiple(cfg))
 
     # Parallel layout and our layer spec.
     add("--tensor-model-parallel-size", m.tensor_model_parallel_size)
@@ -111,10 +131,7 @@ def to_megatron_args(cfg: RecipeConfig) -> list[str]:
     add("--spec", SPEC_MODULE, SPEC_NAMES[m.layer_spec])
     if m.layer_spec == "local":
         args.extend(LOCAL_IMPL_FLAGS)
-    if m.bf16:
-        add("--bf16")
-    elif m.params_dtype == "float16":
-        add("--fp16")
+    args.extend({"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}[precision(m)])
     if m.recompute_granularity is not None:
         add("--recompute-granularity", m.recompute_granularity)
     if m.recompute_method is not None:
@@ -125,7 +142,7 @@ def to_megatron_args(cfg: RecipeConfig) -> list[str]:
     # Data.
     add("--data-path", *data_prefixes(d))
     add("--split", megatron_split(cfg)[0])
-    add("--tokenizer-type", d.tokenizer_type)
+    add("--tokenizer-type", TOKENIZER_TYPES[d.tokenizer_type])
     add("--tokenizer-model", tokenizer_model_path(d))
     add("--data-cache-path", d.cache_dir)
     add("--num-workers", d.num_workers)
@@ -144,7 +161,7 @@ def to_megatron_args(cfg: RecipeConfig) -> list[str]:
     add("--lr-decay-style", t.lr_decay_style)
     add("--eval-interval", t.eval_interval)
     add("--eval-iters", t.eval_iters)
-    add("--seed", t.seed)
+    add("--seed", t.seed)  # Megatron-LM's one seed: model init, dropout and data order (data.seed too when equal)
 
     # Optimizer.
     add("--optimizer", o.optimizer)
@@ -170,6 +187,31 @@ def to_megatron_args(cfg: RecipeConfig) -> list[str]:
     if log.wandb_project is not None:
         add("--wandb-project", log.wandb_project)
     return args
+
+
+def vocab_multiple(cfg: RecipeConfig) -> int:
+    """``--make-vocab-size-divisible-by``: the recipe's, or, with ``model.vocab_size`` V set (our entry's
+    embedding then has exactly V rows), V / TP, so that Megatron-LM pads its tokenizer's vocabulary
+    (at most V, which the prepare step checks) to exactly V rows too."""
+    m = cfg.model
+    if m.vocab_size is None:
+        return m.make_vocab_size_divisible_by
+    check_vocab_size(m)
+    return m.vocab_size // m.tensor_model_parallel_size
+
+
+def comment_notes(cfg: RecipeConfig) -> list[str]:
+    """The comment block's notes on fields printed other than as themselves, and the fields with no flag."""
+    m, notes = cfg.model, []
+    if m.vocab_size is not None:
+        notes.append(f"model.vocab_size={m.vocab_size}: printed as --make-vocab-size-divisible-by {vocab_multiple(cfg)} "
+                     f"(x TP {m.tensor_model_parallel_size}), so Megatron-LM pads the tokenizer's vocabulary to "
+                     f"{m.vocab_size} rows, as our entry does")
+    if cfg.data.seed != cfg.train.seed:
+        notes.append(f"data.seed={cfg.data.seed}: our entry only: Megatron-LM orders the data with --seed "
+                     f"{cfg.train.seed}, so the printed run sees its samples in another order")
+    notes += [f"{key}: our entry only: {why}" for key, why in OUR_ENTRY_ONLY.items()]
+    return notes
 
 
 def _document_counts(cfg: RecipeConfig) -> Optional[dict[str, int]]:
@@ -227,8 +269,9 @@ def format_megatron_command(cfg: RecipeConfig, prepare_hint: Optional[str] = Non
         comments.append(f"# {split_note}")
     if cfg.model.layer_spec == "local":
         comments.append(f"# layer_spec local: {' '.join(LOCAL_IMPL_FLAGS)} (those fusions need Transformer Engine or apex)")
-    command = [f"{_launcher(cfg.train.world_size)} pretrain_gpt.py"]
     argv = to_megatron_args(cfg)
+    comments += [f"# {note}" for note in comment_notes(cfg)]
+    command = [f"{_launcher(cfg.train.world_size)} pretrain_gpt.py"]
     starts = [i for i, a in enumerate(argv) if a.startswith("--")] + [len(argv)]
     for a, b in zip(starts, starts[1:]):
         command.append("    " + " ".join(shlex.quote(x) for x in argv[a:b]))

@@ -102,7 +102,7 @@ def test_pretrain_trains_the_tiny_recipe_in_bf16_on_one_gpu(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m", "mcp_context.pretrain",
            "--recipe", str(REPO / "recipes" / "tiny_cpu.yaml"), "--run-dir", str(run_dir),
            "model.context_parallel_size=1", "model.hierarchical_context_parallel_sizes=null",
-           "model.cp_comm_type=p2p", "model.bf16=true", "train.world_size=1", "train.device=cuda",
+           "model.cp_comm_type=p2p", "model.bf16=true", "model.params_dtype=bfloat16", "train.world_size=1", "train.device=cuda",
            "train.steps=30", "train.eval_interval=30", "train.eval_iters=1"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                           env=with_repo_on_pythonpath(dict(os.environ)))

@@ -17,7 +17,7 @@ import yaml
 from mcp_context.recipes import RecipeConfig, RecipeError, load_recipe, save_recipe, validate_recipe
 from mcp_context.recipes.__main__ import main as recipes_cli
 from mcp_context.recipes.schema import gpt_model_kwargs, transformer_config_kwargs
-from mcp_context.megatron_lm import format_megatron_command, megatron_split
+from mcp_context.megatron_lm import TOKENIZER_TYPES, format_megatron_command, megatron_split
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 SHIPPED = sorted(RECIPES_DIR.glob("*.yaml"))
@@ -314,7 +314,7 @@ def test_megatron_args_parse_back_to_the_recipe(path):
     assert (a.weight_decay, a.adam_beta2, a.clip_grad) == (o.weight_decay, o.adam_beta2, o.clip_grad)
     assert a.use_distributed_optimizer == o.use_distributed_optimizer
     assert (a.save, a.load, a.save_interval) == (c.save, c.load, c.save_interval)
-    assert a.tokenizer_type == d.tokenizer_type and a.split == megatron_split(cfg)[0]
+    assert a.tokenizer_type == TOKENIZER_TYPES[d.tokenizer_type] and a.split == megatron_split(cfg)[0]
     assert a.no_create_attention_mask_in_dataloader == (not d.create_attention_mask)
     if d.data_path:
         assert a.data_path == d.data_path and a.tokenizer_model == d.tokenizer_model

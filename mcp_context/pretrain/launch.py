@@ -71,6 +71,11 @@ def check_recipe_for_training(cfg: RecipeConfig, world_size: int) -> None:
                 f"checkpoint.load={cfg.checkpoint.load!r} holds no '{LATEST_FILENAME}' file naming a checkpoint; "
                 f"give the checkpoints directory of a run (RUN_DIR/checkpoints), or null to start afresh"
             )
+    if m.params_dtype == "float16":
+        raise RecipeError(
+            "model.params_dtype='float16' (fp16 mixed precision, Megatron-LM's --fp16): mcp_context.pretrain has no "
+            "loss scaling, which fp16 needs; use model.bf16=true model.params_dtype=bfloat16, or train fp16 with "
+            "Megatron-LM (python -m mcp_context.recipes to-megatron-args RECIPE prints the command)")
     from mcp_context.pretrain.build import train_device
 
     if train_device(cfg).type == "cpu":  # train.device=cuda without CUDA raises here

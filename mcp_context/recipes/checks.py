@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from mcp_context.recipes.schema import DataConfig, ModelConfig, RecipeConfig, RecipeError
+from mcp_context.recipes.schema import (DataConfig, ModelConfig, RecipeConfig, RecipeError, check_vocab_size,
+                                         precision)
 
 
 def _resolve_world_size(cfg: RecipeConfig, world_size: Optional[int]) -> Optional[int]:
@@ -55,6 +56,8 @@ def validate_recipe(cfg: RecipeConfig, world_size: Optional[int] = None) -> None
         raise RecipeError(str(err)) from err
     _validate_window_layers(m)
     _validate_tensor_parallel_kv_heads(m)
+    precision(m)  # bf16 and params_dtype must name one precision
+    check_vocab_size(m)
     if m.num_layers % m.pipeline_model_parallel_size:
         raise RecipeError(
             f"model.num_layers={m.num_layers} is not divisible by "

@@ -107,9 +107,11 @@ class ModelConfig:
     sequence_parallel: bool = False
     """Shard LayerNorm/dropout activations over the TP group (needs TP > 1)."""
     bf16: bool = False
-    """bf16 mixed precision."""
+    """bf16 mixed precision (bf16 parameters, fp32 main weights in the optimizer): needs
+    params_dtype bfloat16. See ``precision``."""
     params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """dtype of the parameters (and of pipeline messages)."""
+    """dtype of the parameters (and of pipeline messages): float32 (fp32 training), bfloat16 (with
+    bf16=true) or float16 (fp16 mixed precision, as Megatron-LM's --fp16). See ``precision``."""
     recompute_granularity: Optional[Literal["full", "selective"]] = None
     """Activation recomputation: None, full or selective."""
     recompute_method: Optional[Literal["uniform", "block"]] = None
@@ -286,14 +288,48 @@ class RecipeConfig:
         """Keyword arguments for ``megatron.core.optimizer.OptimizerConfig``."""
         kwargs = dataclasses.asdict(self.optimizer)
         kwargs["bf16"] = self.model.bf16
+        kwargs["fp16"] = precision(self.model) == "fp16"
         kwargs["params_dtype"] = transformer_config_kwargs(self.model)["params_dtype"]
         return kwargs
+
+
+_PRECISIONS = {(False, "float32"): "fp32", (True, "bfloat16"): "bf16", (False, "float16"): "fp16"}
+_PRECISION_FIXES = {
+    (True, "float32"): "bf16 mixed precision keeps bf16 parameters (Megatron-LM's --bf16 makes them so); set "
+                       "model.params_dtype=bfloat16, or model.bf16=false for fp32",
+    (False, "bfloat16"): "that is bf16 parameters without mixed precision (no fp32 main weights), which "
+                         "Megatron-LM has no flag for; set model.bf16=true (bf16 mixed precision, --bf16) or "
+                         "model.params_dtype=float32",
+    (True, "float16"): "that names two half precisions; set model.params_dtype=bfloat16 (--bf16) or model.bf16=false "
+                       "(fp16 mixed precision, --fp16)",
+}
+
+
+def precision(model: ModelConfig) -> Literal["fp32", "bf16", "fp16"]:
+    """The training precision ``model.bf16`` and ``model.params_dtype`` name together, as Megatron-LM
+    derives it from its flags: fp32 (no flag), bf16 (``--bf16``: bf16 parameters) or fp16 (``--fp16``:
+    fp16 parameters, mixed precision). Any other combination is a ``RecipeError``."""
+    key = (model.bf16, model.params_dtype)
+    if key not in _PRECISIONS:
+        raise RecipeError(f"model.bf16={str(model.bf16).lower()} with model.params_dtype={model.params_dtype!r}: "
+                          f"{_PRECISION_FIXES[key]}")
+    return _PRECISIONS[key]
+
+
+def check_vocab_size(model: ModelConfig) -> None:
+    """A set ``model.vocab_size`` must split evenly over TP (the embedding's rows are split over TP)."""
+    if model.vocab_size is not None and model.vocab_size % model.tensor_model_parallel_size:
+        raise RecipeError(
+            f"model.vocab_size={model.vocab_size} is not divisible by model.tensor_model_parallel_size="
+            f"{model.tensor_model_parallel_size} (the embedding is split over TP); round it up to a multiple of "
+            f"{model.tensor_model_parallel_size}, or set it to null")
 
 
 def transformer_config_kwargs(model: ModelConfig) -> dict[str, Any]:
     """Keyword arguments for ``megatron.core.transformer.TransformerConfig`` describing ``model``.
 
-    Names map one to one; ``activation_func`` and ``params_dtype`` become the torch objects,
+    Names map one to one; ``activation_func`` and ``params_dtype`` become the torch objects, ``fp16``
+    is set for fp16 parameters (``precision``; a contradictory precision is a ``RecipeError``),
     ``cp_comm_type`` takes Transformer Engine's spelling, ``window_size`` becomes a tuple (a
     ``window_attn_skip_freq`` list is copied) and ``pipeline_dtype`` is set to ``params_dtype`` when
     PP > 1 (TransformerConfig requires it).
@@ -316,6 +352,7 @@ def transformer_config_kwargs(model: ModelConfig) -> dict[str, Any]:
     kwargs["activation_func"] = activations[model.activation_func]
     kwargs["cp_comm_type"] = COMM_ALIASES.get(kwargs["cp_comm_type"], kwargs["cp_comm_type"])  # TE spelling
     kwargs["params_dtype"] = getattr(torch, model.params_dtype)
+    kwargs["fp16"] = precision(model) == "fp16"  # --fp16's mixed precision, as Megatron-LM builds it
     if model.hierarchical_context_parallel_sizes is not None:
         kwargs["hierarchical_context_parallel_sizes"] = list(model.hierarchical_context_parallel_sizes)
     if model.window_size is not None:
