@@ -1,7 +1,9 @@
 """The functional API: ``context_parallel_attention`` — the engine for this configuration, run once.
 
-Engines are kept per configuration (the last 64), so repeated calls reuse what an engine resolved
-(kernel, schedule, peers). A model layer may as well hold its ``ContextParallelAttention`` itself.
+``engine_for`` is the one store of engines: one per configuration (the last 64), shared by every
+caller with that configuration (repeated functional calls, and every Megatron layer of a model with the
+same attention), so what an engine resolves (kernel, schedule, peers, a packing's scheme) is resolved
+once. Nothing below it caches: an engine owns its schemes (see ``engine.py`` for its bound).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from torch.distributed import ProcessGroup
 
 from .comm import HCPGroups
 from .engine import ContextParallelAttention
+from .masks import Documents, Mask
 
 
 def context_parallel_attention(
@@ -34,6 +37,7 @@ def context_parallel_attention(
     cu_seqlens: Optional[torch.Tensor] = None,
     cu_seqlens_padded: Optional[torch.Tensor] = None,
     softmax_offset: Optional[torch.Tensor] = None,
+    mask: Optional[Mask] = None,
 ):
     """Exact attention over a sequence sharded across the context-parallel ranks of ``groups``.
 
@@ -64,24 +68,40 @@ def context_parallel_attention(
     per-document zigzag of Megatron/TE (each document padded to a multiple of ``2 * cp``);
     ``layout="balanced"`` places documents so the causal work is balanced with no per-document padding
     (the sequence length a multiple of ``cp``). Shard with ``shard_sequence(..., cu_seqlens=...)``.
+    ``mask``: the mask as a value instead of ``causal``/``window_size``/``cu_seqlens``: ``Full()``,
+    ``Causal()``, ``SlidingWindow(left, right)``, or ``documents_mask(cu_seqlens, cu_seqlens_padded,
+    within=...)`` for a packed sequence (built once per step, it spares every call the parse).
     ``check_ranks``: check that all CP ranks agree on shapes and configuration first (default: on
     for gloo groups, off for NCCL unless ``MCP_CONTEXT_CHECK_RANKS=1``).
     """
-    if groups is None:  # the default group, by identity: a re-initialised one gets a new engine
-        groups = dist.group.WORLD
-    config = (groups, causal, layout, comm, softmax_scale, backend, dropout_p, check_ranks,
-              tuple(window_size) if isinstance(window_size, list) else window_size)
-    try:
-        engine = _engine(*config)
-    except TypeError:  # an unhashable (so invalid) value: the engine's own checks name it
-        engine = _engine.__wrapped__(*config)
+    documents = None
+    if isinstance(mask, Documents):
+        if cu_seqlens is not None or cu_seqlens_padded is not None:
+            raise ValueError("pass either mask=Documents(...) or cu_seqlens/cu_seqlens_padded, not both")
+        documents, mask = mask, mask.within
+    engine = engine_for(groups, causal=causal, layout=layout, comm=comm, softmax_scale=softmax_scale, backend=backend,
+                        dropout_p=dropout_p, check_ranks=check_ranks, window_size=window_size, mask=mask)
     return engine(q, k, v, return_lse=return_lse, dropout_seed=dropout_seed, cu_seqlens=cu_seqlens,
-                  cu_seqlens_padded=cu_seqlens_padded, softmax_offset=softmax_offset)
+                  cu_seqlens_padded=cu_seqlens_padded, softmax_offset=softmax_offset, documents=documents)
 
 
-@lru_cache(maxsize=64)
-def _engine(groups: Union[HCPGroups, ProcessGroup, None], causal, layout, comm, softmax_scale, backend, dropout_p,
-            check_ranks, window_size) -> ContextParallelAttention:
-    return ContextParallelAttention(groups, causal=causal, layout=layout, comm=comm, softmax_scale=softmax_scale,
-                                    backend=backend, dropout_p=dropout_p, check_ranks=check_ranks,
-                                    window_size=window_size)
+ENGINES_KEPT = 64
+
+
+def engine_for(groups: Union[HCPGroups, ProcessGroup, None], **config) -> ContextParallelAttention:
+    """The engine for ``groups`` and ``config`` (``ContextParallelAttention``'s keyword arguments), shared
+    by every caller with the same configuration; ``groups=None`` is the default group, by identity (a
+    re-initialised one gets a new engine). The last ``ENGINES_KEPT`` configurations are kept."""
+    if groups is None:
+        groups = dist.group.WORLD
+    if isinstance(config.get("window_size"), list):
+        config["window_size"] = tuple(config["window_size"])
+    try:
+        return _engine(groups, tuple(sorted(config.items())))
+    except TypeError:  # an unhashable (so invalid) value: the engine's own checks name it
+        return ContextParallelAttention(groups, **config)
+
+
+@lru_cache(maxsize=ENGINES_KEPT)
+def _engine(groups: Union[HCPGroups, ProcessGroup, None], config: tuple) -> ContextParallelAttention:
+    return ContextParallelAttention(groups, **dict(config))

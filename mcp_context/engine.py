@@ -3,9 +3,11 @@
 The engine validates its configuration when built (comm, layout, groups, mask, scale, dropout,
 backend) and, the first time it sees a shard shape, resolves everything a call needs — the kernel
 (probed for that device, dtype and head dim), this member's schedule row, ring peers and all-to-all
-pieces — so a training step only runs it. The Megatron core attention holds one per layer;
-``context_parallel_attention`` is the functional form. A packed sequence's documents (``cu_seqlens``)
-come with each call; the scheme is resolved per packing and the last few are kept.
+pieces — so a training step only runs it. Engines are shared per configuration (``api.engine_for``:
+every Megatron layer with the same attention, and the functional form). An engine is the only owner of
+what it resolves: a scheme per shard shape, and per packing the last ``_PACKED_SCHEMES``. A packed
+sequence's documents come with each call, best as one ``Documents`` value built once per step
+(``documents=``; raw ``cu_seqlens`` are parsed per call).
 
 Before anything collective, every call checks that all CP ranks agree on the shapes, dtypes and
 configuration (one all-reduce of a digest; the details are gathered only when they differ): ranks that disagree all raise the same error
@@ -16,10 +18,10 @@ would add a host synchronisation per layer, so it runs there only with ``check_r
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import os
-import zlib
 from typing import Optional, Union
 
 import torch
@@ -31,22 +33,22 @@ from .comm import HCPGroups
 from .cp_rules import (ALL_LAYOUTS, COMM_TYPES, a2a_degree, check_heads, check_layout, check_levels, check_seq_len,
                        normalize_comm)
 from .kernels import BACKENDS, FLOAT_DTYPES, check_backend, get_kernel
-from .masks import Documents, Mask, attention_mask, documents_mask
+from .masks import Causal, Documents, Full, Mask, SlidingWindow, attention_mask, documents_mask, packing_digest
 
 _PACKED_SCHEMES = 8  # schemes kept per engine for packings (cu_seqlens) seen last
 
 
 def _digest(cu_seqlens, cu_seqlens_padded) -> int:
     """A cheap fingerprint of the packing for the ranks' agreement row (0: none; -1: not readable), the
-    same in every process (a CRC of the offsets' text, not Python's per-process ``hash``)."""
+    same in every process (``Documents.digest`` of the offsets)."""
     if cu_seqlens is None:
         return 0
     try:
-        values = [torch.as_tensor(x).reshape(-1).tolist() if x is not None else None
+        values = [tuple(torch.as_tensor(x).reshape(-1).tolist()) if x is not None else None
                   for x in (cu_seqlens, cu_seqlens_padded)]
-    except (TypeError, ValueError, RuntimeError):
+    except (TypeError, ValueError, RuntimeError, NotImplementedError):
         return -1
-    return zlib.crc32(repr(values).encode()) + 1
+    return packing_digest(*values)
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -91,6 +93,17 @@ def _check_sink(softmax_offset, q: torch.Tensor) -> None:
         raise ValueError("softmax_offset has non-finite values; every sink logit must be finite")
 
 
+def _band_mask(mask: Mask, window_size) -> Mask:
+    """An engine's own mask value: ``Full()``, ``Causal()`` or a ``SlidingWindow`` (documents come per call)."""
+    if window_size is not None:
+        raise ValueError(f"pass either mask={mask!r} or window_size={window_size!r}, not both; the mask value "
+                         f"says everything (SlidingWindow(left, right) for a window)")
+    if isinstance(mask, Documents) or not isinstance(mask, (Full, Causal, SlidingWindow)):
+        raise TypeError(f"mask={mask!r} must be Full(), Causal() or SlidingWindow(left, right) for an engine; "
+                        f"a packed sequence's Documents come with each call (engine(q, k, v, documents=...))")
+    return mask
+
+
 def _code(values: tuple, x) -> int:
     return values.index(x) if x in values else len(values)
 
@@ -123,13 +136,14 @@ class ContextParallelAttention:
     def __init__(self, groups: Union[HCPGroups, ProcessGroup, None], causal: bool = True, layout: str = "zigzag",
                  comm: str = "a2a+p2p", softmax_scale: Optional[float] = None, backend: str = "auto",
                  dropout_p: float = 0.0, check_ranks: Optional[bool] = None,
-                 window_size: Optional[tuple[int, int]] = None):
+                 window_size: Optional[tuple[int, int]] = None, mask: Optional[Mask] = None):
         self.comm = normalize_comm(comm)
         check_layout(layout, packed=True)  # a packed-only layout needs cu_seqlens: checked per call
         if not isinstance(causal, bool):
             raise TypeError(f"causal={causal!r} must be a bool (True for causal attention, False for full), "
                             f"not {type(causal).__name__}")
-        self.mask = attention_mask(causal, window_size)
+        self.mask = attention_mask(causal, window_size) if mask is None else _band_mask(mask, window_size)
+        causal = self.mask.hides_future
         if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and not isinstance(
                 softmax_scale, bool) and math.isfinite(softmax_scale) and softmax_scale > 0):
             raise ValueError(f"softmax_scale={softmax_scale!r} must be a positive finite number (default: "
@@ -176,8 +190,20 @@ class ContextParallelAttention:
                              "must pass shards of one shape and dtype, with the same causal/window_size/layout/comm/"
                              "backend and softmax_offset presence (and the same cu_seqlens, cu_seqlens_padded for a packed sequence)")
 
-    def documents(self, q: torch.Tensor, cu_seqlens, cu_seqlens_padded) -> Mask:
-        """The mask of a call: this engine's, or with ``cu_seqlens`` its ``Documents`` (checked, fix named)."""
+    def documents(self, q: torch.Tensor, cu_seqlens, cu_seqlens_padded, documents: Optional[Documents] = None
+                  ) -> Mask:
+        """The mask of a call: this engine's, or with ``cu_seqlens`` (parsed and checked here, fix named) or a
+        ``documents`` value (checked once when it was built) its ``Documents`` with this engine's mask inside."""
+        if documents is not None:
+            if cu_seqlens is not None or cu_seqlens_padded is not None:
+                raise ValueError("pass either documents=Documents(...) or cu_seqlens/cu_seqlens_padded, not both")
+            if not isinstance(documents, Documents):
+                raise TypeError(f"documents must be a Documents value (mcp_context.masks.documents_mask), got "
+                                f"{type(documents).__name__}")
+            if q.shape[1] != 1 or documents.seq_len != q.shape[0] * self.groups.cp_size:
+                raise ValueError(f"documents span {documents.seq_len} rows, but q {tuple(q.shape)} is a shard of "
+                                 f"{q.shape[0] * self.groups.cp_size} rows (b must be 1); build them for this sequence")
+            return documents if documents.within == self.mask else dataclasses.replace(documents, within=self.mask)
         if cu_seqlens is None:
             if cu_seqlens_padded is not None:
                 raise ValueError("cu_seqlens_padded was given without cu_seqlens; pass both (cu_seqlens: the "
@@ -217,15 +243,19 @@ class ContextParallelAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool = False,
                  dropout_seed: Optional[int] = None, cu_seqlens: Optional[torch.Tensor] = None,
-                 cu_seqlens_padded: Optional[torch.Tensor] = None, softmax_offset: Optional[torch.Tensor] = None):
-        """Attention over this rank's shards; ``cu_seqlens`` (and ``cu_seqlens_padded``): the documents of
-        a packed sequence; ``softmax_offset [h]``: attention sinks (see ``context_parallel_attention``)."""
+                 cu_seqlens_padded: Optional[torch.Tensor] = None, softmax_offset: Optional[torch.Tensor] = None,
+                 documents: Optional[Documents] = None):
+        """Attention over this rank's shards; ``cu_seqlens`` (and ``cu_seqlens_padded``), or ``documents``
+        (built once per step with ``documents_mask`` and shared by every layer: no parse, no host sync
+        per call): the documents of a packed sequence, with this engine's mask inside each;
+        ``softmax_offset [h]``: attention sinks (see ``context_parallel_attention``)."""
         if self.check_ranks:
-            self.check_agreement(q, k, v, _digest(cu_seqlens, cu_seqlens_padded), softmax_offset is not None)
+            packing = _digest(cu_seqlens, cu_seqlens_padded) if documents is None else documents.digest()
+            self.check_agreement(q, k, v, packing, softmax_offset is not None)
         _check_qkv(q, k, v)
         if softmax_offset is not None:
             _check_sink(softmax_offset, q)
-        scheme = self.scheme(q, k, v, self.documents(q, cu_seqlens, cu_seqlens_padded))
+        scheme = self.scheme(q, k, v, self.documents(q, cu_seqlens, cu_seqlens_padded, documents))
         if self.dropout_p > 0 and dropout_seed is None:
             dropout_seed = int(torch.randint(0, 2**62, (1,)).item())
         return scheme.run(q, k, v, return_lse, dropout_seed or 0, softmax_offset)

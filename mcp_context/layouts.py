@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Optional, Sequence
 
 import torch
@@ -86,7 +85,6 @@ def _split_zigzag(start: int, length: int, cp_size: int) -> tuple[list[tuple[int
         (start + cp_size * c, length - 2 * cp_size * c)
 
 
-@lru_cache(maxsize=8)
 def _packed_spans(layout: str, cp_size: int, starts: tuple[int, ...], lengths: tuple[int, ...]
                   ) -> tuple[tuple[Span, ...], ...]:
     """Every rank's spans for the documents at ``starts`` (``lengths`` valid rows each), all ranks at once.

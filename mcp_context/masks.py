@@ -25,6 +25,7 @@ Nothing here imports the rest of the package (kernels import it).
 """
 from __future__ import annotations
 
+import zlib
 from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Optional, Protocol, Sequence, Union
@@ -258,6 +259,10 @@ class Documents:
     def band(self) -> tuple[Optional[int], Optional[int]]:
         return self.within.band()
 
+    def digest(self) -> int:
+        """A fingerprint of the offsets, the same in every process (what CP ranks compare to agree)."""
+        return packing_digest(self.cu_seqlens, self.cu_seqlens_padded)
+
     @property
     def hides_future(self) -> bool:
         return self.within.hides_future
@@ -361,6 +366,14 @@ def _offsets(name: str, x: object) -> tuple[int, ...]:
 
 def _short(values: tuple[int, ...]) -> str:
     return str(list(values)) if len(values) <= 12 else f"[{', '.join(map(str, values[:6]))}, ..., {values[-1]}]"
+
+
+def packing_digest(cu_seqlens: Sequence[int], cu_seqlens_padded: Optional[Sequence[int]] = None) -> int:
+    """A CRC of a packing's offsets, plus one (0 means "not packed"); not Python's per-process ``hash``."""
+    values = [list(cu_seqlens), None if cu_seqlens_padded is None else list(cu_seqlens_padded)]
+    if values[1] == values[0]:
+        values[1] = None
+    return zlib.crc32(repr(values).encode()) + 1
 
 
 def documents_mask(cu_seqlens: object, cu_seqlens_padded: object = None, within: Optional[_BandMask] = None,

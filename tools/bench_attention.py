@@ -40,11 +40,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from mcp_context.cp_rules import COMM_TYPES  # noqa: E402
 from tools.bench_cpu import Shape, cpu_benchmarks  # noqa: E402
 from tools.bench_device import append_jsonl, device_benchmarks  # noqa: E402
 from tools.bench_plots import plot  # noqa: E402
 
-COMMS = ("p2p", "a2a", "all_gather", "a2a+p2p")
+COMMS = COMM_TYPES  # every scheme in cp_rules.COMM_SCHEMES
 LAYOUTS = ("zigzag", "contiguous", "striped")
 
 

@@ -22,6 +22,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from mcp_context.cp_rules import comm_rule
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -65,9 +67,10 @@ def _run_summary(events_per_rank: list, transfer_alone_s: list) -> list[dict]:
 def _configs(world: int, comms, layouts) -> list[tuple[str, tuple[int, ...], str]]:
     out = []
     for comm in comms:
-        if comm == "a2a+p2p" and world < 4:
-            continue  # a hierarchy needs two levels of at least 2
-        sizes = (2, world // 2) if comm == "a2a+p2p" else (world,)
+        levels = comm_rule(comm).min_levels
+        if levels > 1 and world < 2 ** levels:
+            continue  # a hierarchy needs levels of at least 2
+        sizes = (2,) * (levels - 1) + (world // 2 ** (levels - 1),) if levels > 1 else (world,)
         out += [(comm, sizes, layout) for layout in layouts]
     return out
 
