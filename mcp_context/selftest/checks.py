@@ -108,7 +108,9 @@ def kernel_check(setup: Setup) -> list[CheckResult]:
         reasons: dict[str, list[str]] = {}
         for backend, verdict in report["backends"].items():
             if backend not in serving:
-                reasons.setdefault(verdict.split(";")[0][:60], []).append(backend)
+                reason = verdict.split(";")[0]
+                reason = reason if len(reason) <= 60 else reason[:57].rsplit(" ", 1)[0] + " ..."
+                reasons.setdefault(reason, []).append(backend)
         refused = [f"{', '.join(names)}: {reason}" for reason, names in reasons.items()]
         summary = (f"auto -> {report['auto']} on {report['device']} (serve: {', '.join(serving)}"
                    + (f"; not: {'; '.join(refused)}" if refused else "") + ")")
