@@ -51,6 +51,37 @@ def _digest(cu_seqlens, cu_seqlens_padded) -> int:
     return packing_digest(*values)
 
 
+def _all_equal(value: int, group: ProcessGroup, device: Optional[torch.device]) -> bool:
+    """Whether every rank of ``group`` holds ``value`` (one all-reduce: the max of ``v`` and of ``-v``)."""
+    extremes = torch.tensor([value, -value], dtype=torch.int64, device=device)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    return extremes.tolist() == [value, -value]
+
+
+def _check_device(group: ProcessGroup) -> Optional[torch.device]:
+    """Where a check's small tensor must live for ``group``'s backend (NCCL: this rank's GPU)."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+
+
+def agree_on_documents(documents: Documents, groups: Union[HCPGroups, ProcessGroup, None]) -> Documents:
+    """Check once that every CP rank holds the same packing (one all-reduce of its digest), and return the
+    value marked as agreed in this CP group, so the engines given it check nothing more: build it once
+    per step with ``documents_mask`` and pass it here. Ranks that differ all raise the same ValueError."""
+    cp_group = groups.cp_group if isinstance(groups, HCPGroups) else (groups or dist.group.WORLD)
+    if documents.agreed_in is cp_group or dist.get_world_size(cp_group) == 1:
+        return documents
+    digest = documents.digest()
+    if not _all_equal(digest, cp_group, _check_device(cp_group)):
+        mine = torch.tensor([digest], dtype=torch.int64, device=_check_device(cp_group))
+        every = mine.new_empty(dist.get_world_size(cp_group))
+        dist.all_gather_into_tensor(every, mine, group=cp_group)
+        differ = sorted({i for i, d in enumerate(every.tolist()) if d != every[0].item()})
+        raise ValueError(f"CP ranks disagree on the packed sequence: cu_seqlens differ (CP ranks {differ} hold other "
+                         f"offsets than CP rank 0); every CP rank must pass the same global cu_seqlens and "
+                         f"cu_seqlens_padded for one packed sequence")
+    return dataclasses.replace(documents, agreed_in=cp_group)
+
+
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
@@ -160,7 +191,7 @@ class ContextParallelAttention:
         if check_ranks is None:
             check_ranks = os.environ.get("MCP_CONTEXT_CHECK_RANKS", "") == "1" or backend_name == "gloo"
         self.check_ranks = check_ranks and groups.cp_size > 1
-        self._check_device = torch.device("cuda", torch.cuda.current_device()) if backend_name == "nccl" else None
+        self._check_device = _check_device(groups.cp_group)
         self._config = (int(causal), *self.mask.window_size, ALL_LAYOUTS.index(layout), COMM_TYPES.index(self.comm),
                         BACKENDS.index(backend), int(self.dropout_p > 0))
         self._schemes: dict[tuple, Scheme] = {}
@@ -174,9 +205,7 @@ class ContextParallelAttention:
         # One all-reduce of a digest (max of d and of -d: equal everywhere iff every rank has d) in the
         # common case; the rows themselves are gathered only to name what differs.
         digest = int.from_bytes(hashlib.blake2b(repr(row).encode(), digest_size=7).digest(), "little")
-        extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=self._check_device)
-        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.groups.cp_group)
-        if extremes.tolist() == [digest, -digest]:
+        if _all_equal(digest, self.groups.cp_group, self._check_device):
             return
         mine = torch.tensor(row, dtype=torch.int64, device=self._check_device)
         rows = mine.new_empty(self.groups.cp_size * len(row))
@@ -253,9 +282,12 @@ class ContextParallelAttention:
             packing = _digest(cu_seqlens, cu_seqlens_padded) if documents is None else documents.digest()
             self.check_agreement(q, k, v, packing, softmax_offset is not None)
         _check_qkv(q, k, v)
+        mask = self.documents(q, cu_seqlens, cu_seqlens_padded, documents)
+        if isinstance(mask, Documents) and not self.check_ranks:  # the packing is checked always, once per value
+            mask = agree_on_documents(mask, self.groups)
         if softmax_offset is not None:
             _check_sink(softmax_offset, q)
-        scheme = self.scheme(q, k, v, self.documents(q, cu_seqlens, cu_seqlens_padded, documents))
+        scheme = self.scheme(q, k, v, mask)
         if self.dropout_p > 0 and dropout_seed is None:
             dropout_seed = int(torch.randint(0, 2**62, (1,)).item())
         return scheme.run(q, k, v, return_lse, dropout_seed or 0, softmax_offset)

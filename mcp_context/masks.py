@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import zlib
 from bisect import bisect_right
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Protocol, Sequence, Union
 
 import torch
@@ -236,6 +236,8 @@ class Documents:
     cu_seqlens: tuple[int, ...]
     cu_seqlens_padded: Optional[tuple[int, ...]] = None
     within: _BandMask = CAUSAL
+    agreed_in: Optional[object] = field(default=None, compare=False, hash=False, repr=False)
+    """The CP process group whose ranks have checked they all hold these offsets (``engine.agree_on_documents``)."""
 
     @property
     def starts(self) -> tuple[int, ...]:

@@ -122,3 +122,57 @@ def test_conflicting_mask_arguments_are_refused(case, words):
     assert message is not None
     for word in words:
         assert word in message, (word, message)
+
+
+def _unchecked_disagreement(rank, world, as_value):
+    from mcp_context import ContextParallelAttention, build_hcp_groups, documents_mask
+
+    cu, padded, seq_len = packing(world, "zigzag")
+    if rank == 1:
+        cu = cu[:2] + [cu[2] + 1] + cu[3:]
+    q = torch.zeros(seq_len // world, 1, 4, 8, dtype=torch.float64)
+    engine = ContextParallelAttention(build_hcp_groups([world]), comm="p2p", check_ranks=False)  # NCCL's default
+    packed = (dict(documents=documents_mask(cu, padded)) if as_value else
+              dict(cu_seqlens=torch.tensor(cu, dtype=torch.int32), cu_seqlens_padded=torch.tensor(padded)))
+    try:
+        engine(q, q, q, **packed)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("as_value", [True, False], ids=["documents", "cu_seqlens"])
+def test_the_packing_check_is_on_even_when_the_rank_check_is_off(as_value):
+    messages = run_distributed(2, _unchecked_disagreement, as_value)
+    assert messages[0] is not None and messages[0] == messages[1], messages
+    assert "cu_seqlens differ" in messages[0]
+
+
+def _agreed_once(rank, world):
+    from mcp_context import ContextParallelAttention, build_hcp_groups, documents_mask
+    from mcp_context.engine import agree_on_documents
+    import torch.distributed as dist
+
+    cu, padded, seq_len = packing(world, "zigzag")
+    groups = build_hcp_groups([world])
+    documents = agree_on_documents(documents_mask(cu, padded), groups)  # the step's one check
+    q = torch.zeros(seq_len // world, 1, 4, 8, dtype=torch.float64)
+    engine = ContextParallelAttention(groups, comm="p2p", check_ranks=False)
+    calls = {"all_reduce": 0}
+    original = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls["all_reduce"] += 1
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        for _ in range(4):  # four layers
+            engine(q, q, q, documents=documents)
+    finally:
+        dist.all_reduce = original
+    return calls["all_reduce"]
+
+
+def test_an_agreed_documents_value_costs_no_check_per_layer():
+    assert run_distributed(2, _agreed_once) == [0, 0]
