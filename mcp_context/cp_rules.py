@@ -120,6 +120,32 @@ def check_heads(h: int, h_kv: int, degree: int, comm: str, heads_name: str = "qu
                          f"(comm={comm!r}); use a degree that is a multiple of {h_kv}")
 
 
+def heads_per_tp_rank(heads: int, kv_heads: int, tp: int, prefix: str = "") -> tuple[int, int]:
+    """Query and key/value heads one tensor-parallel rank's attention sees, by megatron-core's rule: the
+    query heads split evenly over TP; the key/value heads (``num_query_groups``) split evenly too, or,
+    when fewer than TP, each rank holds one (``num_query_groups`` must then divide TP). ``prefix``:
+    where the fields live in the caller's config (``"model."`` for a recipe)."""
+    if heads % tp:
+        raise ValueError(f"{prefix}num_attention_heads={heads} is not divisible by {prefix}tensor_model_parallel_size="
+                         f"{tp}; choose a TP size that divides {heads}")
+    if heads % kv_heads:
+        raise ValueError(f"{prefix}num_attention_heads={heads} is not divisible by {prefix}num_query_groups={kv_heads}; "
+                         f"choose a number of query groups that divides the head count")
+    if kv_heads % tp and tp % kv_heads:
+        raise ValueError(f"{prefix}num_query_groups={kv_heads} must be a multiple or a divisor of "
+                         f"{prefix}tensor_model_parallel_size={tp} (megatron-core's rule); choose a TP size that "
+                         f"divides {kv_heads} or is a multiple of it")
+    return heads // tp, max(kv_heads // tp, 1)
+
+
+def document_multiple(layout: str, cp_size: int) -> int:
+    """What each packed document's padded length must be a multiple of for ``layout`` over ``cp_size``
+    ranks: ``2 * cp`` for the per-document zigzag (Megatron/TE thd), 1 for ``balanced`` (only the
+    whole sequence is padded, to a multiple of ``cp``)."""
+    check_layout(layout, packed=True)
+    return 2 * cp_size if layout == "zigzag" and cp_size > 1 else 1
+
+
 def seq_multiple(layout: str, cp_size: int) -> int:
     """What the global sequence length must be a multiple of for ``layout`` over ``cp_size`` ranks."""
     check_layout(layout)

@@ -9,10 +9,10 @@ the engine's own error message, so the table can say why it is absent.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ..cp_rules import COMM_SCHEMES, COMM_TYPES, LAYOUTS, a2a_degree, check_heads, check_seq_len
+from ..cp_rules import heads_per_tp_rank  # noqa: F401 - the planner's callers take it from here
 
 NO_CP = "none"  # the cp_comm_type column of a CP size of 1 (no communication)
 
@@ -89,11 +89,3 @@ def cp_sizes_for(gpus: int, tp: int, pp: int) -> list[int]:
         raise ValueError(f"gpus={gpus} is not divisible by tensor_model_parallel_size * "
                          f"pipeline_model_parallel_size = {tp} * {pp} = {tp * pp}; choose TP and PP that divide it")
     return _divisors(gpus // (tp * pp))
-
-
-def heads_per_tp_rank(heads: int, kv_heads: int, tp: int) -> tuple[int, int]:
-    """Query and key/value heads on one TP rank (megatron-core needs both divisible by TP)."""
-    if heads % tp or kv_heads % tp:
-        raise ValueError(f"num_attention_heads={heads} and num_query_groups={kv_heads} must both be divisible by "
-                         f"tensor_model_parallel_size={tp}; choose a TP that divides {math.gcd(heads, kv_heads)}")
-    return heads // tp, kv_heads // tp
