@@ -6,7 +6,8 @@ each behind a probe that the CUDA use is still there (so a release that fixed on
 Once applied, megatron-core places its tensors on the CPU for the rest of the process:
 
 - functions that place tensors with ``torch.cuda.current_device()`` — RoPE's `inv_freq` move in
-  `RotaryEmbedding.get_emb` and `YarnRotaryEmbedding.get_emb` (MLA), the MoE router's `gating`, the global memory buffer (`GlobalMemoryBuffer.get_tensor`), the
+  `RotaryEmbedding.get_emb` and `YarnRotaryEmbedding.get_emb` (MLA), both RoPE constructors (MLA
+  builds them without ``use_cpu_initialization``), the MoE router's `gating`, the global memory buffer (`GlobalMemoryBuffer.get_tensor`), the
   sequence-parallel all-gather / reduce-scatter helpers in `tensor_parallel.mappings`, and the
   reduce-scatter buffer in the tensor-parallel linear backward — run with ``current_device()``
   answering the CPU device for the duration of the call (the original code runs unchanged);
@@ -44,6 +45,8 @@ from megatron_patches._patching import is_patched, qualified_name, replace_attri
 # (owner, attribute): functions that call torch.cuda.current_device() to place a tensor.
 _CURRENT_DEVICE_USERS: tuple[tuple[Any, str], ...] = (
     (rotary_pos_embedding.RotaryEmbedding, "get_emb"),
+    (rotary_pos_embedding.RotaryEmbedding, "__init__"),  # MLA builds it without use_cpu_initialization
+    (yarn_rotary_pos_embedding.YarnRotaryEmbedding, "__init__"),
     (yarn_rotary_pos_embedding.YarnRotaryEmbedding, "get_emb"),  # MLA's YaRN RoPE (DeepSeek-V3)
     (moe_router.Router, "gating"),  # moves a CPU router weight to current_device() on every call
     (mcore_utils.GlobalMemoryBuffer, "get_tensor"),

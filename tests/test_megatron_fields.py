@@ -86,9 +86,10 @@ REFUSED = {
     "hybrid_context_parallel": (True, {}, r"hybrid_context_parallel=True: regroups the context-parallel ranks"),
     "use_kitchen": (True, {}, r"use_kitchen=True: builds kitchen's quantised modules"),
     "use_kitchen_attention": (True, {}, r"use_kitchen_attention=True: replaces the core attention with kitchen's"),
-    "enable_cuda_graph": (True, {}, rf"enable_cuda_graph=True: {_GRAPH}"),
+    # megatron-core's own check (its RNG tracker) refuses the graph fields first without TE's tracker
+    "enable_cuda_graph": (True, {}, rf"enable_cuda_graph=True: {_GRAPH}|RNG tracker does not support cudagraphs"),
     "external_cuda_graph": (True, {}, rf"external_cuda_graph=True: {_GRAPH}"),
-    "cuda_graph_impl": ("local", {}, rf"cuda_graph_impl='local': {_GRAPH}"),
+    "cuda_graph_impl": ("local", {}, rf"cuda_graph_impl='local': {_GRAPH}|RNG tracker does not support cudagraphs"),
 }
 
 # ---- cannot change what the core attention computes ----

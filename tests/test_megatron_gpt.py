@@ -136,7 +136,7 @@ def test_mla_model_at_cp2_and_cp4_equals_cp1():
     """DeepSeek-V3-style multi-latent attention (q/kv LoRA with latent norms, dqk = 8 + 4 RoPE dims, dv = 6;
     RoPE and YaRN) at CP=2 and CP=4 as [2, 2] equals the same model at CP=1 (megatron-core
     0.16.1 has no local MLA attention; the engine's tests compare MLA with an fp64 reference)."""
-    yarn = (("rope_type", "yarn"), ("rotary_scaling_factor", 4.0), ("original_max_position_embeddings", 4),
+    yarn = (("rope_type", "yarn"), ("rotary_scaling_factor", 4.0), ("original_max_position_embeddings", 16),
             ("mscale", 0.7), ("mscale_all_dim", 0.7), ("beta_fast", 8.0), ("beta_slow", 2.0),
             ("rotary_base", 5000), ("rotary_percent", 1.0))
     cases = [ParityCase("mla", mla=True, comms=("p2p", "a2a", "all_gather", "a2a+p2p")),

@@ -81,7 +81,7 @@ MISFITS = [
      r"get_gpt_layer_hcp_spec\(qk_layernorm=True\)\)"),
     ("hcp_local_spec", dict(qk_l2_norm=True),
      r"qk_l2_norm=True, but layer spec hcp_local_spec builds no q/k L2 norms.*use "
-     r"get_gpt_layer_hcp_spec\(qk_l2_norm=True\)$"),
+     r"get_gpt_layer_hcp_spec\(qk_l2_norm=True\)"),
     ("hcp_local_spec", MOE, r"num_moe_experts=2, but layer spec hcp_local_spec builds a dense MLP.*use --spec "
                             r"mcp_context.megatron.specs hcp_moe_local_spec"),
     ("hcp_qknorm_local_spec", MOE | dict(qk_layernorm=True),

@@ -71,12 +71,12 @@ def serving_spec(wanted: LayerSpecFacts) -> str:
     return wanted.getter_call()
 
 
-_WHAT = {  # field -> (what the spec builds when True, when False)
-    "qk_layernorm": ("q/k norms", "no q/k norms"),
-    "qk_l2_norm": ("q/k L2 norms", "no q/k L2 norms"),
+_WHAT = {  # field -> (what the spec builds when True, when False); the most fundamental first
+    "multi_latent_attention": ("multi-latent attention (MLA)", "plain (GQA) attention"),
     "moe": ("a MoE MLP", "a dense MLP"),
     "moe_grouped_gemm": ("grouped-GEMM experts", "sequential local experts"),
-    "multi_latent_attention": ("multi-latent attention (MLA)", "plain (GQA) attention"),
+    "qk_layernorm": ("q/k norms", "no q/k norms"),
+    "qk_l2_norm": ("q/k L2 norms", "no q/k L2 norms"),
 }
 _CONFIG_FIELD = {"moe": "num_moe_experts"}
 
