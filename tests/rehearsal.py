@@ -16,7 +16,7 @@ on the CPU wheel, so the backward is driven directly (``ring_backward``), never 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -42,6 +42,8 @@ class Case:
     kv_heads: int = 8
     head_dim: int = 128
     dtype: torch.dtype = torch.bfloat16
+    v_head_dim: Optional[int] = None  # MLA: the value head dim (default head_dim)
+    sink: bool = False  # attention sinks (softmax_offset), merged after the ring
 
     @property
     def batch(self) -> int:
@@ -57,7 +59,9 @@ class Case:
 
     def __str__(self) -> str:
         comm = "p2p" if self.inner == 1 else f"a2a+p2p [{self.inner}, {self.cp // self.inner}]"
-        return f"S={self.seq_len} P={self.cp} {comm} {self.mask_name} h={self.heads}/{self.kv_heads} d={self.head_dim}"
+        dims = f"d={self.head_dim}" + (f"/{self.v_head_dim}" if self.v_head_dim else "")
+        return (f"S={self.seq_len} P={self.cp} {comm} {self.mask_name} h={self.heads}/{self.kv_heads} {dims}"
+                + (" sinks" if self.sink else ""))
 
 
 class RehearsalError(AssertionError):
@@ -75,33 +79,37 @@ def rehearse_members(case: Case, kernel: Union[str, Kernel]) -> int:
     naming the case, kernel, member and pass, with torch's error, when anything fails."""
     with FakeTensorMode():
         if isinstance(kernel, str):
-            kernel = get_kernel(kernel, CUDA, case.dtype, head_dim=case.head_dim)
+            kernel = get_kernel(kernel, CUDA, case.dtype, head_dim=case.head_dim, v_head_dim=case.v_head_dim)
         schedule = layout_schedule("zigzag", case.cp, case.seq_len, case.mask(), case.inner,
                                    kernel.capabilities.masks)
         ring, b, d = schedule.ring_size, case.batch, case.head_dim
+        dv = case.v_head_dim or d
         h, h_kv = case.heads // case.inner, max(1, case.kv_heads // case.inner)
         rows = case.seq_len // ring
 
         def empty(*shape: int) -> torch.Tensor:
             return torch.empty(*shape, device=CUDA, dtype=case.dtype)
 
-        k_all, v_all = empty(case.seq_len, b, h_kv, d), empty(case.seq_len, b, h_kv, d)  # every member's shard
+        k_all, v_all = empty(case.seq_len, b, h_kv, d), empty(case.seq_len, b, h_kv, dv)  # every member's shard
+        sink = torch.empty(h, device=CUDA, dtype=torch.float32) if case.sink else None
         tasks = 0
         for member in range(ring):
-            q, dout = empty(rows, b, h, d), empty(rows, b, h, d)
+            q, dout = empty(rows, b, h, d), empty(rows, b, h, dv)
             plan = RingPlan.build(schedule.tasks[member], LocalRotation(member, ring), kernel, d ** -0.5, rows)
             tasks += sum(len(step) for step in schedule.tasks[member])
             where = f"rehearsal of {case} with {kernel.name}, member {member} of {ring}"
             phase = "forward"
             try:
-                out, lse = ring_forward(q, k_all, v_all, plan)
-                _check("out", out, (rows, b, h, d), case.dtype)
+                out, lse = ring_forward(q, k_all, v_all, plan, sink)
+                _check("out", out, (rows, b, h, dv), case.dtype)
                 _check("lse", lse, (b, h, rows), torch.float32)
                 phase = "backward"
-                dq, dk, dv, _ = ring_backward(dout, q, k_all, v_all, out, lse, plan)
+                dq, dk, dv_, dsink = ring_backward(dout, q, k_all, v_all, out, lse, plan, sink)
                 _check("dq", dq, tuple(q.shape), case.dtype)
                 _check("dk", dk, tuple(k_all.shape), case.dtype)
-                _check("dv", dv, tuple(v_all.shape), case.dtype)
+                _check("dv", dv_, tuple(v_all.shape), case.dtype)
+                if sink is not None:
+                    _check("dsink", dsink, (h,), torch.float32)
             except Exception as err:  # noqa: BLE001 - every error is what the rehearsal reports
                 raise RehearsalError(f"{where}, {phase}: {type(err).__name__}: {err}") from err
     return tasks

@@ -36,6 +36,23 @@ def test_every_members_cuda_step_rehearses_forward_and_backward(kernel, case):
     assert rehearse_members(case, kernel) > 0
 
 
+# Today's attention: gpt-oss-like sinks (64/8 heads, d=64, a 127-token window and full layers) through both
+# fused ops, and DeepSeek-V3's MLA head dims (192 for q/k, 128 for v, 16/16 heads) through cuDNN, the op
+# that declares dv != dqk.
+VARIANTS = [pytest.param(kernel, Case(32768, 8, inner, mask, heads=64, kv_heads=8, head_dim=64, sink=True),
+                         id=f"{kernel}-sinks-{'p2p' if inner == 1 else 'a2a+p2p'}-{mask}")
+            for kernel, inner, mask in itertools.product(("torch:cudnn", "torch:flash"), (1, 2), ("causal", "window"))]
+VARIANTS += [pytest.param("torch:cudnn", Case(32768, 8, inner, "causal", heads=16, kv_heads=16, head_dim=192,
+                                              v_head_dim=128, sink=sink),
+                          id=f"torch:cudnn-mla-{'p2p' if inner == 1 else 'a2a+p2p'}{'-sinks' if sink else ''}")
+             for inner, sink in ((1, False), (2, True))]
+
+
+@pytest.mark.parametrize("kernel,case", VARIANTS)
+def test_sinks_and_mla_head_dims_rehearse_through_the_fused_ops(kernel, case):
+    assert rehearse_members(case, kernel) > 0
+
+
 def _flash_backward_with_int_cum_seq(dout, q, k, v, out, lse, causal, scale):
     """The call that crashed our first CUDA path: ints where ``cum_seq_q``/``cum_seq_k`` take tensors."""
     seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
