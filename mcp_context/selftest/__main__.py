@@ -74,9 +74,9 @@ def _parser() -> argparse.ArgumentParser:
 def build_setup(args: argparse.Namespace, world_size: Optional[int]) -> Setup:
     """The setup from the recipe (if any) with the flags over it."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    values = {"heads": 8, "kv_heads": 2, "head_dim": 64, "window": None, "skip": None, "softmax_type": "vanilla",
+    values = {"heads": 8, "kv_heads": 2, "head_dim": 64, "v_head_dim": None, "window": None, "skip": None, "softmax_type": "vanilla",
               "packed": False, "cp_size": None, "sizes": None, "comm": None, "seq_len": None, "batch": 2,
-              "source": "flags", "half": torch.bfloat16}
+              "source": "flags", "half": torch.bfloat16, "model": None}
     if args.recipe is not None or args.overrides:
         from ..plan.candidates import heads_per_tp_rank
         from ..recipes import load_recipe
@@ -85,12 +85,18 @@ def build_setup(args: argparse.Namespace, world_size: Optional[int]) -> Setup:
         m = cfg.model
         heads, kv = heads_per_tp_rank(m.num_attention_heads, m.num_query_groups or m.num_attention_heads,
                                       m.tensor_model_parallel_size)
-        values.update(heads=heads, kv_heads=kv, head_dim=m.kv_channels or m.hidden_size // m.num_attention_heads,
+        head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
+        v_head_dim = head_dim
+        if getattr(m, "multi_latent_attention", False):  # MLA: q/k carry the RoPE dims too
+            head_dim, v_head_dim = m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim
+        values.update(heads=heads, kv_heads=kv, head_dim=head_dim, v_head_dim=v_head_dim,
+                      softmax_type=getattr(m, "softmax_type", "vanilla"),
                       window=m.window_size, skip=m.window_attn_skip_freq, packed=cfg.data.reset_attention_mask,
                       cp_size=m.context_parallel_size, sizes=m.hierarchical_context_parallel_sizes,
                       comm=m.cp_comm_type, seq_len=m.seq_length, batch=cfg.train.micro_batch_size, source=cfg.name,
-                      half=torch.float16 if m.params_dtype == "float16" else torch.bfloat16)
-    flags = {"heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "window": args.window,
+                      half=torch.float16 if m.params_dtype == "float16" else torch.bfloat16, model=m)
+    flags = {"heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+             "v_head_dim": args.v_head_dim, "window": args.window,
              "skip": args.window_attn_skip_freq, "softmax_type": args.softmax_type, "cp_size": args.cp_size,
              "sizes": args.hcp_sizes, "comm": args.comm, "batch": args.batch}
     values.update({k: v for k, v in flags.items() if v is not None})
@@ -124,8 +130,9 @@ def build_setup(args: argparse.Namespace, world_size: Optional[int]) -> Setup:
     if args.repeats < 1:
         raise ValueError(f"--repeats {args.repeats} must be at least 1")
     setup = Setup(cp_size, tuple(sizes), comm, args.layout, seq_len, values["batch"], values["heads"],
-                  values["kv_heads"], values["head_dim"], args.v_head_dim or values["head_dim"], kinds,
-                  tuple(DTYPES[d] for d in dtypes), device, args.seed, args.repeats, values["source"])
+                  values["kv_heads"], values["head_dim"], values["v_head_dim"] or values["head_dim"], kinds,
+                  tuple(DTYPES[d] for d in dtypes), device, args.seed, args.repeats, values["source"],
+                  model=values["model"])
     return with_documents(replace(setup, batch=1) if values["packed"] else setup)
 
 
@@ -163,6 +170,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     args = _parser().parse_args(argv)
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) .*not installed")
+    warnings.filterwarnings("ignore", message="full scope is deprecated")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     created = False if args.simulate else _init_distributed(device)
     try:

@@ -189,14 +189,16 @@ def bytes_check(setup: Setup, kind: AttentionKind, dtype: torch.dtype, ranks: Ra
         traced = plan.dry_run_bytes(setup, kind, kind_mask(kind, setup.seq_len, setup.documents), dtype)
         counted = [] if traced is None else [traced]
         ms = 1e3 * seconds if seconds is not None else float("nan")
-        source = "planner dry run, rank 0" if traced is not None else "analytic only (MLA dims: no dry run)"
+        source = "planner dry run, rank 0"
 
     def verdict() -> CheckResult:
         problems = plan.bytes_verdict(kind, counted, expected)
         total = sum(counted[0].values()) if counted else sum(expected.values())
         relation = "=" if plan.is_plain(kind) else "<="
-        summary = (f"{total / 2**20:.2f} MiB/rank ({source}) {relation} analytic {sum(expected.values()) / 2**20:.2f}"
-                   f" MiB; {ms:.1f} ms per fwd+bwd call" + (" (member 0, one device)" if run is None else ""))
+        analytic = f"analytic {sum(expected.values()) / 2**20:.2f} MiB"
+        measured = f"{total / 2**20:.2f} MiB/rank ({source}) {relation} {analytic}" if counted else \
+            f"{analytic}/rank (not measured: the dry run has one head dim)"
+        summary = f"{measured}; {ms:.1f} ms per fwd+bwd call" + (" (member 0, one device)" if run is None else "")
         return CheckResult(name, not problems, "; ".join(problems) if problems else summary,
                            {"sent": counted, "analytic": expected, "ms_per_call": ms, "source": source})
     return ranks.from_rank0(verdict, name)
@@ -256,7 +258,49 @@ def run_checks(setup: Setup, ranks: Ranks, groups=None, fault: Optional[str] = N
         results.append(bytes_check(setup, kind, setup.dtypes[0], ranks, first_run, seconds))
     ranks.say("boundaries ...")
     results += _boundaries_guarded(setup, ranks, groups)
+    if simulate:
+        ranks.say("boundaries.layer: not run with --simulate (a layer at CP needs the CP ranks)")
+    else:
+        for kind in setup.kinds:
+            if not layer_checkable(setup):
+                ranks.say(f"boundaries.layer[{setup.kind_name(kind)}]: not run (MoE and MLA layers: see docs/selftest.md)")
+                continue
+            ranks.say(f"one layer {setup.kind_name(kind)} at CP {setup.cp_size} vs CP 1 ...")
+            results.append(layer_check(setup, kind, ranks, groups))
     return results
+
+
+def layer_checkable(setup: Setup) -> bool:
+    """Dense layers with one head dim: what ``layer.layer_parity`` builds (MoE needs expert-parallel groups,
+    MLA its own attention)."""
+    m = setup.model
+    return setup.v_head_dim == setup.head_dim and not (m is not None and (
+        getattr(m, "num_moe_experts", None) or getattr(m, "multi_latent_attention", False)))
+
+
+def layer_check(setup: Setup, kind: AttentionKind, ranks: Ranks, groups) -> CheckResult:
+    """One transformer layer of the model at this CP against the same layer at CP = 1."""
+    from .layer import layer_parity
+
+    name = f"boundaries.layer[{setup.kind_name(kind)}]"
+    error, figures = None, None
+    try:
+        figures = layer_parity(setup, kind, groups, setup.model)
+    except Exception as err:  # building or running the layer fails alike on every rank
+        error = _first_line(err)
+    error = ranks.first_error(error)
+    if error is not None:
+        return CheckResult(name, False, error)
+
+    def verdict() -> CheckResult:
+        bad = [f"{n} error {e:.2e} > bound {b:.2e}" for n, (e, b) in figures.items() if not e <= b]
+        grads = {n: v for n, v in figures.items() if n != "forward"}
+        worst = max(grads, key=lambda n: grads[n][0] / grads[n][1])
+        summary = (f"output {figures['forward'][0]:.1e} <= {figures['forward'][1]:.1e}; {len(grads)} parameter "
+                   f"gradients, worst {worst} {grads[worst][0]:.1e} <= {grads[worst][1]:.1e} (fp32)")
+        return CheckResult(name, not bad, "; ".join(bad) or summary,
+                           {n: {"error": e, "bound": b} for n, (e, b) in figures.items()})
+    return ranks.from_rank0(verdict, name)
 
 
 def _boundaries_guarded(setup: Setup, ranks: Ranks, groups) -> list[CheckResult]:

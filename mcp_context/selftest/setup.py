@@ -72,6 +72,7 @@ class Setup:
     repeats: int = 3
     source: str = "flags"                         # the recipe's name, or "flags"
     documents: tuple[tuple[int, ...], tuple[int, ...]] = field(default=((), ()))  # (cu_seqlens, padded)
+    model: Optional[object] = field(default=None, compare=False)  # the recipe's ModelConfig (the layer check)
 
     def kind_name(self, kind: AttentionKind) -> str:
         return kind.name(self.head_dim, self.v_head_dim)
