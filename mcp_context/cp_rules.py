@@ -45,7 +45,7 @@ ALL_LAYOUTS = LAYOUTS + PACKED_LAYOUTS
 
 def normalize_comm(comm: str, name: str = "comm") -> str:
     """Canonical ``cp_comm_type`` name (``allgather`` -> ``all_gather``); ValueError for unknown names."""
-    canonical = COMM_ALIASES.get(comm, comm) if isinstance(comm, str) else comm
+    canonical = canonical_comm(comm)
     if canonical not in COMM_TYPES:
         aliases = ", ".join(f"{a} = {n}" for a, n in COMM_ALIASES.items())
         raise ValueError(f"{name}={comm!r} is not a known cp_comm_type; choose one of "
@@ -53,19 +53,26 @@ def normalize_comm(comm: str, name: str = "comm") -> str:
     return canonical
 
 
+def canonical_comm(comm):
+    """``comm`` with an alias resolved (``allgather`` -> ``all_gather``); anything else unchanged, for a
+    caller that reports unknown names itself."""
+    return COMM_ALIASES.get(comm, comm) if isinstance(comm, str) else comm
+
+
 def comm_rule(comm: str) -> CommRule:
     """The rule of a canonical or aliased comm name (ValueError for unknown names)."""
     return COMM_SCHEMES[normalize_comm(comm)]
 
 
-def check_levels(comm: str, sizes: Sequence[int], sizes_name: str = "hierarchical_context_parallel_sizes",
+def check_levels(comm: str, sizes, comm_name: str = "comm", sizes_name: str = "hierarchical_context_parallel_sizes",
                  fix: str = "build them with build_hcp_groups([inner, outer])") -> None:
-    """A ValueError naming the fix when ``comm`` needs more hierarchy levels than ``sizes`` has."""
+    """A ValueError naming the fix when ``comm`` needs more hierarchy levels than ``sizes`` has (None: one
+    level). Callers name their own fields (``comm_name``, ``sizes_name``) and fix."""
     need = comm_rule(comm).min_levels
-    if len(sizes) < need:
+    if (1 if sizes is None else len(sizes)) < need:
         flat = [c for c, r in COMM_SCHEMES.items() if r.min_levels == 1]
-        raise ValueError(f"comm={normalize_comm(comm)!r} needs hierarchical groups of at least {need} levels, "
-                         f"got {sizes_name}={list(sizes)}; {fix}, or use one of {', '.join(flat)}")
+        raise ValueError(f"{comm_name}={normalize_comm(comm)!r} needs {sizes_name} with at least {need} levels "
+                         f"(got {None if sizes is None else list(sizes)}); {fix}, or use one of {', '.join(flat)}")
 
 
 def check_layout(layout: str, packed: bool = False) -> None:

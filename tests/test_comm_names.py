@@ -62,6 +62,7 @@ def test_each_row_of_the_table_reads_the_same_through_every_helper(name):
     sizes = [2, 4]
     assert a2a_degree(name, sizes) == {"none": 1, "all": 8, "level0": 2}[rule.a2a]
     if rule.min_levels > 1:
-        with pytest.raises(ValueError, match=f"needs hierarchical groups of at least {rule.min_levels} levels"):
+        with pytest.raises(ValueError, match=f"needs hierarchical_context_parallel_sizes with at least "
+                                             f"{rule.min_levels} levels"):
             check_levels(name, [8])
     check_levels(name, sizes)

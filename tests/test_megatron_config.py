@@ -20,11 +20,11 @@ def _config(**kw):
 
 @pytest.mark.parametrize("fields,seq,pattern", [
     (dict(cp_comm_type="bogus"), None, r"cp_comm_type='bogus' is not a known cp_comm_type; choose one of p2p, a2a, "
-                                       r"all_gather, a2a\+p2p \(alias: allgather\)"),
+                                       r"all_gather, a2a\+p2p, a2a\+all_gather \(aliases: allgather = all_gather\)"),
     (dict(cp_comm_type="a2a_p2p"), None, r"did you mean 'a2a\+p2p'\?"),
     (dict(cp_comm_type="a2a+p2p"), None,
-     r"cp_comm_type='a2a\+p2p' needs hierarchical_context_parallel_sizes with at least two levels \(got None\); "
-     r"megatron-core would silently train without context parallelism. Set it, e.g. \[2, 2\]"),
+     r"cp_comm_type='a2a\+p2p' needs hierarchical_context_parallel_sizes with at least 2 levels \(got None\); "
+     r"megatron-core would silently train without context parallelism; set it, e.g. \[2, 2\]"),
     (dict(cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[3, 3]), None,
      r"hierarchical_context_parallel_sizes=\[3, 3\] multiply to 9, but context_parallel_size=4; choose sizes "
      r"whose product is 4, e.g. \[2, 2\]"),

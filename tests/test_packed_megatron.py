@@ -68,8 +68,15 @@ def _megatron_packed_parity(rank, world):
                                  cp_group=cp_group)
         local = slice_batch_for_cp({"tokens": tokens, "position_ids": torch.arange(seq)[None], "labels": labels,
                                     "loss_mask": loss_mask, "reference": reference}, cp_group, packed)
-        per_token = model(local["tokens"], local["position_ids"], None, labels=local["labels"],
-                          packed_seq_params=packed)
+        from mcp_context import masks
+
+        parse, parses = masks._offsets, []
+        masks._offsets = lambda *args: parses.append(args[0]) or parse(*args)  # count the offsets' parses
+        try:
+            per_token = model(local["tokens"], local["position_ids"], None, labels=local["labels"],
+                              packed_seq_params=packed)
+        finally:
+            masks._offsets = parse
         loss, _ = masked_token_mean(per_token, local["loss_mask"], cp_group)
         loss.backward()
         for param in model.parameters():
@@ -78,7 +85,7 @@ def _megatron_packed_parity(rank, world):
         loss_err = (per_token.detach()[valid] - local["reference"][valid]).abs().max().item()
         grad_err = max(((p.grad - ref_grads[n]).abs().max() / ref_grads[n].abs().max().clamp(min=1)).item()
                        for n, p in model.named_parameters())
-        return loss_err, grad_err, int(valid.sum())
+        return loss_err, grad_err, int(valid.sum()), parses, config.num_layers
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -89,8 +96,10 @@ def test_megatron_gpt_packed_batch_at_cp4_matches_documents_one_by_one_at_cp1():
     and every gradient (fp32) match megatron-core's own attention running each document alone at CP = 1."""
     results = run_distributed(4, _megatron_packed_parity)
     assert sum(r[2] for r in results) == sum(MEGATRON_DOCS)
-    for rank, (loss_err, grad_err, _) in enumerate(results):
+    for rank, (loss_err, grad_err, _, parses, layers) in enumerate(results):
         assert loss_err <= 1e-5 and grad_err <= 1e-5, (rank, loss_err, grad_err)
+        # the step's offsets are parsed once (by the first of the layers), not once per layer
+        assert layers >= 2 and parses == ["cu_seqlens", "cu_seqlens_padded"], (rank, layers, parses)
 
 
 @pytest.mark.parametrize("field,value,match", [
@@ -107,7 +116,7 @@ def test_megatron_refuses_packings_it_cannot_run(field, value, match):
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
     setattr(params, field, value)
     with pytest.raises(NotImplementedError, match=match):
-        _packed_documents(params)
+        _packed_documents(params, None)  # refused before any process group is needed
 
 
 def _slice_packed_case(rank, world):

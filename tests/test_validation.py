@@ -19,8 +19,8 @@ CASES = {
     "seq_len": r"sequence length 12 is not divisible by 2\*cp=8 for layout 'zigzag'; pad to 16",
     "comm": r"comm='ring' is not a known cp_comm_type; choose one of p2p, a2a, all_gather, a2a\+p2p",
     "layout": r"layout='zig' is not known; choose one of contiguous, zigzag, striped",
-    "a2a+p2p_flat": r"comm='a2a\+p2p' needs hierarchical groups of at least 2 levels, got "
-                    r"hierarchical_context_parallel_sizes=\[4\]",
+    "a2a+p2p_flat": r"comm='a2a\+p2p' needs hierarchical_context_parallel_sizes with at least 2 levels "
+                    r"\(got \[4\]\); build them with build_hcp_groups",
     "shape": r"q \(3, 2, 8, 4\) and k \(3, 2, 8, 8\) must agree in s_local, batch and head_dim",
     "kv_shape": r"k and v must agree in s_local, batch and heads",
     "gqa": r"query heads h=8 are not a multiple of key/value heads h_kv=3",

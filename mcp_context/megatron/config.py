@@ -12,8 +12,8 @@ from __future__ import annotations
 import difflib
 from typing import Any, Optional
 
-from ..cp_rules import (COMM_ALIASES, COMM_TYPES, a2a_degree, check_hcp_sizes, check_heads, check_seq_len,
-                        example_hcp_sizes, normalize_comm)
+from ..cp_rules import (COMM_ALIASES, COMM_TYPES, a2a_degree, check_hcp_sizes, check_heads, check_levels,
+                        canonical_comm, check_seq_len, comm_rule, example_hcp_sizes, heads_per_tp_rank, normalize_comm)
 
 ACCEPTED_COMM = COMM_TYPES + tuple(COMM_ALIASES)
 
@@ -33,9 +33,9 @@ def normalize_cp_comm_type(config: Any) -> None:
     """Rewrite the ``allgather`` spelling as ``all_gather`` in place (a string or a per-layer list)."""
     comm = config.cp_comm_type
     if isinstance(comm, (list, tuple)):
-        config.cp_comm_type = [COMM_ALIASES.get(c, c) for c in comm]
+        config.cp_comm_type = [canonical_comm(c) for c in comm]
     elif comm is not None:
-        config.cp_comm_type = COMM_ALIASES.get(comm, comm)
+        config.cp_comm_type = canonical_comm(comm)
 
 
 def a2a_degree_of(config: Any, comm: str) -> int:
@@ -68,38 +68,30 @@ def _check_comm(config: Any, p: str) -> None:
 
 def _check_hierarchy(config: Any, p: str) -> None:
     cp, sizes = config.context_parallel_size, config.hierarchical_context_parallel_sizes
-    uses_hierarchy = "a2a+p2p" in _comm_list(config)
-    if sizes is not None:
-        try:
+    try:
+        if sizes is not None:
             check_hcp_sizes(sizes, cp, p)
-        except ValueError as err:
-            raise HCPConfigError(str(err)) from None
-    if uses_hierarchy and cp > 1 and (sizes is None or len(sizes) < 2):
-        raise HCPConfigError(f"{p}cp_comm_type='a2a+p2p' needs {p}hierarchical_context_parallel_sizes with at "
-                             f"least two levels (got {sizes}); megatron-core would silently train without "
-                             f"context parallelism. Set it, e.g. {example_hcp_sizes(cp)}, or use 'a2a' or 'p2p'")
+        for comm in set(_comm_list(config)) if cp > 1 else ():
+            check_levels(comm, sizes, comm_name=f"{p}cp_comm_type", sizes_name=f"{p}hierarchical_context_parallel_sizes",
+                         fix=f"megatron-core would silently train without context parallelism; set it, e.g. "
+                             f"{example_hcp_sizes(cp)}")
+    except ValueError as err:
+        raise HCPConfigError(str(err)) from None
 
 
 def _check_heads(config: Any, p: str) -> None:
     tp, heads = config.tensor_model_parallel_size, config.num_attention_heads
-    groups = config.num_query_groups or heads
-    if heads % groups:
-        raise HCPConfigError(f"{p}num_attention_heads={heads} is not divisible by {p}num_query_groups={groups}; "
-                             f"choose a number of query groups that divides the head count")
-    if heads % tp:
-        raise HCPConfigError(f"{p}num_attention_heads={heads} is not divisible by "
-                             f"{p}tensor_model_parallel_size={tp}; choose a TP size that divides the head count")
-    heads_local, groups_local = heads // tp, max(groups // tp, 1)
-    for comm in set(_comm_list(config)):
-        comm = COMM_ALIASES.get(comm, comm)
-        where = f"{p}context_parallel_size" if comm == "a2a" else f"{p}hierarchical_context_parallel_sizes[0]"
-        try:
-            check_heads(heads_local, groups_local, a2a_degree_of(config, comm), comm,
+    try:
+        heads_local, groups_local = heads_per_tp_rank(heads, config.num_query_groups or heads, tp, p)
+        for comm in set(_comm_list(config)):
+            where = (f"{p}hierarchical_context_parallel_sizes[0]" if comm_rule(comm).a2a == "level0"
+                     else f"{p}context_parallel_size")
+            check_heads(heads_local, groups_local, a2a_degree_of(config, comm), normalize_comm(comm),
                         heads_name=f"query heads per TP rank, {p}num_attention_heads/tensor_model_parallel_size",
                         kv_name=f"key/value heads per TP rank, {p}num_query_groups/tensor_model_parallel_size",
                         degree_name=f"the all-to-all degree {where}")
-        except ValueError as err:
-            raise HCPConfigError(str(err)) from None
+    except ValueError as err:
+        raise HCPConfigError(str(err)) from None
 
 
 def _check_seq_length(config: Any, seq_length: int, p: str) -> None:

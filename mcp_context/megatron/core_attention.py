@@ -5,7 +5,8 @@ with no other change. It reads ``context_parallel_size``, ``hierarchical_context
 ``cp_comm_type`` from the ``TransformerConfig``, the groups from ``pg_collection`` (newer cores) or
 ``model_comm_pgs`` (older cores) or ``parallel_state``, and runs ``context_parallel_attention`` on the
 zigzag layout that megatron-core's batch and RoPE slicing use, through one engine per mask and
-train/eval mode that resolves schedule, peers and kernel on the first call and is reused after.
+train/eval mode, shared by every layer with the same attention (``engine_for``), that resolves
+schedule, peers and kernel on the first call and is reused after.
 Sliding-window layers (``window_size``, with ``window_attn_skip_freq`` choosing which layers have
 it) run the window through every comm type: query ``i`` sees keys ``i - left .. i + right``, with
 ``right`` capped at 0 for a causal layer.
@@ -21,7 +22,8 @@ With ``attn_mask_type=causal`` the ``attention_mask`` argument is ignored, as in
 ``TEDotProductAttention``: the mask is implied by the positions each CP rank holds. Packed sequences
 (``packed_seq_params`` with ``qkv_format="thd"``: ``q [t, np, hn]``, global ``cu_seqlens_q`` and
 ``cu_seqlens_q_padded``) run with a document mask on megatron-core's per-document zigzag (what its thd
-RoPE and ``slice_batch_for_cp`` assume). Arbitrary masks, attention bias, other packed formats and
+RoPE and ``slice_batch_for_cp`` assume); the first layer of a step parses the offsets, has the CP ranks
+agree on them and keeps the ``Documents`` value on the ``PackedSeqParams`` for the other layers. Arbitrary masks, attention bias, other packed formats and
 keys packed differently from queries are refused with a clear error.
 """
 from __future__ import annotations
@@ -34,9 +36,10 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 
+from ..api import engine_for
 from ..cp_rules import normalize_comm
-from ..engine import ContextParallelAttention
-from ..masks import SlidingWindow
+from ..engine import ContextParallelAttention, agree_on_documents
+from ..masks import SlidingWindow, documents_mask
 from ..comm import HCPGroups
 from .config import (HCPConfigError, check_attention_fields, check_deterministic, kernel_backend,
                      normalize_cp_comm_type, validate_cp_config)
@@ -55,11 +58,16 @@ def _hcp_groups(pg_collection: Any) -> HCPGroups:
     return HCPGroups(cp, levels[0], tuple(torch.distributed.get_world_size(g) for g in levels))
 
 
-def _packed_documents(params: Any) -> dict:
-    """``cu_seqlens`` / ``cu_seqlens_padded`` for the engine from megatron-core's ``PackedSeqParams`` (empty
-    without one); other formats and keys packed differently from queries are refused naming the fix."""
+def _packed_documents(params: Any, groups: HCPGroups) -> dict:
+    """The engine's ``documents`` from megatron-core's ``PackedSeqParams`` (empty without one), parsed,
+    checked and agreed by the CP ranks once per step: the first layer to see ``params`` keeps the value on
+    it, and every later layer reuses it (no parse, no host synchronisation per layer). Other formats and
+    keys packed differently from queries are refused naming the fix."""
     if params is None:
         return {}
+    kept = getattr(params, "_hcp_documents", None)
+    if kept is not None and kept.agreed_in is groups.cp_group:
+        return {"documents": kept}
     fmt = getattr(params, "qkv_format", None)
     if fmt != "thd":
         raise NotImplementedError(f"HCPDotProductAttention does not support packed sequences with "
@@ -73,7 +81,9 @@ def _packed_documents(params: Any) -> dict:
     if params.cu_seqlens_q is None:
         raise ValueError("packed_seq_params.cu_seqlens_q is None; set it to the documents' cumulative lengths "
                          "(int32 [n_docs + 1])")
-    return {"cu_seqlens": params.cu_seqlens_q, "cu_seqlens_padded": params.cu_seqlens_q_padded}
+    documents = agree_on_documents(documents_mask(params.cu_seqlens_q, params.cu_seqlens_q_padded), groups)
+    params._hcp_documents = documents  # this step's packing, for the layers after this one
+    return {"documents": documents}
 
 
 def _tp_group(pg_collection: Any) -> Any:
@@ -161,7 +171,7 @@ class HCPDotProductAttention(MegatronModule):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
                 attention_bias: Optional[torch.Tensor] = None, packed_seq_params: Any = None) -> torch.Tensor:
-        packed = _packed_documents(packed_seq_params)
+        packed = _packed_documents(packed_seq_params, self.groups)
         if attention_bias is not None:
             raise NotImplementedError("HCPDotProductAttention does not support attention_bias")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
@@ -185,11 +195,12 @@ class HCPDotProductAttention(MegatronModule):
         return out.reshape(s, h * d) if packed else out.reshape(s, b, h * d)
 
     def _engine(self, causal: bool, dropout: bool, device: torch.device) -> ContextParallelAttention:
-        """The engine for this mask and train/eval mode, built on first use and kept for the layer's life."""
+        """The engine for this mask and train/eval mode: the one every layer with the same attention shares
+        (``engine_for``), looked up on first use and kept for the layer's life."""
         key = (causal, dropout)
         if key not in self._engines:
             check_deterministic(self.config, self.backend, device)
-            self._engines[key] = ContextParallelAttention(
+            self._engines[key] = engine_for(
                 self.groups, causal=causal, layout=LAYOUT, comm=self.cp_comm_type, softmax_scale=self.softmax_scale,
                 backend=self.backend, dropout_p=self.dropout_p if dropout else 0.0, window_size=self.window_size)
         return self._engines[key]
