@@ -33,13 +33,27 @@ MODELS = {
         rope_theta=1e6, num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
 }
 WINDOW_MODELS = ("mistral_window", "qwen2_upper_window")
+# Issue 21's families, one model each, converted by their own fixture (``converted_families``): Qwen3 with
+# its per-head q/k norms and a window on its upper layer, Mixtral (renormalised top-2 of 4 experts) with a
+# window on every layer, Qwen3-MoE (top-2 of 4 unnormalised, norm_topk_prob=false) with q/k norms and tied
+# embeddings. Norms are drawn around 1, so a dropped (reset) norm shows in the logits.
+FAMILIES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        rope_theta=1e6, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        rope_theta=1e6, sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        rope_theta=1e6, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=False,
+        tie_word_embeddings=True)),
+}
 
 
 def build_hf_model(name: str) -> torch.nn.Module:
-    """The table's model ``name`` with seeded O(1) weights, in eval mode with eager attention."""
+    """The table's model ``name`` (``MODELS`` or ``FAMILIES``) with seeded O(1) weights, in eval mode
+    with eager attention."""
     import transformers
 
-    config_cls, model_cls, extra = MODELS[name]
+    config_cls, model_cls, extra = {**MODELS, **FAMILIES}[name]
     config = getattr(transformers, config_cls)(**{**_COMMON, **extra})
     config._attn_implementation = "eager"
     torch.manual_seed(1234)
@@ -55,11 +69,9 @@ def tokens(seq: int = SEQ) -> torch.Tensor:
     return torch.randint(0, _COMMON["vocab_size"], (BATCH, seq), generator=torch.Generator().manual_seed(7))
 
 
-@pytest.fixture(scope="session")
-def converted(tmp_path_factory):
-    """name -> (hf_dir, mcore_dir, architecture record, HF reference logits [b, s, v] on ``tokens()``)."""
+def _convert_all(tmp_path_factory, names) -> dict:
     out = {}
-    for name in MODELS:
+    for name in names:
         root = tmp_path_factory.mktemp(name)
         model = build_hf_model(name)
         model.save_pretrained(root / "hf")
@@ -68,6 +80,18 @@ def converted(tmp_path_factory):
         arch = hf_to_mcore(root / "hf", root / "mcore", progress=False)
         out[name] = (root / "hf", root / "mcore", arch.to_record(), reference)
     return out
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory):
+    """name -> (hf_dir, mcore_dir, architecture record, HF reference logits [b, s, v] on ``tokens()``)."""
+    return _convert_all(tmp_path_factory, MODELS)
+
+
+@pytest.fixture(scope="session")
+def converted_families(tmp_path_factory):
+    """The same for the ``FAMILIES`` models."""
+    return _convert_all(tmp_path_factory, FAMILIES)
 
 
 def load_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
@@ -96,14 +120,14 @@ def assert_converts_back_bit_for_bit(saved_dir, hf_dir, out_dir) -> None:
 
 
 def init_megatron(tp: int = 1, cp: int = 1, **kwargs) -> None:
-    """megatron-core's parallel state on this gloo rank, seeded, pinned to the CPU (shims applied also where
-    CUDA is present; the models come from ``verify.build_gpt_model``, whose device defaults to the CPU)."""
+    """megatron-core's parallel state on this gloo rank, seeded, pinned to the CPU (every megatron_patches
+    patch applied, the CPU shims also where CUDA is present; the models come from ``verify.build_gpt_model``, whose device defaults to the CPU)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_patches.cpu_shims import apply_cpu_shims
+    import megatron_patches
 
-    apply_cpu_shims("cpu")
+    megatron_patches.apply_all(device="cpu")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp, **kwargs)
     model_parallel_cuda_manual_seed(0)
 

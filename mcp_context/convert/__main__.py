@@ -121,8 +121,9 @@ def _run(args: argparse.Namespace) -> int:
         print(f"max |logit difference| = {diff:.3e} over {ids.shape[1]} tokens on {device} "
               f"(tolerance {args.tolerance:.1e})")
         if not diff <= args.tolerance:
-            differ = differing_tensors(hf, mcore, arch.shape)
-            why = (f"{len(differ)} tensor(s) differ between --hf and --mcore, e.g. {differ[:4]}" if differ else
+            differ = differing_tensors(hf, mcore, arch)
+            why = (f"{len(differ)} tensor(s) differ between --hf and --mcore, e.g. {differ[:4]} (the first in "
+                   f"checkpoint order: {differ[0]})" if differ else
                    "every tensor is identical on both sides, so the models compute differently")
             print(f"verify: FAILED: {why}", file=sys.stderr)
             return 1

@@ -18,8 +18,7 @@ import torch
 
 from mcp_context.convert.hf_io import (DEFAULT_MAX_SHARD_BYTES, HFCheckpointReader, HFCheckpointWriter, MissingTensorError,
                                         read_json_object)
-from mcp_context.convert.mapping import (EXTRA_STATE_MODULES, LAYER_KEY_PREFIX, TensorMap, hf_tensors, layer_indices,
-                                         tensor_maps)
+from mcp_context.convert.mapping import TensorMap, extra_state_keys, hf_names_at, hf_tensors, slots, tensor_maps
 from mcp_context.convert.mcore_io import EXTRA_DIR, McoreCheckpointReader, TensorChunk, save_chunks
 from mcp_context.convert.model_config import HFModel, hf_config_from_model, hf_model_from_config
 from mcp_context.recipes.schema import ModelConfig
@@ -44,7 +43,7 @@ def _progress(total: int, desc: str, enabled: Optional[bool]) -> Any:
 def check_hf_tensors(reader: HFCheckpointReader, arch: HFModel) -> None:
     """Raise unless ``reader`` holds exactly the tensors ``arch`` needs, with the shapes it implies."""
     m = arch.shape
-    expected = {name: shape for name, shape, _ in hf_tensors(m)}
+    expected = {name: shape for name, shape, _ in hf_tensors(m, arch.model_type)}
     present = set(reader.names())
     missing = [n for n in expected if n not in present]
     if missing:
@@ -58,7 +57,7 @@ def check_hf_tensors(reader: HFCheckpointReader, arch: HFModel) -> None:
             raise ValueError(f"tensor {name!r} has shape {list(actual)} but config.json implies {list(shape)} "
                              f"(hidden_size={m.hidden_size}, num_attention_heads={m.num_attention_heads}, "
                              f"num_key_value_heads={m.num_query_groups}, head_dim={m.kv_channels}, "
-                             f"intermediate_size={m.ffn_hidden_size}, vocab_size={m.vocab_size}); "
+                             f"intermediate_size={m.ffn_hidden_size}, vocab_size={m.vocab_size}{_moe_sizes(m)}); "
                              f"fix config.json or the weights")
     leftover = sorted(n for n in present - set(expected) if not n.endswith(_IGNORED_HF_SUFFIXES))
     if m.share_embeddings_and_output_weights and leftover == ["lm_head.weight"]:
@@ -73,6 +72,13 @@ def check_hf_tensors(reader: HFCheckpointReader, arch: HFModel) -> None:
                          f"{arch.model_type}? is qkv bias / tying set correctly in config.json?)")
 
 
+def _moe_sizes(m: ModelConfig) -> str:
+    """The expert count and width a MoE shape's tensor shapes follow, for an error message."""
+    if m.num_moe_experts is None:
+        return ""
+    return f", experts={m.num_moe_experts}, expert intermediate size={m.moe_ffn_hidden_size}"
+
+
 def _common_dtype(reader: HFCheckpointReader, names: list[str]) -> torch.dtype:
     dtypes = {reader.info(n).dtype for n in names}
     if len(dtypes) != 1:
@@ -81,17 +87,15 @@ def _common_dtype(reader: HFCheckpointReader, names: list[str]) -> torch.dtype:
     return dtypes.pop()
 
 
-def _hf_chunks(reader: HFCheckpointReader, model: ModelConfig) -> list[TensorChunk]:
+def _hf_chunks(reader: HFCheckpointReader, arch: HFModel) -> list[TensorChunk]:
     chunks = []
-    for tmap in tensor_maps(model):
-        for layer in layer_indices(tmap, model):
-            names = tmap.hf_names_for(layer)
+    model = arch.shape
+    for tmap in tensor_maps(model, arch.model_type):
+        global_shape, shape = tmap.global_shape(model), tmap.mcore_shape
+        for slot in slots(tmap, model):
+            names = hf_names_at(tmap, slot)
             dtype = _common_dtype(reader, names)
-            shape = tmap.mcore_shape
-            if tmap.per_layer:
-                global_shape, offsets, sizes = (model.num_layers, *shape), (layer,) + (0,) * len(shape), (1, *shape)
-            else:
-                global_shape, offsets, sizes = shape, (0,) * len(shape), shape
+            offsets, sizes = tuple(slot) + (0,) * len(shape), (1,) * len(slot) + shape
 
             def load(tmap: TensorMap = tmap, names: list[str] = names, sizes: tuple = sizes) -> torch.Tensor:
                 return tmap.fuse([reader.read(n) for n in names]).reshape(sizes)
@@ -104,8 +108,7 @@ def _extra_state_objects(model: ModelConfig) -> dict[str, bytes]:
     """``_extra_state`` entries megatron-core's loader asks for (``None`` payloads, as a fresh model has)."""
     buf = io.BytesIO()
     torch.save([None], buf)
-    return {f"{LAYER_KEY_PREFIX}{module}._extra_state/shard_{layer}_{model.num_layers}": buf.getvalue()
-            for layer in range(model.num_layers) for module in EXTRA_STATE_MODULES}
+    return {key: buf.getvalue() for key in extra_state_keys(model)}
 
 
 def hf_to_mcore(hf_dir: str | os.PathLike, mcore_dir: str | os.PathLike,
@@ -115,7 +118,7 @@ def hf_to_mcore(hf_dir: str | os.PathLike, mcore_dir: str | os.PathLike,
     reader = HFCheckpointReader(hf_dir)
     arch = hf_model_from_config(reader.config)
     check_hf_tensors(reader, arch)
-    chunks = _hf_chunks(reader, arch.shape)
+    chunks = _hf_chunks(reader, arch)
     extra_files = {ARCH_RECORD: json.dumps(arch.to_record(), indent=2).encode()}
     for name in HF_SIDE_FILES:
         if (reader.dir / name).is_file():
@@ -141,9 +144,9 @@ def _architecture_of(reader: McoreCheckpointReader, hf_config: Optional[dict]) -
 
 def check_mcore_tensors(reader: McoreCheckpointReader, arch: HFModel) -> None:
     """Raise unless ``reader`` holds exactly the model tensors ``arch`` needs, with the right global shapes."""
-    maps = tensor_maps(arch.shape)
+    maps = tensor_maps(arch.shape, arch.model_type)
     for tmap in maps:
-        expected = ((arch.shape.num_layers,) if tmap.per_layer else ()) + tmap.mcore_shape
+        expected = tmap.global_shape(arch.shape)
         actual = reader.shape(tmap.mcore_key)  # raises MissingTensorError naming the key
         if actual != expected:
             raise ValueError(f"tensor {tmap.mcore_key!r} has global shape {list(actual)} but the architecture "
@@ -155,6 +158,16 @@ def check_mcore_tensors(reader: McoreCheckpointReader, arch: HFModel) -> None:
                          f"cover, e.g. {leftover[:4]}; converting would drop them")
 
 
+def read_slot(reader: McoreCheckpointReader, tmap: TensorMap, model: ModelConfig, slot: tuple) -> torch.Tensor:
+    """One chunk of ``tmap`` (one layer, one expert of one layer, or the whole tensor) as stored."""
+    shape = tmap.mcore_shape
+    lead = tmap.global_shape(model)[:len(slot)]
+    if not slot:
+        return reader.read(tmap.mcore_key)
+    chunk = reader.read(tmap.mcore_key, tuple(slot) + (0,) * len(shape), (1,) * len(lead) + shape)
+    return chunk.reshape(shape)
+
+
 def mcore_to_hf(mcore_dir: str | os.PathLike, hf_dir: str | os.PathLike, *,
                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, hf_config: Optional[dict] = None,
                 progress: Optional[bool] = None) -> HFModel:
@@ -163,14 +176,14 @@ def mcore_to_hf(mcore_dir: str | os.PathLike, hf_dir: str | os.PathLike, *,
     reader = McoreCheckpointReader(mcore_dir)
     arch = _architecture_of(reader, hf_config)
     check_mcore_tensors(reader, arch)
-    maps = tensor_maps(arch.shape)
-    plan = [(name, shape, reader.dtype(tmap.mcore_key)) for name, shape, tmap in hf_tensors(arch.shape)]
+    maps = tensor_maps(arch.shape, arch.model_type)
+    plan = [(name, shape, reader.dtype(tmap.mcore_key)) for name, shape, tmap in hf_tensors(arch.shape, arch.model_type)]
     with HFCheckpointWriter(hf_dir, plan, max_shard_bytes) as writer, \
             _progress(len(plan), "mcore-to-hf", progress) as bar:
         for tmap in maps:
-            for layer in layer_indices(tmap, arch.shape):
-                fused = reader.read_layer(tmap.mcore_key, layer) if tmap.per_layer else reader.read(tmap.mcore_key)
-                for name, tensor in zip(tmap.hf_names_for(layer), tmap.split(fused)):
+            for slot in slots(tmap, arch.shape):
+                fused = read_slot(reader, tmap, arch.shape, slot)
+                for name, tensor in zip(hf_names_at(tmap, slot), tmap.split(fused)):
                     writer.write(name, tensor)
                     bar.update()
                 del fused

@@ -1,4 +1,4 @@
-"""Tensor-by-tensor mapping between Hugging Face Llama-family weights and Megatron-Core keys.
+"""Tensor-by-tensor mapping between Hugging Face decoder weights and Megatron-Core keys.
 
 Owns the name table (HF name <-> Megatron-Core dist-checkpoint key <-> local-spec and TE-spec
 parameter names), the fusing rules and their inverses:
@@ -8,7 +8,10 @@ parameter names), the fusing rules and their inverses:
   (``[g, (h/g + 2) * d, hidden]``). Tensor parallelism splits this tensor along dim 0 into
   contiguous blocks of whole query groups, so the global tensor is the same at every TP size.
 * ``linear_fc1`` is ``[gate; up]`` (megatron-core stores the SwiGLU halves as two sharded
-  tensors under one key, so the global tensor is again independent of TP).
+  tensors under one key, so the global tensor is again independent of TP); an expert's too.
+* q/k norms (Qwen3's per-head ``q_norm`` / ``k_norm``) are megatron-core's ``q_layernorm`` /
+  ``k_layernorm``; a MoE layer's router is ``mlp.router``, its experts megatron-core's local
+  (sequential) experts, stored with a leading expert axis after the layer axis.
 
 It does not read or write files (``hf_io``, ``mcore_io``) and knows nothing about configs beyond
 the model shape (:class:`~mcp_context.recipes.schema.ModelConfig`) of a converted model.
@@ -16,7 +19,7 @@ the model shape (:class:`~mcp_context.recipes.schema.ModelConfig`) of a converte
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -25,8 +28,18 @@ from mcp_context.recipes.schema import ModelConfig
 LAYER_KEY_PREFIX = "decoder.layers."
 # Modules whose ``_extra_state`` megatron-core's loader requests per layer: the four linears of the
 # local spec, plus TE's core attention (harmless extra entries for the local spec).
-EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1",
-                       "mlp.linear_fc2", "self_attention.core_attention")
+ATTENTION_EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv",
+                                 "self_attention.core_attention")
+DENSE_MLP_EXTRA_STATE_MODULES = ("mlp.linear_fc1", "mlp.linear_fc2")
+# A MoE layer's local experts: one object per (layer, expert) under these keys.
+EXPERT_EXTRA_STATE_MODULES = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
+# The Hugging Face names of a MoE layer, per model type: (router, expert prefix, gate, up, down).
+HF_MOE_NAMES = {
+    "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{expert}.", "w1.weight", "w3.weight",
+                "w2.weight"),
+    "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{expert}.", "gate_proj.weight", "up_proj.weight",
+                  "down_proj.weight"),
+}
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_query_groups: int) -> torch.Tensor:
@@ -74,7 +87,10 @@ class TensorMap:
 
     ``mcore_key`` is the dist-checkpoint key (TE naming, which the local spec maps to through its
     ``sharded_state_dict_keys_map``); per-layer tensors are stacked there along a leading layer axis.
-    ``hf_names``, ``local_name`` and ``te_name`` hold ``{layer}`` where ``per_layer`` is true.
+    ``hf_names``, ``local_name`` and ``te_name`` hold ``{layer}`` where ``per_layer`` is true, and
+    ``{expert}`` where ``experts`` (the expert count of a local-experts tensor) is non-zero; such a
+    tensor is stored as ``[num_layers, experts, ...]``. ``layers`` names the layers a per-layer
+    tensor exists on (None: all), e.g. the MoE layers of a model whose other layers are dense.
     """
 
     mcore_key: str
@@ -85,6 +101,8 @@ class TensorMap:
     per_layer: bool
     fuse: Callable[[Sequence[torch.Tensor]], torch.Tensor]
     split: Callable[[torch.Tensor], Sequence[torch.Tensor]]
+    layers: Optional[tuple[int, ...]] = None
+    experts: int = 0
 
     @property
     def mcore_shape(self) -> tuple[int, ...]:
@@ -92,21 +110,59 @@ class TensorMap:
         first = self.hf_shapes[0]
         return (sum(s[0] for s in self.hf_shapes), *first[1:])
 
-    def hf_names_for(self, layer: int | None) -> list[str]:
-        return [n.format(layer=layer) for n in self.hf_names]
+    def hf_names_for(self, layer: int | None, expert: int | None = None) -> list[str]:
+        return [n.format(layer=layer, expert=expert) for n in self.hf_names]
 
-    def param_name(self, layer: int | None, spec: str) -> str:
+    def param_name(self, layer: int | None, spec: str, expert: int | None = None) -> str:
         """Parameter name in a Megatron-Core model built with the ``"local"`` or ``"te"`` layer spec."""
         if spec not in ("local", "te"):
             raise ValueError(f"spec={spec!r} is not a layer-spec flavour; use 'local' or 'te'")
         name = self.local_name if spec == "local" else self.te_name
-        return name.format(layer=layer)
+        return name.format(layer=layer, expert=expert)
+
+    def global_shape(self, model: ModelConfig) -> tuple[int, ...]:
+        """Shape of the stored Megatron tensor: the leading layer and expert axes, then one chunk's."""
+        lead = ((model.num_layers,) if self.per_layer else ()) + ((self.experts,) if self.experts else ())
+        return lead + self.mcore_shape
 
 
-def tensor_maps(model: ModelConfig) -> list[TensorMap]:
-    """The full table for ``model``, in checkpoint order (embedding, layers, final norm, output)."""
+Slot = tuple  # () for a global tensor, (layer,) per layer, (layer, expert) per local expert
+
+
+def slots(tmap: TensorMap, model: ModelConfig) -> list[Slot]:
+    """The leading indices of every stored chunk of ``tmap``: ``[()]`` for a global tensor, one
+    ``(layer,)`` per layer that has it, or one ``(layer, expert)`` per local expert of those layers."""
+    if not tmap.per_layer:
+        return [()]
+    layers = tmap.layers if tmap.layers is not None else range(model.num_layers)
+    if tmap.experts:
+        return [(layer, expert) for layer in layers for expert in range(tmap.experts)]
+    return [(layer,) for layer in layers]
+
+
+def hf_names_at(tmap: TensorMap, slot: Slot) -> list[str]:
+    """The Hugging Face names of ``tmap``'s chunk at ``slot``."""
+    return tmap.hf_names_for(slot[0] if slot else None, slot[1] if len(slot) > 1 else None)
+
+
+def moe_layers(model: ModelConfig) -> list[int]:
+    """The layers whose MLP is a mixture of experts (megatron-core's ``moe_layer_freq`` read as its
+    ``get_gpt_decoder_block_spec`` reads it): none for a dense model."""
+    if model.num_moe_experts is None:
+        return []
+    freq = model.moe_layer_freq
+    if isinstance(freq, int):
+        return [i for i in range(model.num_layers) if i % freq == 0]
+    return [i for i, moe in enumerate(freq) if moe]
+
+
+def tensor_maps(model: ModelConfig, model_type: str = "llama") -> list[TensorMap]:
+    """The full table for ``model`` (a ``model_type`` checkpoint), in checkpoint order (embedding,
+    layers, final norm, output)."""
     h, g, d = model.num_attention_heads, model.num_query_groups, model.kv_channels
     hidden, ffn, vocab = model.hidden_size, model.ffn_hidden_size, model.vocab_size
+    sparse = moe_layers(model)
+    dense = tuple(i for i in range(model.num_layers) if i not in sparse) if sparse else None
 
     def qkv_split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return split_qkv(t, h, g, d)
@@ -124,9 +180,10 @@ def tensor_maps(model: ModelConfig) -> list[TensorMap]:
                       ((vocab, hidden),), False, _identity, _unwrap)]
 
     def layer(suffix_local: str, suffix_te: str, hf: tuple[str, ...], shapes: tuple[tuple[int, ...], ...],
-              fuse: Callable = _identity, split: Callable = _unwrap) -> TensorMap:
-        return TensorMap(LAYER_KEY_PREFIX + suffix_te, mc_layer + suffix_local, mc_layer + suffix_te,
-                         tuple(hf_layer + n for n in hf), shapes, True, fuse, split)
+              fuse: Callable = _identity, split: Callable = _unwrap, layers: Optional[tuple[int, ...]] = None,
+              experts: int = 0, key: Optional[str] = None) -> TensorMap:
+        return TensorMap(LAYER_KEY_PREFIX + (key or suffix_te), mc_layer + suffix_local, mc_layer + suffix_te,
+                         tuple(hf_layer + n for n in hf), shapes, True, fuse, split, layers, experts)
 
     maps += [
         layer("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight",
@@ -139,15 +196,30 @@ def tensor_maps(model: ModelConfig) -> list[TensorMap]:
         maps.append(layer("self_attention.linear_qkv.bias", "self_attention.linear_qkv.bias",
                           ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
                           ((h * d,), (g * d,), (g * d,)), qkv_fuse, qkv_split))
+    if model.qk_layernorm:
+        maps += [layer("self_attention.q_layernorm.weight", "self_attention.q_layernorm.weight",
+                       ("self_attn.q_norm.weight",), ((d,),)),
+                 layer("self_attention.k_layernorm.weight", "self_attention.k_layernorm.weight",
+                       ("self_attn.k_norm.weight",), ((d,),))]
     maps += [
         layer("self_attention.linear_proj.weight", "self_attention.linear_proj.weight",
               ("self_attn.o_proj.weight",), ((hidden, h * d),)),
-        layer("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight",
-              ("post_attention_layernorm.weight",), ((hidden,),)),
-        layer("mlp.linear_fc1.weight", "mlp.linear_fc1.weight",
-              ("mlp.gate_proj.weight", "mlp.up_proj.weight"), ((ffn, hidden), (ffn, hidden)),
-              fc1_fuse, split_gate_up),
-        layer("mlp.linear_fc2.weight", "mlp.linear_fc2.weight", ("mlp.down_proj.weight",), ((hidden, ffn),)),
+        # TE's MoE layers keep a separate pre_mlp_layernorm (TENorm), whose key is its own name; the local
+        # spec saves it under the fused name for both layer kinds, which is the key written here
+        layer("pre_mlp_layernorm.weight", "pre_mlp_layernorm.weight" if sparse else "mlp.linear_fc1.layer_norm_weight",
+              ("post_attention_layernorm.weight",), ((hidden,),), key="mlp.linear_fc1.layer_norm_weight"),
+    ]
+    if dense != ():
+        maps += [
+            layer("mlp.linear_fc1.weight", "mlp.linear_fc1.weight",
+                  ("mlp.gate_proj.weight", "mlp.up_proj.weight"), ((ffn, hidden), (ffn, hidden)),
+                  fc1_fuse, split_gate_up, dense),
+            layer("mlp.linear_fc2.weight", "mlp.linear_fc2.weight", ("mlp.down_proj.weight",), ((hidden, ffn),),
+                  layers=dense),
+        ]
+    if sparse:
+        maps += _moe_maps(model, model_type, tuple(sparse), layer, fc1_fuse)
+    maps += [
         TensorMap("decoder.final_layernorm.weight", "decoder.final_layernorm.weight",
                   "decoder.final_layernorm.weight", ("model.norm.weight",), ((hidden,),), False,
                   _identity, _unwrap),
@@ -158,12 +230,42 @@ def tensor_maps(model: ModelConfig) -> list[TensorMap]:
     return maps
 
 
-def layer_indices(tmap: TensorMap, model: ModelConfig) -> list[int | None]:
-    """The layers a map covers: ``0..num_layers-1`` for per-layer tensors, ``[None]`` otherwise."""
-    return list(range(model.num_layers)) if tmap.per_layer else [None]
+def _moe_maps(model: ModelConfig, model_type: str, layers: tuple[int, ...], layer: Callable,
+              fc1_fuse: Callable) -> list[TensorMap]:
+    """Router and local experts of the MoE layers ``layers``, named as ``model_type`` names them."""
+    if model_type not in HF_MOE_NAMES:
+        raise ValueError(f"model_type={model_type!r} has no Hugging Face MoE naming here; MoE layers are "
+                         f"mapped for {sorted(HF_MOE_NAMES)}")
+    router, prefix, gate, up, down = HF_MOE_NAMES[model_type]
+    experts, hidden = model.num_moe_experts, model.hidden_size
+    ffn = model.moe_ffn_hidden_size or model.ffn_hidden_size
+    local = "mlp.experts.local_experts.{expert}."
+    key = "mlp.experts.experts."
+    return [
+        layer("mlp.router.weight", "mlp.router.weight", (router,), ((experts, hidden),), layers=layers),
+        layer(local + "linear_fc1.weight", local + "linear_fc1.weight", (prefix + gate, prefix + up),
+              ((ffn, hidden), (ffn, hidden)), fc1_fuse, split_gate_up, layers, experts, key + "linear_fc1.weight"),
+        layer(local + "linear_fc2.weight", local + "linear_fc2.weight", (prefix + down,), ((hidden, ffn),),
+              layers=layers, experts=experts, key=key + "linear_fc2.weight"),
+    ]
 
 
-def hf_tensors(model: ModelConfig) -> list[tuple[str, tuple[int, ...], TensorMap]]:
+def hf_tensors(model: ModelConfig, model_type: str = "llama") -> list[tuple[str, tuple[int, ...], TensorMap]]:
     """Every Hugging Face tensor of ``model`` as ``(name, shape, its TensorMap)``, in mapping order."""
-    return [(name, shape, tmap) for tmap in tensor_maps(model) for layer in layer_indices(tmap, model)
-            for name, shape in zip(tmap.hf_names_for(layer), tmap.hf_shapes)]
+    return [(name, shape, tmap) for tmap in tensor_maps(model, model_type) for slot in slots(tmap, model)
+            for name, shape in zip(hf_names_at(tmap, slot), tmap.hf_shapes)]
+
+
+def extra_state_keys(model: ModelConfig) -> list[str]:
+    """The ``_extra_state`` object keys megatron-core's loader asks for, as ``dist_checkpointing`` names
+    a ``ShardedObject``: ``KEY/shard_<offsets>_<shape>`` (dot-joined), per layer or (layer, expert)."""
+    num_layers, sparse = model.num_layers, set(moe_layers(model))
+    keys = []
+    for i in range(num_layers):
+        modules = ATTENTION_EXTRA_STATE_MODULES + (() if i in sparse else DENSE_MLP_EXTRA_STATE_MODULES)
+        keys += [f"{LAYER_KEY_PREFIX}{module}._extra_state/shard_{i}_{num_layers}" for module in modules]
+        if i in sparse:
+            experts = model.num_moe_experts
+            keys += [f"{LAYER_KEY_PREFIX}{module}._extra_state/shard_{i}.{e}_{num_layers}.{experts}"
+                     for module in EXPERT_EXTRA_STATE_MODULES for e in range(experts)]
+    return keys

@@ -1,4 +1,8 @@
-"""Hugging Face Llama-family ``config.json`` <-> the package's model shape (``ModelConfig``).
+"""Hugging Face decoder ``config.json`` <-> the package's model shape (``ModelConfig``).
+
+Families: dense Llama-style decoders (Llama, Mistral, Qwen2), Qwen3 (per-head q/k RMSNorm:
+``qk_layernorm``) and the softmax-routed mixtures of experts Mixtral and Qwen3-MoE (megatron-core's
+local experts, ``num_moe_experts`` / ``moe_router_topk`` / ``moe_router_pre_softmax``).
 
 Owns :class:`HFModel` (a model's shape in megatron-core's names, plus ``model_type``, the one fact
 only the Hugging Face side needs), the reading of ``config.json`` into it with its validation against
@@ -19,7 +23,19 @@ from typing import Any, Optional
 from mcp_context.recipes.schema import ModelConfig
 
 SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                         "qwen2": "Qwen2ForCausalLM"}
+                         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                         "qwen3_moe": "Qwen3MoeForCausalLM"}
+# How each family's config.json says which layers slide: on every layer (``sliding_window``; Qwen3-MoE
+# only with ``use_sliding_window``), or per layer (Qwen2's ``layer_types`` / ``max_window_layers``).
+EVERY_LAYER_WINDOW = ("mistral", "mixtral", "qwen3_moe")
+PER_LAYER_WINDOW = ("qwen2", "qwen3")
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")
+MOE_TYPES = ("mixtral", "qwen3_moe")
+# Families whose model_type transformers knows but this converter does not yet map (issue 21), and why.
+NOT_YET = {"deepseek_v3": "MLA, sigmoid group-limited routing, shared experts and dense first layers are not "
+                          "mapped yet (docs/convert.md, 'Not yet converted')",
+           "gpt_oss": "learned sinks, expert biases and the clamped SwiGLU are not mapped yet "
+                      "(docs/convert.md, 'Not yet converted')"}
 # megatron-core's RotaryEmbedding._apply_scaling hard-codes these Llama-3 constants; only `factor`
 # is configurable (GPTModel(rope_scaling=True, rope_scaling_factor=...)).
 MCORE_LLAMA3_ROPE_CONSTANTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -38,8 +54,8 @@ class UnsupportedArchitectureError(ValueError):
 
 @dataclass(frozen=True)
 class HFModel:
-    """A dense Llama-family decoder (Llama 2/3, Mistral, Qwen2) as the converter sees it: its shape
-    (TP = PP = CP = 1; a loader sets its own layout) and its Hugging Face ``model_type``."""
+    """A decoder (Llama 2/3, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE) as the converter sees it: its
+    shape (TP = PP = CP = 1; a loader sets its own layout) and its Hugging Face ``model_type``."""
 
     model_type: str
     shape: ModelConfig
@@ -85,7 +101,7 @@ def _positive_int(cfg: dict[str, Any], field: str, default: Optional[int] = None
     if value is None and default is not None:
         return default
     if value is None and field not in cfg:
-        raise ValueError(f"config.json has no field {field}; a Llama-family config needs it (an integer >= 1)")
+        raise ValueError(f"config.json has no field {field}; this model type's config needs it (an integer >= 1)")
     integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
     if isinstance(value, bool) or not integral or value < 1:
         raise ValueError(f"config.json field {field}={value!r}: must be an integer >= 1; fix config.json")
@@ -121,12 +137,18 @@ def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, Optional[float]]:
     return theta, _positive_float(params.get("factor"), "rope_scaling.factor")
 
 
+def _flag(cfg: dict[str, Any], field: str, default: bool) -> bool:
+    """``cfg[field]`` as a bool (absent: ``default``)."""
+    value = cfg.get(field, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"config.json field {field}={value!r}: must be true or false; fix config.json")
+    return value
+
+
 def _sliding_layers(cfg: dict[str, Any], num_layers: int) -> list[bool]:
-    """Which layers of a Qwen2 config slide, as transformers 5 decides: an explicit ``layer_types``
+    """Which layers of a Qwen2 / Qwen3 config slide, as transformers 5 decides: an explicit ``layer_types``
     wins; otherwise layers ``i >= max_window_layers`` when ``use_sliding_window``."""
-    use = cfg.get("use_sliding_window", False)
-    if not isinstance(use, bool):
-        raise ValueError(f"config.json field use_sliding_window={use!r}: must be true or false; fix config.json")
+    use = _flag(cfg, "use_sliding_window", False)
     types = cfg.get("layer_types")
     if types is None:
         first = cfg.get("max_window_layers", 28)  # Qwen2Config's default
@@ -152,11 +174,12 @@ def _window_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int,
 
     transformers lets query i see key j of a sliding layer iff ``0 <= i - j < sliding_window``
     (``masking_utils.sliding_window_overlay`` on the causal mask): ``window_size = [w - 1, 0]``. Mistral
-    slides on every layer, Qwen2 on the layers ``_sliding_layers`` picks; a list of 0/1 says which
+    and Mixtral slide on every layer, Qwen3-MoE on every layer with ``use_sliding_window``, Qwen2 and
+    Qwen3 on the layers ``_sliding_layers`` picks; a list of 0/1 says which
     (None: all of them). A window as long as the position table masks nothing and is dropped."""
-    if model_type == "mistral":
-        sliding = [True] * num_layers
-    elif model_type == "qwen2":
+    if model_type in EVERY_LAYER_WINDOW:
+        sliding = [model_type != "qwen3_moe" or _flag(cfg, "use_sliding_window", False)] * num_layers
+    elif model_type in PER_LAYER_WINDOW:
         sliding = _sliding_layers(cfg, num_layers)
     else:
         return None, None
@@ -171,10 +194,12 @@ def _window_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int,
 def hf_model_from_config(cfg: dict[str, Any]) -> HFModel:
     """Validate a Hugging Face ``config.json`` dict and return its :class:`HFModel`."""
     model_type = cfg.get("model_type")
+    if model_type in NOT_YET:
+        raise _refuse("model_type", model_type, NOT_YET[model_type])
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise _refuse("model_type", model_type,
-                      f"supported model types are {sorted(SUPPORTED_MODEL_TYPES)} (dense Llama-family "
-                      f"decoders); other architectures need their own converter")
+                      f"supported model types are {sorted(SUPPORTED_MODEL_TYPES)}; other architectures need "
+                      f"their own converter")
     archs = cfg.get("architectures") or [SUPPORTED_MODEL_TYPES[model_type]]
     if archs != [SUPPORTED_MODEL_TYPES[model_type]]:
         raise _refuse("architectures", archs,
@@ -195,9 +220,7 @@ def hf_model_from_config(cfg: dict[str, Any]) -> HFModel:
     hidden = _positive_int(cfg, "hidden_size")
     head_dim = _positive_int(cfg, "head_dim", default=max(hidden // heads, 1))
     theta, factor = _rope_from_hf(cfg)
-    tied = cfg.get("tie_word_embeddings", False)
-    if not isinstance(tied, bool):
-        raise ValueError(f"config.json field tie_word_embeddings={tied!r}: must be true or false; fix config.json")
+    tied = _flag(cfg, "tie_word_embeddings", False)
     max_positions = _positive_int(cfg, "max_position_embeddings", default=4096)
     num_layers = _positive_int(cfg, "num_hidden_layers")
     window, skip_freq = _window_from_hf(cfg, model_type, num_layers, max_positions)
@@ -212,10 +235,41 @@ def hf_model_from_config(cfg: dict[str, Any]) -> HFModel:
         layernorm_epsilon=_positive_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
         gated_linear_unit=True, activation_func="silu", add_bias_linear=False, add_qkv_bias=model_type == "qwen2",
         window_size=window, window_attn_skip_freq=skip_freq, attention_dropout=0.0, hidden_dropout=0.0,
-        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
-        hierarchical_context_parallel_sizes=None, cp_comm_type="p2p",
+        qk_layernorm=model_type in QK_NORM_TYPES, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+        context_parallel_size=1, hierarchical_context_parallel_sizes=None, cp_comm_type="p2p",
+        **(_moe_from_hf(cfg, model_type, num_layers) if model_type in MOE_TYPES else {}),
     )
     return HFModel(model_type, shape)
+
+
+def _moe_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
+    """The ``ModelConfig`` MoE fields of a Mixtral / Qwen3-MoE config.
+
+    Both score with a softmax. Mixtral renormalises the top-k scores, which is megatron-core's top-k on
+    the logits then a softmax over them (``moe_router_pre_softmax=False``); Qwen3-MoE's ``norm_topk_prob``
+    picks between that and the softmax over all experts, kept unnormalised (``pre_softmax=True``). Every
+    layer is MoE (``moe_layer_freq=1``): dense layers among them are refused (the HCP specs cannot build them).
+    """
+    # absent fields take transformers' defaults (MixtralConfig, Qwen3MoeConfig, whose num_experts is an alias)
+    experts = _positive_int(cfg, "num_local_experts", default=8 if model_type == "mixtral" else
+                            _positive_int(cfg, "num_experts", default=128))
+    topk = _positive_int(cfg, "num_experts_per_tok", default=2 if model_type == "mixtral" else 8)
+    if topk > experts:
+        raise _refuse("num_experts_per_tok", topk, f"must be at most the expert count {experts}")
+    if model_type == "mixtral":
+        if cfg.get("router_jitter_noise", 0.0) not in (0, 0.0, None):
+            raise _refuse("router_jitter_noise", cfg["router_jitter_noise"], "training-time router noise has no "
+                          "megatron-core equivalent (moe_input_jitter_eps jitters the input, not the logits); set 0")
+        ffn, pre_softmax = _positive_int(cfg, "intermediate_size"), False
+    else:
+        if cfg.get("mlp_only_layers") not in (None, []) or cfg.get("decoder_sparse_step", 1) != 1:
+            field = "mlp_only_layers" if cfg.get("mlp_only_layers") not in (None, []) else "decoder_sparse_step"
+            raise _refuse(field, cfg[field], f"dense layers among MoE ones (moe_layer_freq other than 1) cannot be "
+                          f"built by the HCP layer specs; only every layer MoE (mlp_only_layers=[], "
+                          f"decoder_sparse_step=1) is converted")
+        ffn, pre_softmax = _positive_int(cfg, "moe_intermediate_size"), not _flag(cfg, "norm_topk_prob", False)
+    return dict(num_moe_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=ffn, moe_layer_freq=1,
+                moe_router_score_function="softmax", moe_router_pre_softmax=pre_softmax)
 
 
 def hf_config_from_model(model: HFModel, torch_dtype: str = "float32") -> dict[str, Any]:
@@ -233,28 +287,41 @@ def hf_config_from_model(model: HFModel, torch_dtype: str = "float32") -> dict[s
     if m.rope_scaling:
         cfg["rope_scaling"] = {"rope_type": "llama3", "factor": m.rope_scaling_factor,
                                **MCORE_LLAMA3_ROPE_CONSTANTS}
+    if model.model_type in QK_NORM_TYPES:
+        cfg["attention_bias"] = False
+    if model.model_type in MOE_TYPES:
+        cfg["num_local_experts"], cfg["num_experts_per_tok"] = m.num_moe_experts, m.moe_router_topk
+        if model.model_type == "mixtral":
+            cfg["router_jitter_noise"] = 0.0
+        else:
+            cfg.update(moe_intermediate_size=m.moe_ffn_hidden_size, norm_topk_prob=not m.moe_router_pre_softmax,
+                       decoder_sparse_step=1, mlp_only_layers=[])
     cfg.update(_hf_window_fields(model))
     return cfg
 
 
 def _hf_window_fields(model: HFModel) -> dict[str, Any]:
-    """The ``config.json`` fields of ``model``'s sliding windows: Mistral's ``sliding_window``; Qwen2's
+    """The ``config.json`` fields of ``model``'s sliding windows: Mistral's and Mixtral's ``sliding_window``
+    (Qwen3-MoE's with ``use_sliding_window``); Qwen2's and Qwen3's
     ``use_sliding_window``, ``sliding_window`` and ``layer_types`` (with ``max_window_layers`` where the
     window layers are the upper ones, as Qwen2 counts them). Refuses a window HF cannot express."""
-    m = model.shape
+    m, kind = model.shape, model.model_type
     if m.window_size is None:
-        return {"mistral": {"sliding_window": None}, "qwen2": {"use_sliding_window": False}}.get(model.model_type, {})
+        if kind in PER_LAYER_WINDOW or kind == "qwen3_moe":
+            return {"use_sliding_window": False}
+        return {"sliding_window": None} if kind in EVERY_LAYER_WINDOW else {}
     left, right = m.window_size
     freq = m.window_attn_skip_freq  # read as megatron-core's is_layer_window_attention (1-based layers)
     sliding = [freq is None or (bool(freq[i]) if isinstance(freq, list) else (i + 1) % freq != 0)
                for i in range(m.num_layers)]
-    if model.model_type not in ("mistral", "qwen2") or left < 0 or right != 0 or \
-            (model.model_type == "mistral" and not all(sliding)):
+    if kind not in EVERY_LAYER_WINDOW + PER_LAYER_WINDOW or left < 0 or right != 0 or \
+            (kind in EVERY_LAYER_WINDOW and not all(sliding)):
         raise ValueError(f"window_size={m.window_size} with window_attn_skip_freq={freq!r} has no "
-                         f"{SUPPORTED_MODEL_TYPES[model.model_type]} config.json spelling (Mistral: [w - 1, 0] on "
-                         f"every layer; Qwen2: [w - 1, 0] on any layers); convert a model without it")
-    if model.model_type == "mistral":
-        return {"sliding_window": left + 1}
+                         f"{SUPPORTED_MODEL_TYPES[kind]} config.json spelling (Mistral, Mixtral, Qwen3-MoE: "
+                         f"[w - 1, 0] on every layer; Qwen2, Qwen3: [w - 1, 0] on any layers); convert a model "
+                         f"without it")
+    if kind in EVERY_LAYER_WINDOW:
+        return {"sliding_window": left + 1, **({"use_sliding_window": True} if kind == "qwen3_moe" else {})}
     fields: dict[str, Any] = {"use_sliding_window": True, "sliding_window": left + 1,
                               "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding]}
     first = sliding.index(True) if any(sliding) else m.num_layers

@@ -20,8 +20,8 @@ from mcp_context.convert.model_config import hf_model_from_config
 def write_random_hf_checkpoint(out_dir: str | os.PathLike, config: dict, dtype: torch.dtype = torch.bfloat16,
                                seed: int = 0, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> int:
     """Write ``config`` (an HF ``config.json`` dict) and random weights to ``out_dir``; return the bytes written."""
-    model = hf_model_from_config(config).shape
-    tensors = [(name, shape, dtype) for name, shape, _ in hf_tensors(model)]
+    arch = hf_model_from_config(config)
+    tensors = [(name, shape, dtype) for name, shape, _ in hf_tensors(arch.shape, arch.model_type)]
     generator = torch.Generator().manual_seed(seed)
     total = 0
     with HFCheckpointWriter(out_dir, tensors, max_shard_bytes) as writer:

@@ -21,12 +21,13 @@ from typing import Any, Iterator, Optional, Union
 
 import torch
 
-from mcp_context.convert.converter import check_hf_tensors, check_mcore_tensors
+from mcp_context.convert.converter import check_hf_tensors, check_mcore_tensors, read_slot
 from mcp_context.convert.hf_io import HFCheckpointReader, MissingTensorError
-from mcp_context.convert.mapping import layer_indices, tensor_maps
+from mcp_context.convert.mapping import hf_names_at, slots, tensor_maps
 from mcp_context.convert.mcore_io import McoreCheckpointReader
 from mcp_context.convert.model_config import HFModel
-from mcp_context.recipes.schema import ModelConfig, gpt_model_kwargs, transformer_config_kwargs
+from mcp_context.recipes.schema import (ModelConfig, gpt_model_kwargs, layer_spec_kwargs, transformer_config_class,
+                                        transformer_config_kwargs)
 
 
 DeviceLike = Union[str, torch.device]
@@ -54,21 +55,19 @@ def verify_device(device: DeviceLike) -> torch.device:
 @contextlib.contextmanager
 def single_process_megatron(seed: int = 0, device: DeviceLike = "cpu") -> Iterator[None]:
     """Megatron parallel state for one process (TP = PP = CP = 1), set up only where absent and torn
-    down on exit. Off CUDA (``device`` the CPU, or ``meta``) megatron-core's CUDA-only helpers are
-    shimmed onto the CPU; on a CUDA device that device becomes the current one, where megatron-core
-    places what it creates itself."""
+    down on exit, with ``megatron_patches`` applied as pretraining applies them. Off CUDA (``device``
+    the CPU, or ``meta``) megatron-core's CUDA-only helpers are shimmed onto the CPU; on a CUDA device
+    that device becomes the current one, where megatron-core places what it creates itself."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_patches.cpu_shims import apply_cpu_shims
+    import megatron_patches
 
     device = torch.device(device)
-    if device.type == "cuda":
-        if device.index is not None:
-            torch.cuda.set_device(device)
-    else:
-        apply_cpu_shims("cpu")
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    megatron_patches.apply_all(device="cuda" if device.type == "cuda" else "cpu")  # e.g. the MoE router without TE
     own_group = not dist.is_initialized()
     with tempfile.TemporaryDirectory(prefix="mcp_verify_") as tmp:
         if own_group:
@@ -91,9 +90,11 @@ def build_gpt_model(model: ModelConfig, layer_spec: Any = None, device: DeviceLi
     """A megatron-core ``GPTModel`` for ``model``: this rank's pipeline stage on the current parallel
     state, every parameter, buffer and RoPE frequency on ``device``.
 
-    ``layer_spec`` defaults to megatron-core's local spec with RMSNorm; ``layout`` replaces
+    ``layer_spec`` defaults to megatron-core's local spec with the layer structure the model needs (q/k
+    norms, local experts; ``layer_spec_kwargs``, as pretraining picks it); ``layout`` replaces
     ``ModelConfig`` fields (``tensor_model_parallel_size``, ``context_parallel_size``,
-    ``cp_comm_type``, ``pipeline_model_parallel_size``, ...), which must agree with the initialised
+    ``cp_comm_type``, ``pipeline_model_parallel_size``, ...) or sets ``TransformerConfig`` fields the
+    shape does not hold (``expert_model_parallel_size``), which must agree with the initialised
     parallel state. On CUDA the weights are made on that device; elsewhere on the CPU, then moved (to
     ``meta``: dropped). ``initialize=False`` leaves them uninitialised, for a caller that loads them all.
     """
@@ -101,14 +102,20 @@ def build_gpt_model(model: ModelConfig, layer_spec: Any = None, device: DeviceLi
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
 
+    shape_fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    model = dataclasses.replace(model, **{k: v for k, v in layout.items() if k in shape_fields})
     if layer_spec is None:
-        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    model = dataclasses.replace(model, **layout)
+        structure = layer_spec_kwargs(model)
+        layer_spec = get_gpt_layer_local_spec(num_experts=structure["num_experts"],
+                                              qk_layernorm=structure["qk_layernorm"],
+                                              multi_latent_attention=structure["multi_latent_attention"],
+                                              normalization=structure["normalization"])
     device = torch.device(device)
-    config = TransformerConfig(**transformer_config_kwargs(model), use_cpu_initialization=device.type != "cuda",
-                               perform_initialization=initialize)
+    config = transformer_config_class(model)(**transformer_config_kwargs(model),
+                                             use_cpu_initialization=device.type != "cuda",
+                                             perform_initialization=initialize,
+                                             **{k: v for k, v in layout.items() if k not in shape_fields})
     # megatron-core makes CUDA weights on the current device: make it the requested one for the build
     on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with on_device:
@@ -208,13 +215,15 @@ def check_same_model(hf: HFCheckpointReader, mcore: McoreCheckpointReader, arch:
             raise ValueError(f"--hf {hf.dir} and --mcore {mcore.dir} do not hold the same model: {exc}") from None
 
 
-def differing_tensors(hf: HFCheckpointReader, mcore: McoreCheckpointReader, model: ModelConfig) -> list[str]:
-    """HF names of the tensors whose dtype or bits differ between the two sides (one layer at a time)."""
+def differing_tensors(hf: HFCheckpointReader, mcore: McoreCheckpointReader, arch: HFModel) -> list[str]:
+    """HF names of the tensors whose dtype or bits differ between the two sides (one chunk at a time),
+    in checkpoint order: the first is the first mismatching tensor."""
     differ = []
-    for tmap in tensor_maps(model):
-        for layer in layer_indices(tmap, model):
-            fused = mcore.read_layer(tmap.mcore_key, layer) if tmap.per_layer else mcore.read(tmap.mcore_key)
-            for name, ours in zip(tmap.hf_names_for(layer), tmap.split(fused)):
+    model = arch.shape
+    for tmap in tensor_maps(model, arch.model_type):
+        for slot in slots(tmap, model):
+            fused = read_slot(mcore, tmap, model, slot)
+            for name, ours in zip(hf_names_at(tmap, slot), tmap.split(fused)):
                 theirs = hf.read(name)
                 if ours.dtype != theirs.dtype or not torch.equal(ours, theirs):
                     differ.append(name)
