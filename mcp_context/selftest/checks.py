@@ -266,7 +266,7 @@ def run_checks(setup: Setup, ranks: Ranks, groups=None, fault: Optional[str] = N
                 ranks.say(f"boundaries.layer[{setup.kind_name(kind)}]: not run (MoE and MLA layers: see docs/selftest.md)")
                 continue
             ranks.say(f"one layer {setup.kind_name(kind)} at CP {setup.cp_size} vs CP 1 ...")
-            results.append(layer_check(setup, kind, ranks, groups))
+            results.append(layer_check(setup, kind, ranks, groups, fault))
     return results
 
 
@@ -278,14 +278,14 @@ def layer_checkable(setup: Setup) -> bool:
         getattr(m, "num_moe_experts", None) or getattr(m, "multi_latent_attention", False)))
 
 
-def layer_check(setup: Setup, kind: AttentionKind, ranks: Ranks, groups) -> CheckResult:
+def layer_check(setup: Setup, kind: AttentionKind, ranks: Ranks, groups, fault: Optional[str] = None) -> CheckResult:
     """One transformer layer of the model at this CP against the same layer at CP = 1."""
     from .layer import layer_parity
 
     name = f"boundaries.layer[{setup.kind_name(kind)}]"
     error, figures = None, None
     try:
-        figures = layer_parity(setup, kind, groups, setup.model)
+        figures = layer_parity(setup, kind, groups, setup.model, fault)
     except Exception as err:  # building or running the layer fails alike on every rank
         error = _first_line(err)
     error = ranks.first_error(error)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ..comm import HCPGroups
 from ..comm.groups import level_members
 from ..layouts import shard_sequence, unshard_sequence
+from .faults import sliced_layout
 from .setup import AttentionKind, Setup
 
 LAYER_TOL = 1e-5
@@ -68,8 +69,10 @@ def model_config(setup: Setup, recipe_model, kind: AttentionKind):
                                 gradient_accumulation_fusion=False)
 
 
-def layer_parity(setup: Setup, kind: AttentionKind, groups: HCPGroups, recipe_model=None) -> Optional[dict]:
-    """Run both layers; on rank 0 ``{"forward": (error, bound), "<param>": (error, bound), ...}``."""
+def layer_parity(setup: Setup, kind: AttentionKind, groups: HCPGroups, recipe_model=None,
+                 fault: Optional[str] = None) -> dict:
+    """Run both layers: ``{"forward": (error, bound), "<param>": (error, bound), ...}`` (``fault``
+    'layout-mismatch': the hidden states are sliced in another layout than Megatron's zigzag)."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.spec_utils import build_module
@@ -118,9 +121,10 @@ def layer_parity(setup: Setup, kind: AttentionKind, groups: HCPGroups, recipe_mo
     x_full = x.to(device).requires_grad_()
     y_full, _ = reference(x_full, attention_mask=None, rotary_pos_emb=emb_full, packed_seq_params=params_full)
     y_full.backward(dy.to(device))
-    x_local = shard_sequence(x, cp, rank, "zigzag", 0, cu, padded).to(device).requires_grad_()
+    sliced = sliced_layout("zigzag", kind.packed, fault)
+    x_local = shard_sequence(x, cp, rank, sliced, 0, cu, padded).to(device).requires_grad_()
     y_local, _ = layer(x_local, attention_mask=None, rotary_pos_emb=emb_cp, packed_seq_params=params_cp)
-    y_local.backward(shard_sequence(dy, cp, rank, "zigzag", 0, cu, padded).to(device))
+    y_local.backward(shard_sequence(dy, cp, rank, sliced, 0, cu, padded).to(device))
 
     parts = [torch.empty_like(y_local) for _ in range(cp)]
     dist.all_gather(parts, y_local.detach().contiguous(), group=groups.cp_group)
