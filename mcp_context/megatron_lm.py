@@ -2,7 +2,8 @@
 
 Owns the mapping from recipe fields to Megatron-LM argument names (``megatron/training/arguments.py``
 spelling) and the printing of a ``torchrun ... pretrain_gpt.py`` command that runs as printed. The
-layer spec is ours: ``--spec mcp_context.megatron.specs hcp_local_spec`` (or ``hcp_te_spec``), and
+layer spec is ours: ``--spec mcp_context.megatron.specs hcp_local_spec`` (or ``hcp_te_spec``, or the
+local variant for MoE / q/k norms / MLA, ``spec_name``), and
 the CP flags use Transformer Engine's spelling (``all_gather``, not ``allgather``).
 
 It sits above both ``mcp_context.recipes`` and ``mcp_context.data`` (it needs the data prefixes and
@@ -18,10 +19,12 @@ from mcp_context.cp_rules import COMM_ALIASES
 from mcp_context.data.corpus import (BUNDLED_CORPUS, corpus_path, data_prefixes, read_documents, empty_test_split,
                                      tokenizer_model_path)
 from mcp_context.recipes import RecipeConfig, RecipeError
-from mcp_context.recipes.schema import check_vocab_size, precision
+from mcp_context.recipes.schema import check_vocab_size, layer_spec_kwargs, precision
 
 SPEC_MODULE = "mcp_context.megatron.specs"
 SPEC_NAMES = {"local": "hcp_local_spec", "te": "hcp_te_spec"}
+"""The spec of a dense, plain-attention recipe per ``model.layer_spec``; ``spec_name`` picks the local
+variant of a recipe with MoE, q/k norms or MLA."""
 _TRANSFORMER_IMPL = {"local": "local", "te": "transformer_engine"}
 TOKENIZER_TYPES = {"SentencePieceTokenizer": "GPTSentencePieceTokenizer", "HuggingFaceTokenizer": "HuggingFaceTokenizer"}
 """``data.tokenizer_type`` -> Megatron-LM's ``--tokenizer-type`` of the same tokenizer. Our SentencePiece
@@ -42,6 +45,17 @@ OUR_ENTRY_ONLY = {
 Every other field is printed as the flag that means the same thing, or refused where no flag does
 (``tests/test_recipes_megatron_lm.py`` walks the schema)."""
 
+REFUSED_UNLESS_DEFAULT = {
+    "model.original_max_position_embeddings": "Megatron-LM 0.16.1 has no flag for MLA's YaRN "
+                                              "original_max_position_embeddings (MLATransformerConfig's 4096 applies)",
+    "model.beta_fast": "Megatron-LM 0.16.1 has no flag for MLA's YaRN beta_fast (MLATransformerConfig's 32 applies)",
+    "model.beta_slow": "Megatron-LM 0.16.1 has no flag for MLA's YaRN beta_slow (MLATransformerConfig's 1 applies)",
+    "model.moe_layer_freq": "the HCP layer specs put the MoE MLP in every layer (megatron-core's --spec takes one "
+                            "layer spec); printed as --moe-layer-freq 1",
+}
+"""Recipe fields Megatron-LM can only take at their default: another value is a ``RecipeError``
+(``tests/test_recipes_megatron_lm.py`` walks these too)."""
+
 LOCAL_IMPL_FLAGS = ("--no-rope-fusion", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion")
 """Megatron-LM turns these fusions on by default and they need Transformer Engine (RoPE) or apex
 (layer norm, weight-gradient accumulation); a ``local`` recipe promises neither, so its command
@@ -54,14 +68,105 @@ def _activation_flags(cfg: RecipeConfig) -> list[str]:
         (True, "silu"): ["--swiglu"],
         (False, "gelu"): [],
         (False, "squared_relu"): ["--squared-relu"],
+        (True, "quick_gelu"): ["--quick-geglu"],
     }
     key = (m.gated_linear_unit, m.activation_func)
     if key not in flags:
         raise RecipeError(
             f"model.gated_linear_unit={m.gated_linear_unit} with model.activation_func={m.activation_func!r} "
-            f"has no Megatron-LM flag; use gated silu (--swiglu), plain gelu or plain squared_relu"
+            f"has no Megatron-LM flag; use gated silu (--swiglu), gated quick_gelu (--quick-geglu), plain gelu or "
+            f"plain squared_relu"
         )
     return flags[key]
+
+
+def spec_name(cfg: RecipeConfig) -> str:
+    """The module-level spec of ``mcp_context.megatron.specs`` that builds the recipe's layers
+    (``--spec MODULE NAME`` takes an object, not a call): the local variant for its MoE / q/k norm /
+    MLA structure, ``hcp_te_spec`` for a dense plain-attention TE recipe. A structure no module-level
+    spec builds is a ``RecipeError``."""
+    from mcp_context.megatron.spec_facts import SPEC_VARIANTS, LayerSpecFacts
+
+    m = cfg.model
+    layer_spec_kwargs(m)  # moe_layer_freq other than 1: no spec builds it
+    wanted = LayerSpecFacts(qk_layernorm=m.qk_layernorm, moe=m.num_moe_experts is not None,
+                            multi_latent_attention=m.multi_latent_attention)
+    if m.layer_spec == "te":
+        if wanted.structure() != LayerSpecFacts().structure():
+            raise RecipeError(f"model.layer_spec='te' with {_structure_words(m)}: {SPEC_NAMES['te']} builds dense "
+                              f"plain-attention layers without q/k norms; use model.layer_spec=local")
+        return SPEC_NAMES["te"]
+    for name, facts in SPEC_VARIANTS.items():
+        if facts.structure() == wanted.structure():
+            return name
+    raise RecipeError(f"{_structure_words(m)}: no module-level layer spec of {SPEC_MODULE} builds it for --spec "
+                      f"(MLA's specs have the latent norms: set model.qk_layernorm=true)")
+
+
+def _structure_words(m) -> str:
+    words = [f"model.{k}={v!r}" for k, v in (("multi_latent_attention", m.multi_latent_attention),
+                                              ("num_moe_experts", m.num_moe_experts), ("qk_layernorm", m.qk_layernorm))]
+    return ", ".join(words)
+
+
+def _check_megatron_lm_defaults(cfg: RecipeConfig) -> None:
+    """``REFUSED_UNLESS_DEFAULT``: a value Megatron-LM's flags cannot give is an error naming the key."""
+    from mcp_context.recipes import ModelConfig
+
+    defaults = ModelConfig()
+    for key, why in REFUSED_UNLESS_DEFAULT.items():
+        name = key.split(".", 1)[1]
+        value = getattr(cfg.model, name)
+        if value != getattr(defaults, name):
+            raise RecipeError(f"{key}={value!r} has no Megatron-LM spelling: {why}; train it with our entry "
+                              f"(python -m mcp_context.pretrain) or use the default {getattr(defaults, name)!r}")
+
+
+def _attention_flags(cfg: RecipeConfig) -> list[str]:
+    """Sinks, q/k norms and MLA, as Megatron-LM's flags (TransformerConfig's and its MLA group's)."""
+    m, args = cfg.model, []
+    if m.softmax_type != "vanilla":
+        args += ["--softmax-type", m.softmax_type]
+    if m.qk_layernorm:
+        args.append("--qk-layernorm")
+    if not m.multi_latent_attention:
+        return args
+    args.append("--multi-latent-attention")
+    if m.q_lora_rank is not None:  # Megatron-LM's default is None (no query compression)
+        args += ["--q-lora-rank", str(m.q_lora_rank)]
+    args += ["--kv-lora-rank", str(m.kv_lora_rank), "--qk-head-dim", str(m.qk_head_dim),
+             "--qk-pos-emb-head-dim", str(m.qk_pos_emb_head_dim), "--v-head-dim", str(m.v_head_dim),
+             "--rope-type", m.rope_type]
+    if m.rope_type == "yarn":
+        args += ["--rotary-scaling-factor", str(m.rotary_scaling_factor), "--mscale", str(m.mscale),
+                 "--mscale-all-dim", str(m.mscale_all_dim)]
+    return args
+
+
+def _mlp_flags(cfg: RecipeConfig) -> list[str]:
+    """The GLU's offset and clamp and the MoE fields, as Megatron-LM's flags."""
+    m, args = cfg.model, []
+    if m.glu_linear_offset != 0.0:
+        args += ["--glu-linear-offset", str(m.glu_linear_offset)]
+    if m.activation_func_clamp_value is not None:
+        args += ["--activation-func-clamp-value", str(m.activation_func_clamp_value)]
+    if m.num_moe_experts is None:
+        return args
+    args += ["--num-experts", str(m.num_moe_experts), "--moe-router-topk", str(m.moe_router_topk),
+             "--moe-layer-freq", str(m.moe_layer_freq), "--moe-router-score-function", m.moe_router_score_function,
+             "--moe-router-load-balancing-type", m.moe_router_load_balancing_type,
+             "--moe-aux-loss-coeff", str(m.moe_aux_loss_coeff)]
+    optional = (("--moe-ffn-hidden-size", m.moe_ffn_hidden_size),
+                ("--moe-shared-expert-intermediate-size", m.moe_shared_expert_intermediate_size),
+                ("--moe-router-topk-scaling-factor", m.moe_router_topk_scaling_factor),
+                ("--moe-router-num-groups", m.moe_router_num_groups),
+                ("--moe-router-group-topk", m.moe_router_group_topk))
+    args += [x for flag, value in optional if value is not None for x in (flag, str(value))]
+    if m.moe_router_pre_softmax:
+        args.append("--moe-router-pre-softmax")
+    if m.moe_router_enable_expert_bias:
+        args.append("--moe-router-enable-expert-bias")
+    return args
 
 
 def to_megatron_args(cfg: RecipeConfig) -> list[str]:
@@ -79,6 +184,8 @@ def to_megatron_args(cfg: RecipeConfig) -> list[str]:
     # always: Megatron-LM's default with --swiglu is 2/3 of TransformerConfig's 4 * hidden_size
     add("--ffn-hidden-size", m.ffn_hidden_size if m.ffn_hidden_size is not None else 4 * m.hidden_size)
     add("--num-attention-heads", m.num_attention_heads)
+    _check_megatron_lm_defaults(cfg)
+    spec = spec_name(cfg)
     if m.num_query_groups is not None and m.num_query_groups != m.num_attention_heads:
         add("--group-query-attention")
         add("--num-query-groups", m.num_query_groups)
@@ -99,6 +206,8 @@ def to_megatron_args(cfg: RecipeConfig) -> list[str]:
     add("--normalization", m.normalization)
     add("--norm-epsilon", m.layernorm_epsilon)
     args.extend(_activation_flags(cfg))
+    args.extend(_mlp_flags(cfg))
+    args.extend(_attention_flags(cfg))
     if not m.add_bias_linear:
         add("--disable-bias-linear")
     if m.add_qkv_bias:
@@ -128,7 +237,7 @@ def to_megatron_args(cfg: RecipeConfig) -> list[str]:
     if m.sequence_parallel:
         add("--sequence-parallel")
     add("--transformer-impl", _TRANSFORMER_IMPL[m.layer_spec])
-    add("--spec", SPEC_MODULE, SPEC_NAMES[m.layer_spec])
+    add("--spec", SPEC_MODULE, spec)
     if m.layer_spec == "local":
         args.extend(LOCAL_IMPL_FLAGS)
     args.extend({"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}[precision(m)])

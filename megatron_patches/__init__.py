@@ -16,6 +16,7 @@ from megatron_patches.cpu_shims import DeviceLike, apply_cpu_shims, runs_on_cpu
 from megatron_patches.cpu_training import apply_cpu_training_shims
 from megatron_patches.hcp_groups import apply_hcp_groups_reset
 from megatron_patches.mla_without_te import apply_mla_without_te
+from megatron_patches.moe_router_without_te import apply_moe_router_without_te
 from megatron_patches.per_layer_cp_comm_type import apply_per_layer_cp_comm_type_fix
 from megatron_patches.torch_norm_sequence_parallel import apply_torch_norm_sequence_parallel
 
@@ -28,6 +29,7 @@ PATCHES: dict[str, Callable[..., list[str]]] = {
     **CPU_PATCHES,
     "hcp_groups": apply_hcp_groups_reset,
     "mla_without_te": apply_mla_without_te,
+    "moe_router_without_te": apply_moe_router_without_te,
     "per_layer_cp_comm_type": apply_per_layer_cp_comm_type_fix,
     "torch_norm_sequence_parallel": apply_torch_norm_sequence_parallel,
 }

@@ -194,18 +194,34 @@ def test_saved_recipe_round_trips_and_is_written_atomically(tmp_path):
 def test_transformer_config_kwargs_build_a_real_transformer_config(path):
     import torch
     import torch.nn.functional as F
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig
+
+    from mcp_context.recipes.schema import transformer_config_class
 
     cfg = load_recipe(path)
-    tc = TransformerConfig(**transformer_config_kwargs(cfg.model))
     m = cfg.model
+    tc = transformer_config_class(m)(**transformer_config_kwargs(m))
+    assert isinstance(tc, MLATransformerConfig) == m.multi_latent_attention
+    for name in ("softmax_type", "qk_layernorm", "num_moe_experts", "moe_router_topk", "glu_linear_offset",
+                 "activation_func_clamp_value", "window_size", "window_attn_skip_freq"):
+        assert getattr(tc, name) == (tuple(m.window_size) if name == "window_size" and m.window_size
+                                     else getattr(m, name)), name
+    if m.multi_latent_attention:  # MLA's own RoPE reads these from the config
+        assert (tc.q_lora_rank, tc.qk_head_dim, tc.qk_pos_emb_head_dim, tc.v_head_dim, tc.rope_type) == (
+            m.q_lora_rank, m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim, m.rope_type)
+        assert (tc.rotary_base, tc.rotary_percent, tc.rotary_scaling_factor) == (m.rotary_base, m.rotary_percent,
+                                                                                m.rotary_scaling_factor)
     assert tc.context_parallel_size == m.context_parallel_size
     assert tc.hierarchical_context_parallel_sizes == m.hierarchical_context_parallel_sizes
     assert tc.cp_comm_type == m.cp_comm_type
     assert tc.sequence_parallel == m.sequence_parallel
-    assert tc.num_query_groups == m.num_query_groups
+    assert tc.num_query_groups == (m.num_query_groups or m.num_attention_heads)
     assert tc.ffn_hidden_size == m.ffn_hidden_size
-    assert tc.activation_func is F.silu and tc.gated_linear_unit
+    if m.activation_func == "quick_gelu":  # megatron-core's MLP picks the clamped, offset GLU by identity
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+        assert tc.activation_func is quick_gelu and tc.gated_linear_unit
+    else:
+        assert tc.activation_func is F.silu and tc.gated_linear_unit
     assert tc.params_dtype == getattr(torch, m.params_dtype)
     gpt = gpt_model_kwargs(cfg.model, cfg.padded_vocab_size(128256))
     multiple = m.make_vocab_size_divisible_by * m.tensor_model_parallel_size
@@ -218,14 +234,18 @@ def test_every_megatron_model_the_package_builds_comes_from_the_one_translation(
     ``transformer_config_kwargs`` / ``gpt_model_kwargs``: no second translation can drift."""
     import ast
 
-    translation = {"TransformerConfig": "transformer_config_kwargs", "GPTModel": "gpt_model_kwargs"}
+    def built(func) -> str:  # TransformerConfig(...) or transformer_config_class(model)(...), its MLA-aware spelling
+        if isinstance(func, ast.Call) and getattr(func.func, "id", None) == "transformer_config_class":
+            return "TransformerConfig"
+        return getattr(func, "id", None)
+
     builders = []
     for path in sorted((RECIPES_DIR.parent / "mcp_context").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in translation:
+            if isinstance(node, ast.Call) and built(node.func) in ("TransformerConfig", "GPTModel"):
                 spread = [kw.value.func.id for kw in node.keywords if kw.arg is None
                           and isinstance(kw.value, ast.Call) and isinstance(kw.value.func, ast.Name)]
-                builders.append((path.parent.name, node.func.id, spread))
+                builders.append((path.parent.name, built(node.func), spread))
     assert sorted(builders) == [
         ("convert", "GPTModel", ["gpt_model_kwargs"]), ("convert", "TransformerConfig", ["transformer_config_kwargs"]),
         ("pretrain", "GPTModel", ["gpt_model_kwargs"]), ("pretrain", "TransformerConfig", ["transformer_config_kwargs"]),
@@ -248,17 +268,30 @@ def _megatron_lm_parser() -> argparse.ArgumentParser:
             "--make-vocab-size-divisible-by", "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
             "--num-virtual-stages-per-pipeline-rank", "--context-parallel-size", "--recompute-num-layers",
             "--num-workers", "--micro-batch-size", "--global-batch-size", "--train-iters", "--lr-warmup-iters",
-            "--lr-decay-iters", "--eval-interval", "--eval-iters", "--seed", "--save-interval", "--log-interval"]
+            "--lr-decay-iters", "--eval-interval", "--eval-iters", "--seed", "--save-interval", "--log-interval",
+            "--num-experts", "--moe-ffn-hidden-size", "--moe-router-topk", "--moe-shared-expert-intermediate-size",
+            "--moe-router-num-groups", "--moe-router-group-topk", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",
+            "--qk-pos-emb-head-dim", "--v-head-dim"]
     floats = ["--rotary-percent", "--rope-scaling-factor", "--norm-epsilon", "--attention-dropout",
               "--hidden-dropout", "--init-method-std", "--lr", "--min-lr", "--weight-decay", "--adam-beta1",
-              "--adam-beta2", "--adam-eps", "--clip-grad"]
+              "--adam-beta2", "--adam-eps", "--clip-grad", "--glu-linear-offset", "--activation-func-clamp-value",
+              "--rotary-scaling-factor", "--mscale", "--mscale-all-dim", "--moe-router-topk-scaling-factor"]
     strs = ["--position-embedding-type", "--normalization", "--transformer-impl", "--recompute-granularity",
             "--recompute-method", "--split", "--tokenizer-type", "--tokenizer-model", "--data-cache-path",
             "--lr-decay-style", "--optimizer", "--save", "--load", "--tensorboard-dir", "--wandb-project"]
     flags = ["--group-query-attention", "--use-rope-scaling", "--swiglu", "--squared-relu", "--disable-bias-linear",
              "--add-qkv-bias", "--untie-embeddings-and-output-weights", "--sequence-parallel", "--bf16", "--fp16",
              "--no-create-attention-mask-in-dataloader", "--reset-position-ids", "--reset-attention-mask",
-             "--eod-mask-loss", "--use-distributed-optimizer"]
+             "--eod-mask-loss", "--use-distributed-optimizer", "--quick-geglu", "--qk-layernorm",
+             "--multi-latent-attention", "--moe-router-pre-softmax", "--moe-router-enable-expert-bias"]
+    # TransformerConfig's Literal fields (Megatron-LM's ArgumentGroupFactory gives them choices) and the MLA group's.
+    p.add_argument("--softmax-type", type=str, choices=("vanilla", "off-by-one", "learnable"), default="vanilla")
+    p.add_argument("--rope-type", type=str, choices=("rope", "yarn"), default=None)
+    p.add_argument("--moe-router-score-function", type=str, choices=("softmax", "sigmoid"), default="softmax")
+    p.add_argument("--moe-router-load-balancing-type", nargs="+", type=str, default="aux_loss",
+                   choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"])
+    p.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0)
+    p.add_argument("--moe-layer-freq", type=int, default=1)
     for f in ints:
         p.add_argument(f, type=int)
     for f in floats:
@@ -288,17 +321,43 @@ def _command_argv(command: str) -> str:
 def test_megatron_args_parse_back_to_the_recipe(path):
     cfg = load_recipe(path)
     command = format_megatron_command(cfg, prepare_hint="python tools/prepare_data.py x")
-    a = _megatron_lm_parser().parse_args(shlex.split(_command_argv(command)))  # unknown flags would exit here
+    parser = _megatron_lm_parser()
+    parser.add_argument("--window-attn-skip-freq", type=int, default=None)  # an int in the shipped recipes
+    a = parser.parse_args(shlex.split(_command_argv(command)))  # unknown flags would exit here
     m, d, t, o, c = cfg.model, cfg.data, cfg.train, cfg.optimizer, cfg.checkpoint
-    assert a.spec == ["mcp_context.megatron.specs", {"local": "hcp_local_spec", "te": "hcp_te_spec"}[m.layer_spec]]
+    assert (a.window_size, a.window_attn_skip_freq) == (m.window_size and tuple(m.window_size), m.window_attn_skip_freq)
+    structure = (m.multi_latent_attention, m.num_moe_experts is not None, m.qk_layernorm)
+    spec = {(False, False, False): {"local": "hcp_local_spec", "te": "hcp_te_spec"}[m.layer_spec],
+            (False, True, False): "hcp_moe_local_spec", (True, True, True): "hcp_mla_moe_local_spec"}[structure]
+    assert a.spec == ["mcp_context.megatron.specs", spec]
     assert (a.num_layers, a.hidden_size, a.ffn_hidden_size, a.num_attention_heads) == (
         m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads)
-    assert a.group_query_attention and a.num_query_groups == m.num_query_groups
+    assert a.group_query_attention == (m.num_query_groups is not None)
+    assert a.num_query_groups == m.num_query_groups
     assert a.seq_length == m.seq_length and a.max_position_embeddings == (m.max_position_embeddings or m.seq_length)
     assert a.position_embedding_type == "rope" and a.rotary_base == m.rotary_base
     assert a.use_rope_scaling == m.rope_scaling
     assert a.normalization == "RMSNorm" and a.norm_epsilon == m.layernorm_epsilon
-    assert a.swiglu and a.disable_bias_linear and a.untie_embeddings_and_output_weights
+    assert (a.swiglu, a.quick_geglu) == (m.activation_func == "silu", m.activation_func == "quick_gelu")
+    assert a.disable_bias_linear == (not m.add_bias_linear) and a.untie_embeddings_and_output_weights
+    assert (a.softmax_type, a.qk_layernorm, a.multi_latent_attention) == (m.softmax_type, m.qk_layernorm,
+                                                                          m.multi_latent_attention)
+    if m.multi_latent_attention:
+        assert (a.q_lora_rank, a.kv_lora_rank, a.qk_head_dim, a.qk_pos_emb_head_dim, a.v_head_dim, a.rope_type) == (
+            m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim, m.rope_type)
+        assert (a.rotary_scaling_factor, a.mscale, a.mscale_all_dim) == (m.rotary_scaling_factor, m.mscale,
+                                                                         m.mscale_all_dim)
+    assert a.num_experts == m.num_moe_experts
+    if m.num_moe_experts is not None:
+        assert (a.moe_router_topk, a.moe_ffn_hidden_size, a.moe_shared_expert_intermediate_size) == (
+            m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_shared_expert_intermediate_size)
+        assert (a.moe_router_score_function, a.moe_router_pre_softmax, a.moe_router_enable_expert_bias) == (
+            m.moe_router_score_function, m.moe_router_pre_softmax, m.moe_router_enable_expert_bias)
+        assert (a.moe_router_num_groups, a.moe_router_group_topk, a.moe_router_topk_scaling_factor) == (
+            m.moe_router_num_groups, m.moe_router_group_topk, m.moe_router_topk_scaling_factor)
+        assert a.moe_router_load_balancing_type == [m.moe_router_load_balancing_type]
+    assert (a.glu_linear_offset or 0.0, a.activation_func_clamp_value) == (m.glu_linear_offset,
+                                                                           m.activation_func_clamp_value)
     assert a.tensor_model_parallel_size == m.tensor_model_parallel_size
     assert a.pipeline_model_parallel_size == m.pipeline_model_parallel_size
     assert a.num_virtual_stages_per_pipeline_rank == m.virtual_pipeline_model_parallel_size

@@ -105,6 +105,9 @@ def test_window_attn_skip_freq_prints_as_megatron_lms_flag(freq):
 
 # ---- every recipe field: printed as its flag, listed as ours only, or refused --------------------------------------
 
+MLA = ["model.multi_latent_attention=true", "model.num_query_groups=null", "model.qk_layernorm=true"]
+MOE = ["model.num_moe_experts=4"]
+
 # dotted field -> (the parsed Megatron-LM argument it becomes, overrides that change it, the value it then has).
 # A field new to the schema fails test_every_recipe_field_has_a_verdict until it gets a row here or in OUR_ENTRY_ONLY.
 PRINTED = {
@@ -137,6 +140,40 @@ PRINTED = {
     "model.window_size": ("window_size", ["model.window_size=[7, 0]"], (7, 0)),
     "model.window_attn_skip_freq": ("window_attn_skip_freq", ["model.window_size=[7, 0]",
                                                               "model.window_attn_skip_freq=2"], 2),
+    "model.softmax_type": ("softmax_type", ["model.softmax_type=learnable"], "learnable"),
+    "model.qk_layernorm": ("qk_layernorm", ["model.qk_layernorm=true"], True),
+    "model.glu_linear_offset": ("glu_linear_offset", ["model.glu_linear_offset=1.0"], 1.0),
+    "model.activation_func_clamp_value": ("activation_func_clamp_value", ["model.activation_func_clamp_value=7.0"],
+                                          7.0),
+    "model.multi_latent_attention": ("multi_latent_attention", MLA, True),
+    "model.q_lora_rank": ("q_lora_rank", MLA + ["model.q_lora_rank=32"], 32),
+    "model.kv_lora_rank": ("kv_lora_rank", MLA + ["model.kv_lora_rank=64"], 64),
+    "model.qk_head_dim": ("qk_head_dim", MLA + ["model.qk_head_dim=24"], 24),
+    "model.qk_pos_emb_head_dim": ("qk_pos_emb_head_dim", MLA + ["model.qk_pos_emb_head_dim=16"], 16),
+    "model.v_head_dim": ("v_head_dim", MLA + ["model.v_head_dim=16"], 16),
+    "model.rope_type": ("rope_type", MLA + ["model.rope_type=rope"], "rope"),
+    "model.rotary_scaling_factor": ("rotary_scaling_factor", MLA + ["model.rotary_scaling_factor=8.0"], 8.0),
+    "model.mscale": ("mscale", MLA + ["model.mscale=0.7"], 0.7),
+    "model.mscale_all_dim": ("mscale_all_dim", MLA + ["model.mscale_all_dim=1.0"], 1.0),
+    "model.num_moe_experts": ("num_experts", MOE, 4),
+    "model.moe_ffn_hidden_size": ("moe_ffn_hidden_size", MOE + ["model.moe_ffn_hidden_size=64"], 64),
+    "model.moe_router_topk": ("moe_router_topk", MOE + ["model.moe_router_topk=1"], 1),
+    "model.moe_shared_expert_intermediate_size": ("moe_shared_expert_intermediate_size",
+                                                  MOE + ["model.moe_shared_expert_intermediate_size=64"], 64),
+    "model.moe_router_score_function": ("moe_router_score_function", MOE + ["model.moe_router_score_function=sigmoid"],
+                                        "sigmoid"),
+    "model.moe_router_pre_softmax": ("moe_router_pre_softmax", MOE + ["model.moe_router_pre_softmax=true"], True),
+    "model.moe_router_topk_scaling_factor": ("moe_router_topk_scaling_factor",
+                                             MOE + ["model.moe_router_topk_scaling_factor=2.5"], 2.5),
+    "model.moe_router_enable_expert_bias": ("moe_router_enable_expert_bias", MOE + [
+        "model.moe_router_score_function=sigmoid", "model.moe_router_enable_expert_bias=true"], True),
+    "model.moe_router_num_groups": ("moe_router_num_groups", MOE + ["model.moe_router_num_groups=2",
+                                                                    "model.moe_router_group_topk=1"], 2),
+    "model.moe_router_group_topk": ("moe_router_group_topk", MOE + ["model.moe_router_num_groups=2",
+                                                                    "model.moe_router_group_topk=1"], 1),
+    "model.moe_router_load_balancing_type": ("moe_router_load_balancing_type",
+                                             MOE + ["model.moe_router_load_balancing_type=none"], ["none"]),
+    "model.moe_aux_loss_coeff": ("moe_aux_loss_coeff", MOE + ["model.moe_aux_loss_coeff=0.01"], [0.01]),
     "model.attention_dropout": ("attention_dropout", ["model.attention_dropout=0.1"], 0.1),
     "model.hidden_dropout": ("hidden_dropout", ["model.hidden_dropout=0.1"], 0.1),
     "model.init_method_std": ("init_method_std", ["model.init_method_std=0.01"], 0.01),
@@ -219,14 +256,34 @@ def _parse_with_skip_freq(command: str):
     return parser.parse_args(shlex.split(_command_argv(command)))
 
 
+# dotted field -> overrides giving it a value Megatron-LM's flags cannot express (megatron_lm.REFUSED_UNLESS_DEFAULT).
+REFUSED = {
+    "model.original_max_position_embeddings": MLA + ["model.original_max_position_embeddings=8192"],
+    "model.beta_fast": MLA + ["model.beta_fast=1.0"],  # Kimi K2's
+    "model.beta_slow": MLA + ["model.beta_slow=2.0"],
+    "model.moe_layer_freq": MOE + ["model.moe_layer_freq=[0, 1]"],  # DeepSeek-V3's dense first layers
+}
+
+
 def test_every_recipe_field_has_a_verdict():
-    """Each schema field is printed as a flag (PRINTED) or listed as our entry only (OUR_ENTRY_ONLY), not both."""
-    from mcp_context.megatron_lm import OUR_ENTRY_ONLY
+    """Each schema field is printed as a flag (PRINTED), listed as our entry only (OUR_ENTRY_ONLY), or
+    refused unless at its default (REFUSED_UNLESS_DEFAULT): exactly one of them."""
+    from mcp_context.megatron_lm import OUR_ENTRY_ONLY, REFUSED_UNLESS_DEFAULT
 
     fields = _schema_fields()
-    assert not set(PRINTED) & set(OUR_ENTRY_ONLY)
-    assert fields - set(PRINTED) - set(OUR_ENTRY_ONLY) == set(), "fields without a verdict"
-    assert set(PRINTED) | set(OUR_ENTRY_ONLY) <= fields, "verdicts for fields the schema no longer has"
+    verdicts = [set(PRINTED), set(OUR_ENTRY_ONLY), set(REFUSED_UNLESS_DEFAULT)]
+    assert sum(len(v) for v in verdicts) == len(set().union(*verdicts)), "a field with two verdicts"
+    assert fields - set().union(*verdicts) == set(), "fields without a verdict"
+    assert set().union(*verdicts) <= fields, "verdicts for fields the schema no longer has"
+    assert set(REFUSED) == set(REFUSED_UNLESS_DEFAULT)
+
+
+@pytest.mark.parametrize("field", sorted(REFUSED))
+def test_a_field_megatron_lm_cannot_express_is_refused_naming_it(field):
+    cfg = load_recipe(None, REFUSED[field])
+    validate_recipe(cfg)  # a valid recipe (our entry decides on its own whether it trains it)
+    with pytest.raises(RecipeError, match=rf"^{re.escape(field)}=.*(no Megatron-LM spelling|every layer)"):
+        format_megatron_command(cfg)
 
 
 @pytest.mark.parametrize("field", sorted(PRINTED))

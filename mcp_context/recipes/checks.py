@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from mcp_context.recipes.schema import (DataConfig, ModelConfig, RecipeConfig, RecipeError, check_vocab_size,
-                                         precision)
+from mcp_context.recipes.schema import (MLA_FIELDS, MOE_FIELDS, DataConfig, ModelConfig, RecipeConfig, RecipeError,
+                                         check_vocab_size, precision)
 
 
 def _resolve_world_size(cfg: RecipeConfig, world_size: Optional[int]) -> Optional[int]:
@@ -55,6 +55,8 @@ def validate_recipe(cfg: RecipeConfig, world_size: Optional[int] = None) -> None
     except HCPConfigError as err:
         raise RecipeError(str(err)) from err
     _validate_window_layers(m)
+    _validate_attention_variant(m)
+    _validate_mlp_variant(m)
     _validate_tensor_parallel_kv_heads(m)
     precision(m)  # bf16 and params_dtype must name one precision
     check_vocab_size(m)
@@ -98,6 +100,82 @@ def _validate_window_layers(m: ModelConfig) -> None:
     if isinstance(freq, list) and (len(freq) != m.num_layers or any(v not in (0, 1) for v in freq)):
         raise RecipeError(f"{key}={freq!r} must hold one 0 (full attention) or 1 (window) per layer: "
                           f"model.num_layers={m.num_layers} entries")
+
+
+def _unused_fields(m: ModelConfig, names: tuple, switch: str) -> None:
+    """Fields of a feature that is off must keep their defaults: a set one would be ignored silently."""
+    defaults = ModelConfig()
+    for name in names:
+        if getattr(m, name) != getattr(defaults, name):
+            raise RecipeError(f"model.{name}={getattr(m, name)!r} has no effect without {switch}; set {switch} or "
+                              f"remove model.{name}")
+
+
+def _validate_attention_variant(m: ModelConfig) -> None:
+    """MLA as megatron-core's ``MLATransformerConfig`` and Megatron-LM build it: no grouped-query
+    attention, no kv_channels, RoPE inside the attention (so no Llama-3.1 scaling), YaRN fields only
+    with rope_type yarn."""
+    if not m.multi_latent_attention:
+        _unused_fields(m, MLA_FIELDS, "model.multi_latent_attention=true")
+        return
+    why = "multi-latent attention"
+    if m.num_query_groups not in (None, m.num_attention_heads):
+        raise RecipeError(f"model.num_query_groups={m.num_query_groups}: {why} has one key/value head per query "
+                          f"head (no grouped-query attention; Megatron-LM refuses --group-query-attention with it); "
+                          f"set model.num_query_groups=null")
+    if m.kv_channels is not None:
+        raise RecipeError(f"model.kv_channels={m.kv_channels}: {why} takes its head dims from model.qk_head_dim + "
+                          f"model.qk_pos_emb_head_dim (query/key) and model.v_head_dim (value); set "
+                          f"model.kv_channels=null")
+    if m.position_embedding_type != "rope" or m.rope_scaling:
+        raise RecipeError(f"model.position_embedding_type={m.position_embedding_type!r} with model.rope_scaling="
+                          f"{str(m.rope_scaling).lower()}: {why} applies RoPE itself (model.rope_type); set "
+                          f"model.position_embedding_type=rope and model.rope_scaling=false")
+    if m.qk_pos_emb_head_dim % 2:
+        raise RecipeError(f"model.qk_pos_emb_head_dim={m.qk_pos_emb_head_dim} must be even: RoPE rotates pairs of "
+                          f"dimensions")
+    if m.rope_type == "rope":
+        _unused_fields(m, _YARN_FIELDS, "model.rope_type=yarn")
+
+
+_YARN_FIELDS = ("rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                "mscale_all_dim")
+
+
+def _validate_mlp_variant(m: ModelConfig) -> None:
+    """The GLU's offset and clamp, and MoE routing as megatron-core's ``TransformerConfig`` checks it
+    (named by recipe key here, before megatron-core's assertion would)."""
+    for name, value, unset in (("glu_linear_offset", m.glu_linear_offset, 0.0),
+                               ("activation_func_clamp_value", m.activation_func_clamp_value, None)):
+        if value != unset and not m.gated_linear_unit:
+            raise RecipeError(f"model.{name}={value} applies to a gated MLP only; set model.gated_linear_unit=true "
+                              f"or remove model.{name}")
+    if m.num_moe_experts is None:
+        _unused_fields(m, MOE_FIELDS, "model.num_moe_experts")
+        return
+    experts = m.num_moe_experts
+    if m.moe_router_topk > experts:
+        raise RecipeError(f"model.moe_router_topk={m.moe_router_topk} is more than model.num_moe_experts={experts}; "
+                          f"route each token to at most {experts} experts")
+    freq, key = m.moe_layer_freq, "model.moe_layer_freq"
+    if isinstance(freq, list) and (len(freq) != m.num_layers or any(v not in (0, 1) for v in freq)):
+        raise RecipeError(f"{key}={freq!r} must hold one 0 (dense) or 1 (MoE) per layer: model.num_layers="
+                          f"{m.num_layers} entries")
+    if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid":
+        raise RecipeError(f"model.moe_router_enable_expert_bias=true needs model.moe_router_score_function=sigmoid "
+                          f"(megatron-core's aux-loss-free routing), not {m.moe_router_score_function!r}")
+    groups, group_topk = m.moe_router_num_groups, m.moe_router_group_topk
+    if (groups is None) != (group_topk is None):
+        raise RecipeError(f"model.moe_router_num_groups={groups} with model.moe_router_group_topk={group_topk}: "
+                          f"group-limited routing needs both (e.g. 8 and 4), or neither")
+    if groups is not None:
+        if experts % groups or group_topk > groups:
+            raise RecipeError(f"model.moe_router_num_groups={groups}, model.moe_router_group_topk={group_topk}: the "
+                              f"groups must divide model.num_moe_experts={experts} and at most all of them be chosen")
+        if m.moe_router_topk > group_topk * (experts // groups):
+            raise RecipeError(f"model.moe_router_topk={m.moe_router_topk} is more than the "
+                              f"{group_topk * (experts // groups)} experts of model.moe_router_group_topk={group_topk} "
+                              f"groups of {experts // groups}; choose more groups or a smaller top-k")
 
 
 def _validate_tensor_parallel_kv_heads(m: ModelConfig) -> None:
@@ -215,7 +293,9 @@ class Range:
 
     def describe(self, key: str, integer: bool) -> str:
         """What the field must be, e.g. ``a finite number with 0 <= optimizer.adam_beta1 < 1``."""
-        if integer and self.hi is None and self.lo in (0, 1) and not self.lo_open:
+        if self.lo is None and self.hi is None:
+            what = "a finite number"
+        elif integer and self.hi is None and self.lo in (0, 1) and not self.lo_open:
             what = "a positive integer" if self.lo == 1 else "a non-negative integer"
         else:
             lo = "" if self.lo is None else f"{_number(self.lo)} {'<' if self.lo_open else '<='} "
@@ -255,6 +335,28 @@ RANGES: dict[str, Range] = {
     "model.window_attn_skip_freq": Range(0, why="an int n >= 1: each n-th layer attends in full; a list: 0 or 1 "
                                                 "per layer"),
     "model.layernorm_epsilon": Range(0, 1, lo_open=True, hi_open=True),
+    "model.glu_linear_offset": Range(why="any finite offset"),
+    "model.activation_func_clamp_value": _POSITIVE_REAL,
+    "model.q_lora_rank": _POSITIVE,
+    "model.kv_lora_rank": _POSITIVE,
+    "model.qk_head_dim": _POSITIVE,
+    "model.qk_pos_emb_head_dim": _POSITIVE,
+    "model.v_head_dim": _POSITIVE,
+    "model.rotary_scaling_factor": _POSITIVE_REAL,
+    "model.original_max_position_embeddings": _POSITIVE,
+    "model.beta_fast": _POSITIVE_REAL,
+    "model.beta_slow": _POSITIVE_REAL,
+    "model.mscale": _POSITIVE_REAL,
+    "model.mscale_all_dim": Range(0),
+    "model.num_moe_experts": _POSITIVE,
+    "model.moe_ffn_hidden_size": _POSITIVE,
+    "model.moe_router_topk": _POSITIVE,
+    "model.moe_layer_freq": Range(0, why="an int n >= 1: every n-th layer is MoE; a list: 0 or 1 per layer"),
+    "model.moe_shared_expert_intermediate_size": _POSITIVE,
+    "model.moe_router_topk_scaling_factor": _POSITIVE_REAL,
+    "model.moe_router_num_groups": _POSITIVE,
+    "model.moe_router_group_topk": _POSITIVE,
+    "model.moe_aux_loss_coeff": Range(0),
     "model.attention_dropout": _PROBABILITY,
     "model.hidden_dropout": _PROBABILITY,
     "model.init_method_std": _POSITIVE_REAL,

@@ -70,8 +70,13 @@ class ModelConfig:
     """Norm epsilon."""
     gated_linear_unit: bool = True
     """Gated MLP (with activation_func=silu this is SwiGLU)."""
-    activation_func: Literal["silu", "gelu", "relu", "squared_relu"] = "silu"
-    """MLP activation, by name (mapped to the torch function in transformer_config_kwargs)."""
+    activation_func: Literal["silu", "gelu", "relu", "squared_relu", "quick_gelu"] = "silu"
+    """MLP activation, by name (mapped to the torch function in transformer_config_kwargs); quick_gelu
+    is megatron-core's ``x * sigmoid(1.702 x)``, gated: gpt-oss's GLU (Megatron-LM's --quick-geglu)."""
+    glu_linear_offset: float = 0.0
+    """Offset of the GLU's linear half: ``act(x[0]) * (x[1] + offset)`` (gpt-oss: 1.0); gated MLP only."""
+    activation_func_clamp_value: Optional[float] = None
+    """Clamp of linear_fc1's output in a gated quick_gelu MLP (gpt-oss: 7.0); None: no clamp."""
     add_bias_linear: bool = False
     """Biases in the linear layers."""
     add_qkv_bias: bool = False
@@ -84,12 +89,78 @@ class ModelConfig:
     """Which layers have ``window_size`` (megatron-core's ``is_layer_window_attention``): None: every
     layer; an int n: every layer but each n-th (layers n, 2n, ... attend in full); a list of 0/1, one
     per layer: 1 has the window, 0 attends in full (Qwen2's ``max_window_layers`` is such a list)."""
+    softmax_type: Literal["vanilla", "off-by-one", "learnable"] = "vanilla"
+    """Attention softmax: vanilla; off-by-one (a zero sink logit per head: ``exp(s) / (1 + sum exp)``);
+    learnable (gpt-oss's learned sinks: a ``softmax_offset`` parameter per head)."""
+    qk_layernorm: bool = False
+    """Norm (``normalization``'s type) on each query and key head (Qwen3, Qwen3-MoE); with MLA, the
+    norms of the query and key/value latents (DeepSeek-V3's q_a_layernorm, kv_a_layernorm)."""
     attention_dropout: float = 0.0
     """Dropout on attention probabilities."""
     hidden_dropout: float = 0.0
     """Dropout on the residual branches."""
     init_method_std: float = 0.02
     """Standard deviation of the weight initialisation."""
+    multi_latent_attention: bool = False
+    """Multi-latent attention (DeepSeek-V2/V3, Kimi K2): megatron-core's ``MLATransformerConfig`` with
+    the fields below; its query/key head dim is qk_head_dim + qk_pos_emb_head_dim and its value head
+    dim v_head_dim. No grouped-query attention (num_query_groups null) and no kv_channels; RoPE is
+    applied by the attention itself (rope_type), so position_embedding_type stays rope."""
+    q_lora_rank: Optional[int] = 512
+    """MLA: rank of the query's low-rank projection; None: a full query projection (DeepSeek-V2-Lite)."""
+    kv_lora_rank: int = 512
+    """MLA: rank of the key/value latent."""
+    qk_head_dim: int = 128
+    """MLA: query/key head dim without position embedding (DeepSeek-V3: 128)."""
+    qk_pos_emb_head_dim: int = 64
+    """MLA: query/key head dim carrying RoPE (DeepSeek-V3: 64); the attention's q/k head dim is
+    qk_head_dim + qk_pos_emb_head_dim."""
+    v_head_dim: int = 128
+    """MLA: value head dim (DeepSeek-V3: 128, against a q/k head dim of 192)."""
+    rope_type: Literal["rope", "yarn"] = "yarn"
+    """MLA: RoPE flavour inside the attention: rope (rotary_base, rotary_percent) or yarn (also
+    rotary_scaling_factor, original_max_position_embeddings, beta_fast, beta_slow, mscale, mscale_all_dim)."""
+    rotary_scaling_factor: float = 40.0
+    """MLA yarn: context extension factor (DeepSeek-V3's rope_scaling.factor)."""
+    original_max_position_embeddings: int = 4096
+    """MLA yarn: the pre-extension context length."""
+    beta_fast: float = 32.0
+    """MLA yarn: fast correction bound."""
+    beta_slow: float = 1.0
+    """MLA yarn: slow correction bound."""
+    mscale: float = 1.0
+    """MLA yarn: attention-temperature scale."""
+    mscale_all_dim: float = 0.0
+    """MLA yarn: attention-temperature scale over all dims (DeepSeek-V3: 1.0)."""
+    num_moe_experts: Optional[int] = None
+    """Routed experts per MoE layer; None: a dense MLP (Megatron-LM's --num-experts)."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """Width of each routed expert's MLP; None: ffn_hidden_size."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to."""
+    moe_layer_freq: Union[int, List[int]] = 1
+    """Which layers are MoE: an int n: every n-th (layers 0, n, 2n, ...); a list of 0/1, one per layer
+    (1: MoE, 0: dense; DeepSeek-V3's dense first layers). Our layer specs put MoE in every layer: 1 only."""
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """Total width of the shared experts (number of shared experts x each one's width); None: none."""
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """Router score: softmax (Mixtral, Qwen3-MoE, gpt-oss) or sigmoid (DeepSeek-V3)."""
+    moe_router_pre_softmax: bool = False
+    """Score all experts before top-k (True) or normalise over the chosen k only (False: Mixtral, gpt-oss)."""
+    moe_router_topk_scaling_factor: Optional[float] = None
+    """Scale of the chosen experts' weights (DeepSeek-V3's routed_scaling_factor 2.5); None: 1."""
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free balancing: a per-expert bias added to the scores for the choice only (DeepSeek-V3);
+    needs the sigmoid score function."""
+    moe_router_num_groups: Optional[int] = None
+    """Group-limited routing: experts fall into this many equal groups (DeepSeek-V3: 8)."""
+    moe_router_group_topk: Optional[int] = None
+    """Group-limited routing: groups each token may use (DeepSeek-V3: 4)."""
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn",
+                                            "none"] = "aux_loss"
+    """Load-balancing strategy of the router (its loss is weighted by moe_aux_loss_coeff)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss; 0: none."""
     tensor_model_parallel_size: int = 1
     """TP degree."""
     pipeline_model_parallel_size: int = 1
@@ -139,6 +210,16 @@ _GPT_MODEL_FIELDS = frozenset(
         "layer_spec",
     }
 )
+
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
+              "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+              "mscale_all_dim")
+"""``MLATransformerConfig`` fields: passed to megatron-core only with ``multi_latent_attention``."""
+MOE_FIELDS = ("moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq", "moe_shared_expert_intermediate_size",
+              "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
+              "moe_router_enable_expert_bias", "moe_router_num_groups", "moe_router_group_topk",
+              "moe_router_load_balancing_type", "moe_aux_loss_coeff")
+"""MoE fields: they mean something only with ``num_moe_experts`` set."""
 
 
 @dataclass
@@ -331,24 +412,34 @@ def transformer_config_kwargs(model: ModelConfig) -> dict[str, Any]:
     Names map one to one; ``activation_func`` and ``params_dtype`` become the torch objects, ``fp16``
     is set for fp16 parameters (``precision``; a contradictory precision is a ``RecipeError``),
     ``cp_comm_type`` takes Transformer Engine's spelling, ``window_size`` becomes a tuple (a
-    ``window_attn_skip_freq`` list is copied) and ``pipeline_dtype`` is set to ``params_dtype`` when
-    PP > 1 (TransformerConfig requires it).
+    ``window_attn_skip_freq`` or ``moe_layer_freq`` list is copied) and ``pipeline_dtype`` is set to
+    ``params_dtype`` when PP > 1 (TransformerConfig requires it). With ``multi_latent_attention`` the
+    kwargs are ``MLATransformerConfig``'s (``transformer_config_class``): the MLA fields, and
+    ``rotary_base`` / ``rotary_percent``, which MLA's own RoPE reads from the config; without it the
+    MLA fields are left out (``TransformerConfig`` has none).
     Runtime-only fields (``use_cpu_initialization``, fusions, loss scaling) are left to the caller.
     """
     import torch
     import torch.nn.functional as F
 
+    skip = _GPT_MODEL_FIELDS if model.multi_latent_attention else _GPT_MODEL_FIELDS | set(MLA_FIELDS)
     kwargs = {
         f.name: getattr(model, f.name)
         for f in dataclasses.fields(ModelConfig)
-        if f.name not in _GPT_MODEL_FIELDS
+        if f.name not in skip
     }
+    if model.multi_latent_attention:
+        kwargs.update(rotary_base=model.rotary_base, rotary_percent=model.rotary_percent)
     activations = {
         "silu": F.silu,
         "gelu": F.gelu,
         "relu": F.relu,
         "squared_relu": lambda x: torch.pow(F.relu(x), 2),
     }
+    if model.activation_func == "quick_gelu":  # megatron-core's MLP picks the clamp/offset GLU by identity
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        activations["quick_gelu"] = quick_gelu
     kwargs["activation_func"] = activations[model.activation_func]
     kwargs["cp_comm_type"] = COMM_ALIASES.get(kwargs["cp_comm_type"], kwargs["cp_comm_type"])  # TE spelling
     kwargs["params_dtype"] = getattr(torch, model.params_dtype)
@@ -359,9 +450,34 @@ def transformer_config_kwargs(model: ModelConfig) -> dict[str, Any]:
         kwargs["window_size"] = tuple(model.window_size)
     if isinstance(model.window_attn_skip_freq, list):
         kwargs["window_attn_skip_freq"] = list(model.window_attn_skip_freq)
+    if isinstance(model.moe_layer_freq, list):
+        kwargs["moe_layer_freq"] = list(model.moe_layer_freq)
     if model.pipeline_model_parallel_size > 1:
         kwargs["pipeline_dtype"] = kwargs["params_dtype"]
     return kwargs
+
+
+def layer_spec_kwargs(model: ModelConfig) -> dict[str, Any]:
+    """Keyword arguments for ``mcp_context.megatron.specs.get_gpt_layer_hcp_spec``: the layer structure
+    the model needs (MoE MLP, q/k norms, MLA), its norm and its linear layers. Our specs put one
+    structure in every layer, so ``moe_layer_freq`` other than 1 (dense layers among MoE ones) is a
+    ``RecipeError``."""
+    if model.num_moe_experts is not None and model.moe_layer_freq != 1:
+        raise RecipeError(
+            f"model.moe_layer_freq={model.moe_layer_freq!r}: the HCP layer specs (mcp_context.megatron.specs) put "
+            f"the MoE MLP in every layer, so dense layers among MoE ones cannot be built; set model.moe_layer_freq=1")
+    return dict(num_experts=model.num_moe_experts, qk_layernorm=model.qk_layernorm,
+                multi_latent_attention=model.multi_latent_attention, normalization=model.normalization,
+                use_te=model.layer_spec == "te")
+
+
+def transformer_config_class(model: ModelConfig) -> type:
+    """The megatron-core config class ``transformer_config_kwargs(model)`` is for: ``MLATransformerConfig``
+    with ``multi_latent_attention`` (as Megatron-LM's ``core_transformer_config_from_args`` picks it),
+    else ``TransformerConfig``."""
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+
+    return MLATransformerConfig if model.multi_latent_attention else TransformerConfig
 
 
 def gpt_model_kwargs(model: ModelConfig, vocab_size: int) -> dict[str, Any]:
