@@ -97,7 +97,7 @@ def document_mix(seq_len: int, multiple: int, seed: int) -> tuple[tuple[int, ...
     lengths = [long_units]
     left = units - long_units
     while left > 0:
-        draw = max(1, min(left, int(math.exp(rng.uniform(0.0, math.log(max(2, units // 4)))))))
+        draw = max(1, min(left, int(math.exp(rng.uniform(0.0, math.log(max(2, units // 8)))))))
         lengths.append(draw)
         left -= draw
     rng.shuffle(lengths)
