@@ -4,8 +4,8 @@ The layers, bottom first, are the ones ``docs/design.md`` lists: dependency-free
 engine's stack (kernels, merge, layouts, schedule, comm, algorithms, engine and API), the Megatron
 integration, recipes, data, the entry points (Megatron-LM translation, pretrain, convert, plan), and
 on top the self-test (it reuses the planner's dry run). Every import is read from the source —
-top-level, inside functions and under
-``TYPE_CHECKING`` alike, relative ones resolved — so a late import cannot hide an arrow that runs up.
+top-level, inside functions and under ``TYPE_CHECKING`` alike, relative ones resolved — so a late
+import cannot hide an arrow that runs up.
 A module may import its own layer only inside its own package (``pretrain`` from ``pretrain``).
 """
 from __future__ import annotations
