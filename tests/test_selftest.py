@@ -134,6 +134,8 @@ def test_a_planted_fault_fails_simulated_naming_the_check(fault, flags, caught_b
 
 def _distributed_main(rank, world, argv):
     status, text = _run(argv)
+    if "Gloo connectFullMesh failed" in text:  # the machine's, not the check's: the pool reruns the case
+        raise RuntimeError(text)
     return status, text if rank == 0 else ""
 
 

@@ -122,11 +122,12 @@ def check_loss(shares: list[tuple[float, float]], batch: dict) -> tuple[list[str
     return problems, {"full_loss": full, "cp_loss": shares[0][1], "error": max(worst, abs(total - full))}
 
 
-def distributed_shares(mine: dict, group) -> list[tuple[float, float]]:
-    """``masked_token_mean`` over the real CP group on this rank's slice; every rank's result."""
+def distributed_shares(mine: dict, group, device: torch.device) -> list[tuple[float, float]]:
+    """``masked_token_mean`` over the real CP group on this rank's slice (on ``device``: NCCL reduces
+    only CUDA tensors); every rank's result."""
     from ..megatron.batch import masked_token_mean
 
-    share, global_mean = masked_token_mean(mine["per_token_loss"], mine["loss_mask"], group)
+    share, global_mean = masked_token_mean(mine["per_token_loss"].to(device), mine["loss_mask"].to(device), group)
     every: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, (float(share), float(global_mean)), group=group)
     return every

@@ -124,8 +124,10 @@ def _attention_figures(setup: Setup, kind: AttentionKind, dtype: torch.dtype, ro
     """Rank 0: the gathered result against the reference on the same rounded inputs."""
     name = f"attention[{setup.kind_name(kind)}] {dtype_name(dtype)}"
     documents = document_ids(setup.seq_len, *setup.documents) if kind.packed else None
-    reference = reference_attention(rounded["q"], rounded["k"], rounded["v"], rounded["dout"],
-                                    setup.head_dim ** -0.5, kind.window, documents, rounded["sink"])
+    on_device = {n: None if x is None else x.to(setup.device) for n, x in rounded.items()}  # fp64 there
+    reference = {n: x.cpu() for n, x in reference_attention(
+        on_device["q"], on_device["k"], on_device["v"], on_device["dout"], setup.head_dim ** -0.5, kind.window,
+        documents, on_device["sink"]).items()}
     if dtype in compare.HALF:
         fused = simulate_attention(setup, kind, dtype, rounded, cp_size=1, inner=1, layout="zigzag")
         if "blocks" not in full:
@@ -208,7 +210,7 @@ def boundary_checks(setup: Setup, ranks: Ranks, group) -> list[CheckResult]:
     packed = any(k.packed for k in setup.kinds)
     batch, params = boundaries.full_batch(setup, packed)
     slices = boundaries.slices_per_rank(setup, batch, params, group)
-    shares = (boundaries.distributed_shares(slices[ranks.rank], group) if group is not None
+    shares = (boundaries.distributed_shares(slices[ranks.rank], group, torch.device(setup.device)) if group is not None
               else boundaries.simulated_shares(slices))
 
     def unslice() -> CheckResult:

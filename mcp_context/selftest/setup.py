@@ -24,8 +24,9 @@ from ..cp_rules import normalize_comm
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 DEFAULT_SEQ_LEN = {"cpu": 1024, "cuda": 8192}
 """Default ``--seq-len`` per device (capped at the recipe's): the fp64 reference over the gathered
-sequence is computed in query chunks of ``REFERENCE_CHUNK`` rows, so its peak is about
-``6 * chunk * S * heads * 8`` bytes: at S=8192, 8 heads, 0.8 GiB (S=32K: 12.6 GiB on a GPU)."""
+sequence runs on the test's device in query chunks of 1024 rows, a handful of fp64 ``[b, h, 1024, S]``
+tensors alive at once (about ``6 * 1024 * S * b * heads * 8`` bytes): 0.4 GiB at S = 1K with 8 heads,
+3 GiB at 8K, 12 GiB at 32K."""
 
 
 @dataclass(frozen=True)
