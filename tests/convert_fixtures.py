@@ -121,7 +121,8 @@ def assert_converts_back_bit_for_bit(saved_dir, hf_dir, out_dir) -> None:
 
 def init_megatron(tp: int = 1, cp: int = 1, **kwargs) -> None:
     """megatron-core's parallel state on this gloo rank, seeded, pinned to the CPU (every megatron_patches
-    patch applied, the CPU shims also where CUDA is present; the models come from ``verify.build_gpt_model``, whose device defaults to the CPU)."""
+    patch applied, the CPU shims also where CUDA is present; the models come from
+    ``verify.build_gpt_model``, whose device defaults to the CPU)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 

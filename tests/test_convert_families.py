@@ -245,8 +245,8 @@ def _case_parameter_names(rank, world_size, records):
         for name, record in records.items():
             arch = HFModel.from_record(record)
             params = {n: tuple(p.shape) for n, p in build_gpt_model(arch.shape).named_parameters()}
-            ours = {tmap.param_name(slot[0] if slot else None, "local", slot[1] if len(slot) > 1 else None): tmap.mcore_shape
-                    for tmap in tensor_maps(arch.shape, arch.model_type) for slot in slots(tmap, arch.shape)}
+            ours = {tmap.param_name(slot[0] if slot else None, "local", slot[1] if len(slot) > 1 else None):
+                    tmap.mcore_shape for tmap in tensor_maps(arch.shape, arch.model_type) for slot in slots(tmap, arch.shape)}
             assert ours == params, name
     finally:
         parallel_state.destroy_model_parallel()

@@ -177,7 +177,8 @@ def mcore_to_hf(mcore_dir: str | os.PathLike, hf_dir: str | os.PathLike, *,
     arch = _architecture_of(reader, hf_config)
     check_mcore_tensors(reader, arch)
     maps = tensor_maps(arch.shape, arch.model_type)
-    plan = [(name, shape, reader.dtype(tmap.mcore_key)) for name, shape, tmap in hf_tensors(arch.shape, arch.model_type)]
+    plan = [(name, shape, reader.dtype(tmap.mcore_key))
+            for name, shape, tmap in hf_tensors(arch.shape, arch.model_type)]
     with HFCheckpointWriter(hf_dir, plan, max_shard_bytes) as writer, \
             _progress(len(plan), "mcore-to-hf", progress) as bar:
         for tmap in maps:

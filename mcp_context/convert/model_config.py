@@ -264,9 +264,9 @@ def _moe_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int) -> dict[
     else:
         if cfg.get("mlp_only_layers") not in (None, []) or cfg.get("decoder_sparse_step", 1) != 1:
             field = "mlp_only_layers" if cfg.get("mlp_only_layers") not in (None, []) else "decoder_sparse_step"
-            raise _refuse(field, cfg[field], f"dense layers among MoE ones (moe_layer_freq other than 1) cannot be "
-                          f"built by the HCP layer specs; only every layer MoE (mlp_only_layers=[], "
-                          f"decoder_sparse_step=1) is converted")
+            raise _refuse(field, cfg[field], "dense layers among MoE ones (moe_layer_freq other than 1) cannot be "
+                          "built by the HCP layer specs; only every layer MoE (mlp_only_layers=[], "
+                          "decoder_sparse_step=1) is converted")
         ffn, pre_softmax = _positive_int(cfg, "moe_intermediate_size"), not _flag(cfg, "norm_topk_prob", False)
     return dict(num_moe_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=ffn, moe_layer_freq=1,
                 moe_router_score_function="softmax", moe_router_pre_softmax=pre_softmax)
