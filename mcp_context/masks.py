@@ -125,11 +125,11 @@ class BlockMask:
 FULL_BLOCK, CAUSAL_BLOCK, ANTICAUSAL_BLOCK = BlockMask(), BlockMask(None, 0), BlockMask(0, None)
 
 
-def block_mask(mask: Union[bool, BlockMask]) -> BlockMask:
-    """A kernel's mask argument as a ``BlockMask`` (``True``/``False`` still mean causal/full)."""
-    if isinstance(mask, BlockMask):
-        return mask
-    return CAUSAL_BLOCK if mask else FULL_BLOCK
+def block_mask(mask: BlockMask) -> BlockMask:
+    """A kernel's mask argument, checked: a ``BlockMask`` (``CAUSAL_BLOCK``, ``FULL_BLOCK``, ...)."""
+    if not isinstance(mask, BlockMask):
+        raise TypeError(f"a kernel's mask must be a BlockMask (CAUSAL_BLOCK, FULL_BLOCK, ...), got {mask!r}")
+    return mask
 
 
 class _BandMask:
@@ -407,11 +407,8 @@ def documents_mask(cu_seqlens: object, cu_seqlens_padded: object = None, within:
     return mask
 
 
-def as_mask(mask: Union[bool, Mask]) -> Mask:
-    """A schedule's mask argument as a mask value (``True``/``False`` still mean causal/full)."""
-    if isinstance(mask, bool):
-        return CAUSAL if mask else FULL
+def as_mask(mask: Mask) -> Mask:
+    """A schedule's mask argument, checked: a mask value."""
     if not isinstance(mask, (_BandMask, Documents)):
-        raise TypeError(f"mask={mask!r} must be Full(), Causal(), SlidingWindow(left, right), Documents(...) or "
-                        f"a bool")
+        raise TypeError(f"mask={mask!r} must be Full(), Causal(), SlidingWindow(left, right) or Documents(...)")
     return mask

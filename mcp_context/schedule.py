@@ -21,7 +21,7 @@ Nothing here touches tensors: tests and the planner count FLOPs, balance and was
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence
 
 from .layouts import Span, canonical_member_spans, layout_spans
 from .masks import (BLOCK_MASK_KINDS, CAUSAL, CAUSAL_BLOCK, FULL, FULL_BLOCK, BlockMask, Documents, Mask, as_mask,
@@ -195,7 +195,7 @@ def _fuse_full_tasks(tasks: list[BlockTask]) -> list[BlockTask]:
     return sorted(tasks, key=lambda t: (t.q, t.kv))
 
 
-def step_tasks(q_spans: Sequence[Span], kv_spans: Sequence[Span], mask: Union[bool, Mask],
+def step_tasks(q_spans: Sequence[Span], kv_spans: Sequence[Span], mask: Mask,
                kernel_masks: frozenset = ALL_BLOCK_MASKS) -> tuple[BlockTask, ...]:
     """The tasks for one member's query spans against one arriving key/value shard, with block masks
     whose kinds are in ``kernel_masks`` (what the kernel computes natively)."""
@@ -212,7 +212,7 @@ def step_tasks(q_spans: Sequence[Span], kv_spans: Sequence[Span], mask: Union[bo
     return tuple(sorted(tasks, key=lambda t: (t.q, t.kv)))
 
 
-def build_schedule(member_spans: Sequence[Sequence[Span]], mask: Union[bool, Mask],
+def build_schedule(member_spans: Sequence[Sequence[Span]], mask: Mask,
                    kernel_masks: frozenset = ALL_BLOCK_MASKS) -> Schedule:
     """The ring schedule for members holding ``member_spans`` (member m receives from m-1)."""
     mask, size = as_mask(mask), len(member_spans)
@@ -223,7 +223,7 @@ def build_schedule(member_spans: Sequence[Sequence[Span]], mask: Union[bool, Mas
     return Schedule(tuple(tuple(s) for s in member_spans), mask, tasks)
 
 
-def layout_schedule(layout: str, cp_size: int, seq_len: int, mask: Union[bool, Mask], inner_size: int = 1,
+def layout_schedule(layout: str, cp_size: int, seq_len: int, mask: Mask, inner_size: int = 1,
                     kernel_masks: frozenset = ALL_BLOCK_MASKS) -> Schedule:
     """The schedule of a ring over groups of ``inner_size`` adjacent CP ranks (1: the flat ring).
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mcp_context.kernels import Dropout, get_kernel
+from mcp_context.masks import CAUSAL_BLOCK
 from tests._dist import run_distributed
 from tests.reference import random_qkv
 
@@ -21,7 +22,7 @@ def test_math_kernel_dropout_matches_explicit_masked_softmax():
     k, v = (torch.randn(2, 2, 10, 8, generator=gen, dtype=torch.float64) for _ in range(2))
     drop = Dropout(0.3, seed=7)
     kernel = get_kernel("auto", torch.device("cpu"), torch.float64, dropout=True)
-    out, lse = kernel.forward(q, k, v, True, 0.3, drop)
+    out, lse = kernel.forward(q, k, v, CAUSAL_BLOCK, 0.3, drop)
 
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     kr, vr = (x.repeat_interleave(2, 1) for x in leaves[1:])
@@ -30,7 +31,7 @@ def test_math_kernel_dropout_matches_explicit_masked_softmax():
     ref = (torch.softmax(scores, -1) * keep) @ vr
     ref.backward(dout)
     assert (out - ref).abs().max() < 1e-12 and (lse - torch.logsumexp(scores, -1)).abs().max() < 1e-12
-    grads = kernel.backward(dout, q, k, v, ref.detach(), lse, True, 0.3, drop)
+    grads = kernel.backward(dout, q, k, v, ref.detach(), lse, CAUSAL_BLOCK, 0.3, drop)
     for got, leaf in zip(grads, leaves):
         assert (got - leaf.grad).abs().max() < 1e-12
     kept = (keep > 0).double().mean().item()

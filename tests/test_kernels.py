@@ -19,6 +19,7 @@ from mcp_context.kernels import Capabilities, SizeDispatchKernel, finite_lse_for
 from mcp_context.kernels.math import MathKernel
 from mcp_context.kernels.registry import NOT_PROBED, FallbackKernel, probe, refusal
 from mcp_context.kernels.torch_sdpa import FUSED_OPS, TorchKernel
+from mcp_context.masks import CAUSAL_BLOCK, FULL_BLOCK
 from tests.reference import full_attention
 
 TOL = {torch.float64: 1e-12, torch.float32: 2e-6}
@@ -51,8 +52,9 @@ def test_kernel_matches_fp64_reference(backend, dtype, causal, sq, sk, h_kv):
     ref_out, ref_lse, ref_dq, ref_dk, ref_dv = _bhsd_reference(q, k, v, do, causal, scale)
     kernel = get_kernel(backend, CPU, dtype)
     args = [x.to(dtype) for x in (q, k, v)]
-    out, lse = kernel.forward(*args, causal, scale)
-    dq, dk, dv = kernel.backward(do.to(dtype), *args, ref_out, ref_lse.squeeze(-1), causal, scale)
+    mask = CAUSAL_BLOCK if causal else FULL_BLOCK
+    out, lse = kernel.forward(*args, mask, scale)
+    dq, dk, dv = kernel.backward(do.to(dtype), *args, ref_out, ref_lse.squeeze(-1), mask, scale)
     for name, got, ref in [("out", out, ref_out), ("lse", lse, ref_lse.squeeze(-1)), ("dq", dq, ref_dq),
                            ("dk", dk, ref_dk), ("dv", dv, ref_dv)]:
         err = (got.double() - ref).abs().max().item()
@@ -67,9 +69,9 @@ def test_fused_cpu_kernel_reads_a_strided_last_dimension_exactly():
     strided = [x.transpose(-1, -2).contiguous().transpose(-1, -2) for x in (q, k, v, do)]
     assert all(x.stride(-1) != 1 for x in strided)
     kernel = get_kernel("torch:cpu_flash", CPU, torch.float64)
-    out, lse = kernel.forward(*strided[:3], True, 0.25)
+    out, lse = kernel.forward(*strided[:3], CAUSAL_BLOCK, 0.25)
     grads = kernel.backward(strided[3], *strided[:3], ref_out.transpose(-1, -2).contiguous().transpose(-1, -2),
-                            ref_lse.squeeze(-1), True, 0.25)
+                            ref_lse.squeeze(-1), CAUSAL_BLOCK, 0.25)
     for got, ref in zip((out, lse) + tuple(grads), (ref_out, ref_lse.squeeze(-1), ref_dq, ref_dk, ref_dv)):
         assert (got - ref).abs().max().item() <= 1e-12
 
@@ -81,7 +83,7 @@ def test_backward_of_fully_masked_rows_is_zero_not_nan(backend):
     q, k, v, do = _block(8, 8, 2, 2, 8, torch.float32)
     q, k, v, do = (x.float() for x in (q, k, v, do))
     lse = finite_lse_for_backward(torch.full((1, 2, 8), float("-inf")))
-    dq, dk, dv = get_kernel(backend, CPU, torch.float32).backward(do, q, k, v, torch.zeros_like(q), lse, True, 0.3)
+    dq, dk, dv = get_kernel(backend, CPU, torch.float32).backward(do, q, k, v, torch.zeros_like(q), lse, CAUSAL_BLOCK, 0.3)
     for g in (dq, dk, dv):
         assert torch.isfinite(g).all() and g.abs().max() == 0
 
@@ -161,8 +163,8 @@ def test_size_dispatch_sends_small_blocks_to_one_kernel_and_large_to_the_other()
     kernel = SizeDispatchKernel(small, large, max_small_rows=16)
     for n in (8, 16, 24):
         q, k, v, do = _block(n, n, 2, 1, 8, torch.float64)
-        out, lse = kernel.forward(q, k, v, True, 0.3)
-        kernel.backward(do, q, k, v, out, lse, True, 0.3)
+        out, lse = kernel.forward(q, k, v, CAUSAL_BLOCK, 0.3)
+        kernel.backward(do, q, k, v, out, lse, CAUSAL_BLOCK, 0.3)
     assert small.calls == [("forward", 8), ("backward", 8), ("forward", 16), ("backward", 16)]
     assert large.calls == [("forward", 24), ("backward", 24)]
 
@@ -186,9 +188,9 @@ def test_cuda_op_calls_match_their_schemas_on_meta_tensors(name):
     kernel = TorchKernel(FUSED_OPS[name])
     q = torch.empty(1, 4, 40, 64, device="meta", dtype=torch.bfloat16)
     k = torch.empty(1, 2, 24, 64, device="meta", dtype=torch.bfloat16)
-    out, lse = kernel.forward(q, k, k, False, 0.125)
+    out, lse = kernel.forward(q, k, k, FULL_BLOCK, 0.125)
     assert out.shape == q.shape and lse.shape == (1, 4, 40) and lse.dtype == torch.float32
-    dq, dk, dv = kernel.backward(q, q, k, k, out, lse, False, 0.125)
+    dq, dk, dv = kernel.backward(q, q, k, k, out, lse, FULL_BLOCK, 0.125)
     assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
 
 
@@ -229,9 +231,10 @@ def test_cuda_fused_kernel_matches_reference_in_half_precision(backend, dtype, c
     kernel = get_kernel(backend, torch.device("cuda"), dtype, head_dim=128)
     assert kernel.name.startswith("torch:")
     args = [x.to("cuda", dtype) for x in (q, k, v)]
-    out, lse = kernel.forward(*args, causal, 128 ** -0.5)
+    mask = CAUSAL_BLOCK if causal else FULL_BLOCK
+    out, lse = kernel.forward(*args, mask, 128 ** -0.5)
     grads = kernel.backward(do.to("cuda", dtype), *args, ref_out.to("cuda", dtype), ref_lse.squeeze(-1).cuda().float(),
-                            causal, 128 ** -0.5)
+                            mask, 128 ** -0.5)
     for name, got, ref in zip(("out", "lse", "dq", "dk", "dv"), (out, lse) + tuple(grads),
                               (ref_out, ref_lse.squeeze(-1), ref_dq, ref_dk, ref_dv)):
         assert got.shape == ref.shape
@@ -272,7 +275,7 @@ def test_efficient_backward_is_handed_bshd_packed_out_and_dout():
     lse = torch.empty(2, 4, 40, device="meta", dtype=torch.float32)
     record = _RecordOp(torch.ops.aten._scaled_dot_product_efficient_attention_backward.default)
     with record:
-        kernel.backward(out, q, k, k, out, lse, False, 0.125)
+        kernel.backward(out, q, k, k, out, lse, FULL_BLOCK, 0.125)
     (args,) = record.calls
     dout_arg, out_arg = args[0], args[5]
     for name, x in (("dout", dout_arg), ("out", out_arg)):
@@ -309,10 +312,10 @@ def test_a_block_shape_an_op_raises_on_falls_back_to_the_next_op_once_and_loudly
         warnings.simplefilter("always")
         for _ in range(3):  # the same two shapes, as every step of a schedule sends them
             for q, k, v, do in (small, large):
-                out, lse = kernel.forward(q, k, v, True, 0.3)
-                grads = kernel.backward(do, q, k, v, out, lse, True, 0.3)
-                ref = math_kernel.forward(q, k, v, True, 0.3)
-                ref_grads = math_kernel.backward(do, q, k, v, ref[0], ref[1], True, 0.3)
+                out, lse = kernel.forward(q, k, v, CAUSAL_BLOCK, 0.3)
+                grads = kernel.backward(do, q, k, v, out, lse, CAUSAL_BLOCK, 0.3)
+                ref = math_kernel.forward(q, k, v, CAUSAL_BLOCK, 0.3)
+                ref_grads = math_kernel.backward(do, q, k, v, ref[0], ref[1], CAUSAL_BLOCK, 0.3)
                 for got, want in zip((out, lse) + tuple(grads), tuple(ref) + tuple(ref_grads)):
                     assert (got - want).abs().max().item() <= 1e-12
     messages = [str(w.message) for w in caught]
@@ -328,7 +331,7 @@ def test_the_last_kernel_of_a_fallback_chain_raises_as_it_is():
     q, k, v, _ = _block(12, 12, 2, 1, 8, torch.float64)
     with warnings.catch_warnings(record=True), pytest.raises(RuntimeError, match="no kernel for 12 rows"):
         warnings.simplefilter("always")
-        kernel.forward(q, k, v, True, 0.3)
+        kernel.forward(q, k, v, CAUSAL_BLOCK, 0.3)
 
 
 def test_auto_on_cpu_falls_back_from_the_fused_op_to_math():
@@ -416,8 +419,9 @@ def test_kernels_with_a_distinct_value_head_dim_match_fp64_reference(dtype, caus
     kernel = get_kernel("auto", CPU, dtype, head_dim=24, v_head_dim=16)
     assert kernel.name == "math"  # the CPU fused op refuses dv != dqk
     args = [x.to(dtype) for x in (q, k, v)]
-    out, lse = kernel.forward(*args, causal, 0.2)
-    grads = kernel.backward(do.to(dtype), *args, ref[0].to(dtype), ref[1].to(dtype), causal, 0.2)
+    mask = CAUSAL_BLOCK if causal else FULL_BLOCK
+    out, lse = kernel.forward(*args, mask, 0.2)
+    grads = kernel.backward(do.to(dtype), *args, ref[0].to(dtype), ref[1].to(dtype), mask, 0.2)
     for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse) + tuple(grads), ref):
         assert got.shape == want.shape, name
         err = (got.double() - want).abs().max().item()
@@ -455,7 +459,7 @@ def test_cudnn_takes_mla_head_dims_under_fake_cuda_forward_and_backward():
         q = torch.empty(2, 8, 64, 192, device="cuda", dtype=torch.bfloat16)
         k = torch.empty(2, 2, 64, 192, device="cuda", dtype=torch.bfloat16)
         v = torch.empty(2, 2, 64, 128, device="cuda", dtype=torch.bfloat16)
-        out, lse = kernel.forward(q, k, v, True, 0.07)
-        dq, dk, dv = kernel.backward(out, q, k, v, out, lse, True, 0.07)
+        out, lse = kernel.forward(q, k, v, CAUSAL_BLOCK, 0.07)
+        dq, dk, dv = kernel.backward(out, q, k, v, out, lse, CAUSAL_BLOCK, 0.07)
     assert out.shape == (2, 8, 64, 128) and lse.shape == (2, 8, 64)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape

@@ -33,6 +33,7 @@ from mcp_context.algorithms.executor import RingAttention, RingPlan
 from mcp_context.algorithms.rotation import LocalRotation
 from mcp_context.kernels import get_kernel
 from mcp_context.layouts import spans_positions
+from mcp_context.masks import CAUSAL, FULL
 from mcp_context.schedule import layout_schedule
 from tests.reference import full_attention, random_qkv
 
@@ -58,7 +59,7 @@ def run_members(layout, cp, inner, causal, kv_heads, dtype, device, seq_len, hea
     ref_out, ref_lse = full_attention(*ref_leaves, causal, HEAD_DIM ** -0.5)
     ref_out.backward(dout)
 
-    schedule = layout_schedule(layout, cp, seq_len, causal, inner)
+    schedule = layout_schedule(layout, cp, seq_len, CAUSAL if causal else FULL, inner)
     ring = schedule.ring_size
     positions = [spans_positions(spans) for spans in schedule.member_spans]
     order = torch.cat(positions)  # K/V rows in member order

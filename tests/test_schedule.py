@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from mcp_context.layouts import spans_positions
+from mcp_context.masks import CAUSAL, FULL
 from mcp_context.schedule import layout_schedule, load_balance, masked_waste
 
 
@@ -10,7 +11,7 @@ from mcp_context.schedule import layout_schedule, load_balance, masked_waste
 @pytest.mark.parametrize("cp,inner", [(1, 1), (2, 1), (4, 1), (4, 2), (8, 2), (8, 4), (8, 8)])
 @pytest.mark.parametrize("causal", [True, False])
 def test_tasks_cover_every_visible_pair_exactly_once(layout, cp, inner, causal):
-    sch = layout_schedule(layout, cp, 12 * cp, causal, inner)
+    sch = layout_schedule(layout, cp, 12 * cp, CAUSAL if causal else FULL, inner)
     for m in range(sch.ring_size):
         q_pos = spans_positions(sch.member_spans[m])
         for step in range(sch.ring_size):
@@ -25,15 +26,15 @@ def test_tasks_cover_every_visible_pair_exactly_once(layout, cp, inner, causal):
 @pytest.mark.parametrize("cp", [2, 4, 8, 16])
 def test_zigzag_is_perfectly_balanced_and_contiguous_is_not(cp):
     chunk = 64
-    assert load_balance(layout_schedule("zigzag", cp, 2 * cp * chunk, True)) == 1.0
+    assert load_balance(layout_schedule("zigzag", cp, 2 * cp * chunk, CAUSAL)) == 1.0
     n = 2 * chunk  # contiguous: rank P-1 does a causal block plus P-1 full blocks
     expected = (n * (n + 1) / 2 + (cp - 1) * n * n) / (n * (n + 1) / 2 + (cp - 1) / 2 * n * n)
-    got = load_balance(layout_schedule("contiguous", cp, cp * n, True))
+    got = load_balance(layout_schedule("contiguous", cp, cp * n, CAUSAL))
     assert got == pytest.approx(expected, rel=1e-12) and got == pytest.approx((2 * cp - 1) / cp, rel=0.01)
 
 
 def test_zigzag_off_diagonal_steps_are_half_blocks():
-    sch = layout_schedule("zigzag", 4, 64, True)  # local 16 rows = two chunks of 8
+    sch = layout_schedule("zigzag", 4, 64, CAUSAL)  # local 16 rows = two chunks of 8
     for rank in range(4):
         for step in range(1, 4):
             (task,) = sch.tasks[rank][step]
@@ -43,7 +44,7 @@ def test_zigzag_off_diagonal_steps_are_half_blocks():
 def test_masked_waste_is_only_inside_diagonal_tiles():
     cp, n, tile = 8, 2048, 128  # each rank: one causal 2048-row diagonal block (two zigzag chunks)
     seq = cp * n
-    sch = layout_schedule("zigzag", cp, seq, True)
+    sch = layout_schedule("zigzag", cp, seq, CAUSAL)
     assert masked_waste(sch, tile=1) == 0.0
     computed_diagonal = sum(tile * min(a + tile, n) for a in range(0, n, tile))
     expected = cp * (computed_diagonal - n * (n + 1) // 2) / (seq * (seq + 1) // 2)
@@ -57,7 +58,7 @@ def test_attention_flops_sum_to_the_causal_total(layout):
     from mcp_context.schedule import attention_flops
 
     seq, batch, heads, head_dim = 8 * 64, 2, 8, 16
-    flops = attention_flops(layout_schedule(layout, 8, seq, True), batch, heads, head_dim)
+    flops = attention_flops(layout_schedule(layout, 8, seq, CAUSAL), batch, heads, head_dim)
     assert sum(flops) == 4 * head_dim * batch * heads * seq * (seq + 1) // 2
     if layout == "zigzag":
         assert len(set(flops)) == 1

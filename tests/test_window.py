@@ -19,7 +19,7 @@ import torch
 from mcp_context.kernels import get_kernel
 from mcp_context.kernels.math import MathKernel
 from mcp_context.layouts import spans_positions
-from mcp_context.masks import ANTICAUSAL_BLOCK, CAUSAL, FULL, BlockMask, SlidingWindow, attention_mask
+from mcp_context.masks import ANTICAUSAL_BLOCK, CAUSAL, CAUSAL_BLOCK, FULL, BlockMask, SlidingWindow, attention_mask
 from mcp_context.schedule import layout_schedule
 from tests._dist import run_distributed
 from tests.reference import assert_within_tolerance, full_attention, in_both_dtypes, random_qkv
@@ -157,7 +157,7 @@ def test_a_window_of_a_quarter_shard_skips_every_step_out_of_reach(layout, steps
         busy = {step for step in range(p) if sch.tasks[m][step]}
         assert busy == steps(m, p), (m, busy)
     assert sum(sch.useful_pairs()) == sum(min(i, w) + 1 for i in range(seq))
-    assert sum(sch.useful_pairs()) < sum(layout_schedule(layout, p, seq, True).useful_pairs()) / 7
+    assert sum(sch.useful_pairs()) < sum(layout_schedule(layout, p, seq, CAUSAL).useful_pairs()) / 7
 
 
 @pytest.mark.parametrize("kernel_masks", [FUSED_MASKS, MathKernel.capabilities.masks], ids=["fused", "math"])
@@ -420,4 +420,4 @@ def test_size_dispatch_sends_a_run_of_small_squares_to_the_small_block_kernel():
     kernel = SizeDispatchKernel(small, large, max_small_rows=1024)
     q = torch.randn(1, 2, 2048, 8, dtype=torch.float64)
     assert kernel._pick(q, q, BlockMask(None, 0, 32)) is small and kernel._pick(q, q, BlockMask(None, 0)) is large
-    assert kernel._pick(q, q, BlockMask(0, None, 2)) is small and kernel._pick(q, q, True) is large
+    assert kernel._pick(q, q, BlockMask(0, None, 2)) is small and kernel._pick(q, q, CAUSAL_BLOCK) is large

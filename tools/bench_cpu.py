@@ -102,6 +102,7 @@ def _bench_config(rank, world, groups, comm, layout, shape: Shape, reps: int) ->
     """One configuration's interleaved repetitions; the figures (on rank 0; ``{}`` elsewhere)."""
     from mcp_context import ContextParallelAttention, comm_stats, context_parallel_attention, shard_sequence
     from mcp_context.cp_rules import a2a_degree
+    from mcp_context.masks import CAUSAL
     from mcp_context.schedule import layout_schedule, load_balance, masked_waste
 
     gen = torch.Generator().manual_seed(0)
@@ -152,7 +153,7 @@ def _bench_config(rank, world, groups, comm, layout, shape: Shape, reps: int) ->
                          "rank_check": rank_check()})
     if rank != 0:
         return {}  # the times above are the slowest rank's on every rank; the baseline ran on rank 0
-    sched = layout_schedule(layout, world, shape.seq_len, True, a2a_degree(comm, groups.sizes))
+    sched = layout_schedule(layout, world, shape.seq_len, CAUSAL, a2a_degree(comm, groups.sizes))
     return {"comm": comm, "layout": layout, "world_size": world, "reps": reps_out,
             "ratio_fwd": statistics.median(r["ours_fwd"] / r["full_fwd"] for r in reps_out),
             "ratio_fwd_bwd": statistics.median(r["ours_fwd_bwd"] / r["full_fwd_bwd"] for r in reps_out),

@@ -108,9 +108,11 @@ def _out_of_memory(err: BaseException) -> Optional[str]:
 
 
 def _kernel_block(kernel, q, k, v, dout, backward: bool):
-    out, lse = kernel.forward(q, k, v, True, q.shape[-1] ** -0.5)
+    from mcp_context.masks import CAUSAL_BLOCK
+
+    out, lse = kernel.forward(q, k, v, CAUSAL_BLOCK, q.shape[-1] ** -0.5)
     if backward:
-        kernel.backward(dout, q, k, v, out, lse, True, q.shape[-1] ** -0.5)
+        kernel.backward(dout, q, k, v, out, lse, CAUSAL_BLOCK, q.shape[-1] ** -0.5)
 
 
 def device_benchmarks(device: torch.device, shape: Shape, world_sizes, reps: int,
@@ -124,6 +126,7 @@ def device_benchmarks(device: torch.device, shape: Shape, world_sizes, reps: int
     from mcp_context.algorithms.executor import RingAttention, RingPlan
     from mcp_context.algorithms.rotation import LocalRotation
     from mcp_context.kernels import get_kernel
+    from mcp_context.masks import CAUSAL
     from mcp_context.schedule import layout_schedule
 
     print(f"  S={shape.seq_len}", flush=True)
@@ -170,7 +173,7 @@ def device_benchmarks(device: torch.device, shape: Shape, world_sizes, reps: int
     kernel = get_kernel("auto", device, dtype, head_dim=d)
     schedules = []
     for world in world_sizes:
-        sched = layout_schedule("zigzag", world, shape.seq_len, True)
+        sched = layout_schedule("zigzag", world, shape.seq_len, CAUSAL)
         s_local = shape.seq_len // world
         pairs = sched.useful_pairs()[0]
         s_eq = round((math.sqrt(8 * pairs + 1) - 1) / 2)  # causal s_eq*(s_eq+1)/2 == useful pairs

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mcp_context.algorithms.executor import RingPlan, ring_backward, ring_forward  # noqa: E402
 from mcp_context.algorithms.rotation import RingRotation  # noqa: E402
 from mcp_context.kernels import get_kernel  # noqa: E402
-from mcp_context.masks import CAUSAL  # noqa: E402
+from mcp_context.masks import CAUSAL, CAUSAL_BLOCK  # noqa: E402
 from mcp_context.schedule import layout_schedule  # noqa: E402
 
 CUDA = torch.device("cuda")
@@ -82,8 +82,8 @@ def rank_step_peak(seq_len: int, cp: int, rank: int, heads: int, kv_heads: int, 
         def fused_call() -> None:
             q, dout = (torch.empty(1, heads, n, head_dim, device=CUDA, dtype=dtype) for _ in range(2))
             k, v = (torch.empty(1, kv_heads, n, head_dim, device=CUDA, dtype=dtype) for _ in range(2))
-            out, lse = kernel.forward(q, k, v, True, head_dim ** -0.5)
-            kernel.backward(dout, q, k, v, out, lse, True, head_dim ** -0.5)
+            out, lse = kernel.forward(q, k, v, CAUSAL_BLOCK, head_dim ** -0.5)
+            kernel.backward(dout, q, k, v, out, lse, CAUSAL_BLOCK, head_dim ** -0.5)
 
         ring, fused = _peak(ring_step), _peak(fused_call)
     return {"seq_len": seq_len, "cp": cp, "rank": rank, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,

@@ -12,7 +12,7 @@ bottom-right alignment agree); ``anticausal`` squares and ``band`` blocks only w
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol, Union
+from typing import Optional, Protocol
 
 import torch
 
@@ -76,7 +76,7 @@ class Kernel(Protocol):
     name: str
     capabilities: Capabilities
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Union[bool, BlockMask], scale: float,
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, scale: float,
                 dropout: Optional[Dropout] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``out [b, h, sq, dv]`` and ``lse [b, h, sq]`` (fp32, or fp64 for fp64 input).
 
@@ -84,7 +84,7 @@ class Kernel(Protocol):
         blocks merge exactly as without dropout."""
 
     def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 out: torch.Tensor, lse: torch.Tensor, mask: Union[bool, BlockMask], scale: float,
+                 out: torch.Tensor, lse: torch.Tensor, mask: BlockMask, scale: float,
                  dropout: Optional[Dropout] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Return ``dq, dk, dv`` for this block given the final merged ``out`` (q's dtype) and
         ``lse`` (the accumulator dtype, ``-inf`` already replaced by ``finite_lse_for_backward``)."""
