@@ -4,6 +4,7 @@
   exactly (==) the bytes the comm layer counts in a real forward+backward on gloo.
 - Balance: equals both the schedule's ``load_balance`` and a brute-force count of visible pairs per
   ring member from the layout's positions (rel 1e-12).
+- MLA (value head dim unlike q/k's): bytes equal a real run's and the analytic K+V ring figures.
 - Intra/inter-node split, the cost model's overlap arithmetic, memory scaling with S/P, the
   recommendation and the CLI are checked on small cases with hand-computed figures.
 """
@@ -11,13 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from mcp_context.layouts import layout_spans, spans_positions
+from mcp_context.masks import CAUSAL
 from mcp_context.plan import Candidate, PlanRequest, RankShape, dry_run_rank, evaluate, load_profile, plan
 from mcp_context.plan.planner import explain
+from mcp_context.plan.report import plan_table
 from mcp_context.plan.__main__ import main
 from mcp_context.plan.cost import Fabric, predict, step_pairs
 from mcp_context.plan.model import parameters, planning_shape
@@ -26,15 +30,17 @@ from mcp_context.recipes.schema import ModelConfig
 from mcp_context.schedule import layout_schedule, load_balance
 from tests._dist import run_distributed
 
+REPO = Path(__file__).resolve().parents[1]
 SEQ, B, H, D = 64, 2, 8, 4
 SCHEMES = [("p2p", (4,)), ("a2a", (4,)), ("all_gather", (4,)), ("a2a+p2p", (2, 2))]
 
 
-def _real_bytes(rank, world, comm, sizes, layout, kv_heads):
+def _real_bytes(rank, world, comm, sizes, layout, kv_heads, dqk=D, dv=D):
     from mcp_context import build_hcp_groups, comm_stats, context_parallel_attention
 
     groups = build_hcp_groups(list(sizes))
-    q, k, v = (torch.randn(SEQ // world, B, h, D, requires_grad=True) for h in (H, kv_heads, kv_heads))
+    q, k, v = (torch.randn(SEQ // world, B, h, d, requires_grad=True)
+               for h, d in ((H, dqk), (kv_heads, dqk), (kv_heads, dv)))
     comm_stats.reset()
     out = context_parallel_attention(q, k, v, groups, causal=True, layout=layout, comm=comm)
     forward = dict(comm_stats.bytes_sent)
@@ -49,8 +55,48 @@ def test_dry_run_bytes_equal_the_comm_layers_counted_bytes(comm, sizes, kv_heads
     real = run_distributed(4, _real_bytes, comm, sizes, layout, kv_heads)
     shape = RankShape(SEQ, B, H, kv_heads, D, torch.float32)
     for rank, (forward, backward) in enumerate(real):
-        dry = dry_run_rank(comm, sizes, layout, True, shape, rank)
+        dry = dry_run_rank(comm, sizes, layout, CAUSAL, shape, rank)
         assert (dry.forward, dry.backward) == (forward, backward), f"rank {rank}"
+
+
+@pytest.mark.parametrize("comm,sizes", [("p2p", (4,)), ("a2a+p2p", (2, 2))])
+def test_mla_dry_run_bytes_equal_the_comm_layers_and_the_analytic_k_plus_v(comm, sizes):
+    """MLA (q/k head dim 24, value head dim 16; one K/V head per query head): K and V travel with their
+    own sizes. The dry run's bytes equal a real gloo run's, rank by rank, and the analytic ring figures:
+    forward, each member passes its K+V block on (ring size - 1) times, s_local * B * heads_held *
+    (dqk + dv) elements (p2p: all 8 heads of its own shard; [2, 2]: half the heads of the pair's two
+    shards, the same count); backward, K+V again and dK+dV in fp32 ring size times (home included)."""
+    dqk, dv = 24, 16
+    real = run_distributed(4, _real_bytes, comm, sizes, "zigzag", H, dqk, dv)
+    shape = RankShape(SEQ, B, H, H, dqk, torch.float32, dv)
+    for rank, (forward, backward) in enumerate(real):
+        dry = dry_run_rank(comm, sizes, "zigzag", CAUSAL, shape, rank)
+        assert (dry.forward, dry.backward) == (forward, backward), f"rank {rank}"
+    ring = sizes[-1]
+    kv_block = SEQ // 4 * B * H * (dqk + dv) * 4  # fp32; [2, 2]: 2 shards x H/2 heads, the same
+    assert dry.forward["ring_kv"] == (ring - 1) * kv_block != (ring - 1) * SEQ // 4 * B * H * 2 * dqk * 4
+    assert (dry.backward["ring_kv"], dry.backward["ring_dkv"]) == ((ring - 1) * kv_block, ring * kv_block)
+    if comm == "a2a+p2p":  # q, k, v scattered over the pair, out gathered back: half of each crosses
+        assert dry.forward["all_to_all"] == SEQ // 4 * B * H * (dqk + dqk + dv + dv) * 4 // 2
+
+
+def test_the_planner_reads_mla_head_dims_from_the_recipe(h100):
+    """An MLA recipe plans with q/k head dim qk_head_dim + qk_pos_emb_head_dim, value head dim
+    v_head_dim and one K/V head per query head; the parameter count is MLA's projections'."""
+    from mcp_context.plan.planner import rank_shape
+    from mcp_context.recipes import load_recipe
+
+    m = load_recipe(REPO / "recipes" / "tiny_mla_cpu.yaml").model
+    req = PlanRequest(m, m.seq_length, 4, h100, micro_batch_size=B, dtype=torch.float32)
+    shape = rank_shape(req)
+    assert (shape.head_dim, shape.dv, shape.heads, shape.kv_heads) == (24, 16, 4, 4)
+    row = evaluate(req, Candidate(4, (4,), "p2p", "zigzag"))
+    assert row.forward_bytes == {"ring_kv": 3 * m.seq_length // 4 * B * 4 * (24 + 16) * 4}
+    h, r_q, r_kv, heads = m.hidden_size, m.q_lora_rank, m.kv_lora_rank, m.num_attention_heads
+    attention = h * r_q + r_q * heads * 24 + h * (r_kv + 8) + r_kv * heads * (16 + 16) + heads * 16 * h
+    moe = 4 * 3 * h * 64 + 3 * h * 64 + h * 4  # 4 experts, the shared expert, the router
+    assert parameters(req.model) == 2 * (attention + 2 * h + moe) + 2 * req.model.vocab_size * h + h
+    assert "head dim q/k 24, v 16" in plan_table(plan(dataclasses.replace(req, cp_sizes=(4,))))
 
 
 def _brute_force_balance(layout, cp, seq, inner):
@@ -78,7 +124,7 @@ def test_plan_balance_equals_the_schedule_and_a_brute_force_count(h100):
     assert {r.candidate.layout for r in result.rows} == {"contiguous", "zigzag", "striped"}
     for row in result.rows:
         c = row.candidate
-        sched = layout_schedule(c.layout, c.cp_size, 96, True, c.a2a_degree)
+        sched = layout_schedule(c.layout, c.cp_size, 96, CAUSAL, c.a2a_degree)
         assert row.load_balance == load_balance(sched)
         assert row.load_balance == pytest.approx(_brute_force_balance(c.layout, c.cp_size, 96, c.a2a_degree),
                                                  rel=1e-12)
@@ -90,12 +136,12 @@ def test_bytes_split_by_node_boundary(h100):
     shape = RankShape(SEQ, B, H, 2, D, torch.float32)
     fabric = Fabric(profile, tp=1)
     for rank in range(4):
-        tr = dry_run_rank("p2p", (4,), "zigzag", True, shape, rank)
+        tr = dry_run_rank("p2p", (4,), "zigzag", CAUSAL, shape, rank)
         total = sum(tr.forward.values()) + sum(tr.backward.values())
         both = {op: tr.forward.get(op, 0) + tr.backward.get(op, 0) for op in tr.backward}
         assert fabric.split(tr, both) == ((total, 0) if rank % 2 == 0 else (0, total)), rank
     # a2a over 4 ranks on 2-GPU nodes: one of the three peers is on the same node
-    tr = dry_run_rank("a2a", (4,), "zigzag", True, shape, 0)
+    tr = dry_run_rank("a2a", (4,), "zigzag", CAUSAL, shape, 0)
     intra, inter = fabric.split(tr, tr.forward)
     assert intra * 2 == inter and intra + inter == tr.forward["all_to_all"]
 
@@ -115,9 +161,9 @@ def test_sampled_ranks_give_the_same_figures_as_all_ranks(h100, comm, sizes):
 def test_cost_model_overlap_arithmetic(h100):
     """P=2 p2p zigzag: forward = max(step-0 compute, transfer) + step-1 compute; no overlap = their sum."""
     shape = RankShape(SEQ, B, H, 2, D, torch.float32)
-    traffics = [dry_run_rank("p2p", (2,), "zigzag", True, shape, r) for r in range(2)]
+    traffics = [dry_run_rank("p2p", (2,), "zigzag", CAUSAL, shape, r) for r in range(2)]
     fabric = Fabric(h100, tp=8)  # TP8: the two CP ranks are on different nodes
-    sched = layout_schedule("zigzag", 2, SEQ, True)
+    sched = layout_schedule("zigzag", 2, SEQ, CAUSAL)
     pred = predict(sched, shape, 1, traffics, fabric)
     flops = [n * 4 * D * B * H for n in step_pairs(sched)]
     c0, c1 = (f / (h100.attention_tflops * 1e12) for f in flops)
@@ -133,7 +179,7 @@ def test_cost_model_overlap_arithmetic(h100):
 @pytest.mark.parametrize("comm,sizes", SCHEMES)
 def test_attention_memory_scales_as_s_over_p(comm, sizes):
     """Same S and heads, the attention layer's saved and peak bytes halve when each rank holds half."""
-    small, large = (dry_run_rank(comm, sizes, "zigzag", True, RankShape(seq, B, H, 8, D, torch.float32), 0)
+    small, large = (dry_run_rank(comm, sizes, "zigzag", CAUSAL, RankShape(seq, B, H, 8, D, torch.float32), 0)
                     for seq in (64, 128))
     assert large.saved_bytes == 2 * small.saved_bytes and large.peak_bytes == 2 * small.peak_bytes
     # what stays saved at least holds q, k, v and out of the local shard
@@ -212,10 +258,10 @@ def test_storage_bytes_equal_memtrackers_figures():
     shape = RankShape(SEQ, B, H, 2, D, torch.bfloat16)
     for comm, sizes in SCHEMES:
         for rank in range(4):
-            light = dry_run_rank(comm, sizes, "zigzag", True, shape, rank)
+            light = dry_run_rank(comm, sizes, "zigzag", CAUSAL, shape, rank)
             dryrun.StorageBytes, light_tracker = MemTrackerTotals, dryrun.StorageBytes
             try:
-                reference = dry_run_rank(comm, sizes, "zigzag", True, shape, rank)
+                reference = dry_run_rank(comm, sizes, "zigzag", CAUSAL, shape, rank)
             finally:
                 dryrun.StorageBytes = light_tracker
             assert (light.saved_bytes, light.peak_bytes) == (reference.saved_bytes, reference.peak_bytes), (comm, rank)

@@ -99,7 +99,7 @@ def predict(schedule: Schedule, shape: RankShape, a2a_degree: int, traffics: Seq
             fabric: Fabric) -> Prediction:
     """Forward and backward time of one attention layer (slowest rank of ``traffics`` at every step)."""
     p = fabric.profile
-    flops_per_pair = 4 * shape.head_dim * shape.batch * shape.heads // a2a_degree
+    flops_per_pair = 2 * (shape.head_dim + shape.dv) * shape.batch * shape.heads // a2a_degree  # QK^T and PV
     pairs = step_pairs(schedule)
     c_fwd = [n * flops_per_pair / (p.attention_tflops * 1e12) for n in pairs]
     c_bwd = [n * flops_per_pair * BACKWARD_FLOP_FACTOR / (p.attention_bwd_tflops * 1e12) for n in pairs]

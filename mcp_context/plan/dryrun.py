@@ -23,7 +23,7 @@ import warnings
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence, Union
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..algorithms import resolve_scheme
 from ..comm import build_hcp_groups
-from ..kernels.torch_sdpa import cpu_flash_kernel
+from ..kernels.torch_sdpa import FUSED_OPS, TorchKernel, cpu_flash_kernel
 from ..masks import Mask
 from ..trace import comm_stats
 
@@ -46,7 +46,14 @@ class RankShape:
     heads: int
     kv_heads: int
     head_dim: int
+    """Query/key head dim."""
     dtype: torch.dtype = torch.bfloat16
+    v_head_dim: Optional[int] = None
+    """Value head dim (MLA: unlike head_dim); None: head_dim."""
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
 
 @dataclass
@@ -144,15 +151,25 @@ def check_dry_run_fits(shape: RankShape) -> None:
     """Raise ``ValueError`` naming the planner's flags when the largest tensor of a dry run (q or
     k/v at CP = 1, the largest candidate) would hold more bytes than ``MAX_TENSOR_BYTES``."""
     itemsize = torch.empty((), dtype=shape.dtype).element_size()
-    nbytes = shape.seq_len * shape.batch * max(shape.heads, shape.kv_heads) * shape.head_dim * itemsize
+    head_dim = max(shape.head_dim, shape.dv)
+    nbytes = shape.seq_len * shape.batch * max(shape.heads, shape.kv_heads) * head_dim * itemsize
     if nbytes > MAX_TENSOR_BYTES:
         raise ValueError(
             f"--seq-len {shape.seq_len} x --micro-batch-size {shape.batch} x {max(shape.heads, shape.kv_heads)} heads "
-            f"per TP rank x head dim {shape.head_dim} x {itemsize} bytes = {nbytes} bytes for one attention input, "
+            f"per TP rank x head dim {head_dim} x {itemsize} bytes = {nbytes} bytes for one attention input, "
             f"above 2**62 bytes (torch sizes storage in int64); lower --seq-len or --micro-batch-size")
 
 
-def dry_run_rank(comm: str, sizes: Sequence[int], layout: str, mask: Union[bool, Mask], shape: RankShape,
+def _kernel(shape: RankShape):
+    """The fused op whose working memory the dry run measures: the CPU flash op, or, for a value head
+    dim unlike q/k's (MLA), cuDNN's (the GPU op that takes it, DeepSeek-V3's 192/128 on Hopper; the
+    CPU flash op does not). On meta tensors either runs its shape function only."""
+    if shape.dv == shape.head_dim:
+        return cpu_flash_kernel()
+    return TorchKernel(FUSED_OPS["cudnn"])
+
+
+def dry_run_rank(comm: str, sizes: Sequence[int], layout: str, mask: Mask, shape: RankShape,
                  cp_rank: int) -> RankTraffic:
     """Run one attention layer's forward and backward as CP rank ``cp_rank`` of ``prod(sizes)`` with
     ``mask`` (causal/full as a bool, or a ``masks`` value such as a sliding window)."""
@@ -168,9 +185,10 @@ def dry_run_rank(comm: str, sizes: Sequence[int], layout: str, mask: Union[bool,
             tracker = StorageBytes()
             comm_stats.reset()
             with tracker:
-                q, k, v = (torch.empty(s_local, shape.batch, h, shape.head_dim, device="meta", dtype=shape.dtype,
-                                       requires_grad=True) for h in (shape.heads, shape.kv_heads, shape.kv_heads))
-                scheme = resolve_scheme(groups, comm, layout, mask, s_local, shape.kv_heads, cpu_flash_kernel(),
+                q, k, v = (torch.empty(s_local, shape.batch, h, d, device="meta", dtype=shape.dtype, requires_grad=True)
+                           for h, d in ((shape.heads, shape.head_dim), (shape.kv_heads, shape.head_dim),
+                                        (shape.kv_heads, shape.dv)))
+                scheme = resolve_scheme(groups, comm, layout, mask, s_local, shape.kv_heads, _kernel(shape),
                                         shape.head_dim ** -0.5)
                 out = scheme.run(q, k, v, False)
                 saved = tracker.current

@@ -128,7 +128,8 @@ def dry_run_ranks(cp_size: int, tp: int, gpus_per_node: int) -> list[int]:
 
 def rank_shape(req: PlanRequest) -> RankShape:
     heads, kv_heads = heads_per_tp_rank(req.model.num_attention_heads, req.model.num_query_groups, req.tp)
-    return RankShape(req.seq_len, req.micro_batch_size, heads, kv_heads, req.model.kv_channels, req.dtype)
+    return RankShape(req.seq_len, req.micro_batch_size, heads, kv_heads, req.model.kv_channels, req.dtype,
+                     req.model.v_head_dim)
 
 
 def evaluate(req: PlanRequest, cand: Candidate, ranks: Optional[list[int]] = None) -> PlanRow:

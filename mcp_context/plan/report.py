@@ -73,7 +73,7 @@ def plan_table(plan: Plan) -> str:
     rows = [COLUMNS] + [_cells(r) for r in plan.rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
     lines = [f"{req.model.num_layers} layers, hidden {req.model.hidden_size}, heads {req.model.num_attention_heads}/"
-             f"{req.model.num_query_groups} kv, head dim {req.model.kv_channels}; {req.seq_len} tokens, "
+             f"{req.model.num_query_groups} kv, head dim {_head_dims(req.model)}; {req.seq_len} tokens, "
              f"{req.gpus} GPUs ({req.profile.gpus_per_node} a node, {req.profile.name}), TP{req.tp} PP{req.pp}"
              f"{f', CP sizes {list(req.cp_sizes)} only' if req.cp_sizes else ''}"
              f"{f', window_size {req.mask.window_size}' if req.mask.window_size not in ((-1, -1), (-1, 0)) else ''}; "
@@ -86,3 +86,10 @@ def plan_table(plan: Plan) -> str:
     if plan.rejected:
         lines.append(f"\n{len(plan.rejected)} layouts rejected by the engine's checks (see --json for each reason)")
     return "\n".join(lines)
+
+
+def _head_dims(model) -> str:
+    """``128``, or ``q/k 192, v 128`` where they differ (MLA)."""
+    if model.v_head_dim == model.kv_channels:
+        return str(model.kv_channels)
+    return f"q/k {model.kv_channels}, v {model.v_head_dim}"
