@@ -188,14 +188,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except ValueError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
-        groups = None
-        if not args.simulate:
-            from ..comm import build_hcp_groups
-
-            groups = build_hcp_groups(list(setup.sizes))
-        ranks = Ranks(None if groups is None else groups.cp_group, progress=not args.no_progress)
+        ranks = Ranks(None if args.simulate else dist.group.WORLD, progress=not args.no_progress)
         ranks.say(describe(setup, args.simulate))
-        results = run_checks(setup, ranks, groups, args.plant)
+        results = run_checks(setup, ranks, args.simulate, args.plant)
         if ranks.rank == 0:
             print(describe(setup, args.simulate))
             print(report.table(results))

@@ -177,6 +177,12 @@ def attention_check(setup: Setup, kind: AttentionKind, dtype: torch.dtype, data:
     return ranks.from_rank0(lambda: _attention_figures(setup, kind, dtype, rounded, full), name), run, None
 
 
+def _mib(sent: dict[str, int]) -> str:
+    """``"ring_kv 0.25 + ring_dkv 0.12 = 0.38 MiB"``: bytes by operation and in all."""
+    parts = " + ".join(f"{op} {n / 2**20:.2f}" for op, n in sorted(sent.items()))
+    return f"{parts} = {sum(sent.values()) / 2**20:.2f} MiB" if len(sent) > 1 else f"{parts} MiB"
+
+
 def bytes_check(setup: Setup, kind: AttentionKind, dtype: torch.dtype, ranks: Ranks, run: Optional[EngineRun],
                 seconds: Optional[float] = None) -> CheckResult:
     """Bytes per rank by operation against the analytic figure, and the time per call."""
@@ -195,11 +201,10 @@ def bytes_check(setup: Setup, kind: AttentionKind, dtype: torch.dtype, ranks: Ra
 
     def verdict() -> CheckResult:
         problems = plan.bytes_verdict(kind, counted, expected)
-        total = sum(counted[0].values()) if counted else sum(expected.values())
         relation = "=" if plan.is_plain(kind) else "<="
-        analytic = f"analytic {sum(expected.values()) / 2**20:.2f} MiB"
-        measured = f"{total / 2**20:.2f} MiB/rank ({source}) {relation} {analytic}" if counted else \
-            f"{analytic}/rank (not measured: the dry run has one head dim)"
+        analytic = "the analytic figure" if counted and counted[0] == expected else f"analytic {_mib(expected)}"
+        measured = f"rank 0 sent {_mib(counted[0])} ({source}) {relation} {analytic}" if counted else \
+            f"{analytic} per rank (not measured: the dry run has one head dim)"
         summary = f"{measured}; {ms:.1f} ms per fwd+bwd call" + (" (member 0, one device)" if run is None else "")
         return CheckResult(name, not problems, "; ".join(problems) if problems else summary,
                            {"sent": counted, "analytic": expected, "ms_per_call": ms, "source": source})
@@ -235,14 +240,19 @@ def boundary_checks(setup: Setup, ranks: Ranks, group) -> list[CheckResult]:
                                                          (positions, "boundaries.positions"), (loss, "boundaries.loss"))]
 
 
-def run_checks(setup: Setup, ranks: Ranks, groups=None, fault: Optional[str] = None) -> list[CheckResult]:
-    """Every check, in order (``groups=None``: ``--simulate``)."""
-    simulate = groups is None
+def run_checks(setup: Setup, ranks: Ranks, simulate: bool, fault: Optional[str] = None) -> list[CheckResult]:
+    """Every check, in order. Distributed, ``ranks`` spans the world (the CP ranks) and the CP groups
+    are built only once the ranks agree on the plan (groups of different sizes would hang)."""
     results = [agreement(setup, ranks, fault, simulate)]
     ranks.say(f"plan agreement: {'ok' if results[0].passed else 'FAILED'}")
     if not results[0].passed and not simulate:
         results.append(CheckResult("checks", False, "not run: the ranks disagree on the plan (see plan.agreement)"))
         return results
+    groups = None
+    if not simulate:
+        from ..comm import build_hcp_groups
+
+        groups = build_hcp_groups(list(setup.sizes))
     results += kernel_check(setup)
     for kind in setup.kinds:
         data = random_inputs(setup.seq_len, setup.batch, setup.heads, setup.kv_heads, setup.head_dim,
