@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from ..kernels import get_kernel
 from . import boundaries, compare, plan
 from .distributed import EngineRun, median_ms
 from .faults import FAULTY_RANK
@@ -85,6 +86,8 @@ def _rounded(data: dict, dtype: torch.dtype) -> dict:
 
 
 def agreement(setup: Setup, ranks: Ranks, fault: Optional[str], simulate: bool) -> CheckResult:
+    """Every rank's ``Setup.fingerprint`` against rank 0's (simulated: the setup itself for every rank,
+    a planted packing on ``FAULTY_RANK``)."""
     if simulate:  # one process plays every rank: a planted rank reads its own packing
         fingerprints = [setup.fingerprint()] * setup.cp_size
         if fault == "cu-seqlens-differ":
@@ -94,8 +97,9 @@ def agreement(setup: Setup, ranks: Ranks, fault: Optional[str], simulate: bool) 
         fingerprints = ranks.gather(setup.fingerprint())
     problems = plan.disagreements(fingerprints)
     fp = fingerprints[0]
-    summary = (f"{len(fingerprints)} ranks agree: CP {fp['cp_size']} {fp['sizes']} {fp['comm']} {fp['layout']}, "
-               f"S={fp['seq_len']}, " + (f"{len(setup.documents[0]) - 1} documents" if fp['packing'] else "unpacked")) if not problems else "; ".join(problems)
+    packing = f"{len(setup.documents[0]) - 1} documents" if fp["packing"] else "unpacked"
+    summary = "; ".join(problems) or (f"{len(fingerprints)} ranks agree: CP {fp['cp_size']} {fp['sizes']} "
+                                      f"{fp['comm']} {fp['layout']}, S={fp['seq_len']}, {packing}")
     return CheckResult("plan.agreement", not problems, summary, {"fingerprints": fingerprints})
 
 
@@ -131,8 +135,6 @@ def _attention_figures(setup: Setup, kind: AttentionKind, dtype: torch.dtype, ro
     if dtype in compare.HALF:
         fused = simulate_attention(setup, kind, dtype, rounded, cp_size=1, inner=1, layout="zigzag")
         if "blocks" not in full:
-            from ..kernels import get_kernel
-
             kernel = get_kernel("auto", torch.device(setup.device), dtype, head_dim=setup.head_dim,
                                 v_head_dim=setup.v_head_dim)
             full["blocks"] = blocks_per_row(cp_schedule(setup, kind, kernel.capabilities.masks))

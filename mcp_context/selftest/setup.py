@@ -19,7 +19,6 @@ from typing import Optional
 
 import torch
 
-from ..cp_rules import normalize_comm
 
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 DEFAULT_SEQ_LEN = {"cpu": 1024, "cuda": 8192}
