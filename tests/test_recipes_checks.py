@@ -106,6 +106,68 @@ def test_window_layers_are_checked_as_megatron_core_reads_them(overrides, messag
         validate_recipe(load_recipe(None, ["model.window_size=[7, 0]", f"model.window_attn_skip_freq={freq}"]))
 
 
+MLA = ["model.multi_latent_attention=true", "model.num_query_groups=null", "model.qk_layernorm=true"]
+MOE = ["model.num_moe_experts=4"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.q_lora_rank=32"], "model.q_lora_rank=32 has no effect without model.multi_latent_attention=true; set "
+                               "model.multi_latent_attention=true or remove model.q_lora_rank"),
+    (["model.moe_router_topk=4"], "model.moe_router_topk=4 has no effect without model.num_moe_experts"),
+    (["model.multi_latent_attention=true"], "model.num_query_groups=2: multi-latent attention has one key/value head "
+                                            "per query head"),
+    (MLA + ["model.kv_channels=16"], "model.kv_channels=16: multi-latent attention takes its head dims from "
+                                     "model.qk_head_dim + model.qk_pos_emb_head_dim (query/key) and model.v_head_dim"),
+    (MLA + ["model.rope_scaling=true"], "multi-latent attention applies RoPE itself (model.rope_type)"),
+    (MLA + ["model.qk_pos_emb_head_dim=7"], "model.qk_pos_emb_head_dim=7 must be even"),
+    (MLA + ["model.rope_type=rope", "model.mscale_all_dim=1.0"],
+     "model.mscale_all_dim=1.0 has no effect without model.rope_type=yarn"),
+    (MLA + ["model.v_head_dim=0"], "model.v_head_dim=0 must be a positive integer"),
+    (["model.gated_linear_unit=false", "model.activation_func=gelu", "model.glu_linear_offset=1.0"],
+     "model.glu_linear_offset=1.0 applies to a gated MLP only"),
+    (["model.activation_func_clamp_value=0.0"], "model.activation_func_clamp_value=0.0 must be a finite number with "
+                                                "model.activation_func_clamp_value > 0"),
+    (MOE + ["model.moe_router_topk=5"], "model.moe_router_topk=5 is more than model.num_moe_experts=4"),
+    (MOE + ["model.moe_layer_freq=0"], "model.moe_layer_freq=0 must be an integer n >= 1"),
+    (MOE + ["model.moe_layer_freq=[1, 1, 0]"], "model.moe_layer_freq=[1, 1, 0] must hold one 0 (dense) or 1 (MoE) "
+                                               "per layer: model.num_layers=2 entries"),
+    (MOE + ["model.moe_router_enable_expert_bias=true"], "model.moe_router_enable_expert_bias=true needs "
+                                                         "model.moe_router_score_function=sigmoid"),
+    (MOE + ["model.moe_router_num_groups=2"], "group-limited routing needs both"),
+    (MOE + ["model.moe_router_num_groups=3", "model.moe_router_group_topk=1"], "the groups must divide "
+                                                                                "model.num_moe_experts=4"),
+    (MOE + ["model.moe_router_num_groups=2", "model.moe_router_group_topk=1", "model.moe_router_topk=3"],
+     "model.moe_router_topk=3 is more than the 2 experts of model.moe_router_group_topk=1 groups of 2"),
+])
+def test_attention_and_mlp_variants_are_checked_naming_the_key(overrides, message):
+    """Sinks, MLA and MoE fields: a value megatron-core would assert on, or one that would be silently
+    ignored (a feature's field without the feature), is refused naming the key and the fix."""
+    with pytest.raises(RecipeError) as err:
+        validate_recipe(load_recipe(None, overrides))
+    assert message in str(err.value)
+
+
+def test_the_variant_fields_in_valid_combinations_pass():
+    for overrides in (["model.softmax_type=off-by-one"], ["model.softmax_type=learnable", "model.window_size=[7, 0]",
+                                                         "model.window_attn_skip_freq=2"],
+                      MLA + ["model.q_lora_rank=null", "model.rope_type=rope"], MLA + MOE,
+                      MOE + ["model.moe_router_score_function=sigmoid", "model.moe_router_enable_expert_bias=true",
+                             "model.moe_router_num_groups=2", "model.moe_router_group_topk=1",
+                             "model.moe_router_topk_scaling_factor=2.5", "model.moe_layer_freq=[0, 1]"],
+                      ["model.activation_func=quick_gelu", "model.glu_linear_offset=1.0",
+                       "model.activation_func_clamp_value=7.0"]):
+        validate_recipe(load_recipe(None, overrides))
+
+
+def test_our_entry_refuses_dense_layers_among_moe_ones():
+    from mcp_context.pretrain.launch import check_recipe_for_training
+
+    cfg = load_recipe(None, MOE + ["model.moe_layer_freq=[0, 1]", "train.device=cpu"])
+    with pytest.raises(RecipeError, match=r"model.moe_layer_freq=\[0, 1\]: the HCP layer specs .* put the MoE MLP "
+                                          r"in every layer"):
+        check_recipe_for_training(cfg, 4)
+
+
 def test_checkpoint_paths_that_are_files_are_refused(tmp_path):
     a_file = tmp_path / "not_a_dir"
     a_file.write_text("x")

@@ -158,6 +158,9 @@ def _validate_mlp_variant(m: ModelConfig) -> None:
         raise RecipeError(f"model.moe_router_topk={m.moe_router_topk} is more than model.num_moe_experts={experts}; "
                           f"route each token to at most {experts} experts")
     freq, key = m.moe_layer_freq, "model.moe_layer_freq"
+    if isinstance(freq, int) and freq < 1:
+        raise RecipeError(f"{key}={freq} must be an integer n >= 1 (every n-th layer is MoE) or a list of 0/1, one "
+                          f"per layer")
     if isinstance(freq, list) and (len(freq) != m.num_layers or any(v not in (0, 1) for v in freq)):
         raise RecipeError(f"{key}={freq!r} must hold one 0 (dense) or 1 (MoE) per layer: model.num_layers="
                           f"{m.num_layers} entries")
