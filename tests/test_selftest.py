@@ -69,9 +69,16 @@ def _assert_all_pass(status: int, text: str) -> None:
     assert "attention[" in text and "boundaries.loss" in text and "plan.bytes[" in text, text
 
 
+LAYOUTS = {"own": [], "cp4-hcp": ["--hcp-sizes", "2,2", "--comm", "a2a+p2p"], "cp4-p2p": ["--cp-size", "4",
+           "--hcp-sizes", "4", "--comm", "p2p"], "cp8-hcp": ["--hcp-sizes", "2,2,2", "--comm", "a2a+p2p"]}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
-def test_every_recipe_passes_simulated_at_its_cp_layout(recipe):
-    status, text = _run(["--simulate", "--recipe", str(recipe), "--seq-len", "256", "--dtype", "fp64"])
+def test_every_recipe_passes_simulated(recipe, layout):
+    """At the recipe's own CP layout and at CP=4 [2, 2], CP=4 p2p and CP=8 [2, 2, 2]."""
+    status, text = _run(["--simulate", "--recipe", str(recipe), "--seq-len", "256", "--dtype", "fp64",
+                         "--repeats", "1", *LAYOUTS[layout]])
     _assert_all_pass(status, text)
 
 
@@ -141,6 +148,8 @@ def _distributed_main(rank, world, argv):
 
 DISTRIBUTED = {
     "cp4-hcp-tiny-recipe": ["--recipe", "recipes/tiny_cpu.yaml", "--seq-len", "128"],
+    "cp4-p2p-tiny-recipe": ["--recipe", "recipes/tiny_cpu.yaml", "model.cp_comm_type=p2p",
+                            "model.hierarchical_context_parallel_sizes=null", "--seq-len", "64", "--dtype", "fp64"],
     "cp4-p2p-sinks-window-packed": ["--comm", "p2p", "--seq-len", "128", "--dtype", "fp64", "--head-dim", "16",
                                     "--softmax-type", "learnable", "--window", "15,0", "--window-attn-skip-freq", "2",
                                     "--packed"],
@@ -226,3 +235,24 @@ def test_the_chunked_reference_equals_the_tests_independent_reference():
         finite = torch.isfinite(ref)
         assert torch.equal(finite, torch.isfinite(got[name])), name
         assert torch.allclose(got[name][finite], ref.detach()[finite], atol=1e-12, rtol=0), name
+
+
+def test_the_boundary_checks_catch_global_positions_and_per_rank_averages():
+    """Not vacuous: packed positions that do not restart per document, and a loss averaged per rank
+    first (a rank with few valid tokens weighs too much), are both reported."""
+    from mcp_context.selftest import boundaries
+    from mcp_context.selftest.setup import AttentionKind, Setup, with_documents
+
+    setup = with_documents(Setup(4, (4,), "p2p", "zigzag", 128, 1, 4, 2, 8, 8, (AttentionKind(packed=True),),
+                                 (torch.float64,)))
+    batch, _ = boundaries.full_batch(setup, packed=True)
+    assert boundaries.check_positions(setup, {"position_ids": batch["position_ids"]}, packed=True) == []
+    global_positions = {"position_ids": torch.arange(setup.seq_len)[None]}
+    assert boundaries.check_positions(setup, global_positions, packed=True)
+    loss, mask = batch["per_token_loss"][0], batch["loss_mask"][0].double()
+    mask[:100] = 0  # most valid tokens on the last quarter: per-rank means differ from the global one
+    batch["loss_mask"] = mask[None]
+    quarters = [(loss[i:i + 32], mask[i:i + 32]) for i in range(0, 128, 32)]
+    per_rank_first = sum(float((l * m).sum() / m.sum().clamp(min=1)) for l, m in quarters) / 4
+    problems, _ = boundaries.check_loss([(per_rank_first / 4, per_rank_first)] * 4, batch)
+    assert len(problems) == 2, problems

@@ -66,6 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=1234)
     run.add_argument("--repeats", type=int, default=3, help="timed calls per attention kind (default 3)")
     run.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    run.add_argument("--skip-layer", action="store_true", help="skip the one-layer check (a large model's layer "
+                     "on a CPU: two copies of its weights and gradients per rank)")
     run.add_argument("--plant", choices=sorted(FAULTS), help="TEST ONLY: plant a known CP bug so the self-test "
                      "must fail (tests/test_selftest.py); never on a real check")
     return ap
@@ -97,17 +99,16 @@ def build_setup(args: argparse.Namespace, world_size: Optional[int]) -> Setup:
                       half=torch.float16 if m.params_dtype == "float16" else torch.bfloat16, model=m)
     flags = {"heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
              "v_head_dim": args.v_head_dim, "window": args.window,
-             "skip": args.window_attn_skip_freq, "softmax_type": args.softmax_type, "cp_size": args.cp_size,
-             "sizes": args.hcp_sizes, "comm": args.comm, "batch": args.batch}
+             "skip": args.window_attn_skip_freq, "softmax_type": args.softmax_type, "sizes": args.hcp_sizes,
+             "comm": args.comm, "batch": args.batch}
     values.update({k: v for k, v in flags.items() if v is not None})
     values["packed"] = values["packed"] or args.packed
-    sizes = values["sizes"]
-    cp_size = values["cp_size"] or (sizes and _product(sizes)) or (4 if args.simulate else world_size)
-    if sizes is None or _product(sizes) != cp_size:
-        if sizes is not None:
-            raise ValueError(f"--hcp-sizes {sizes} multiply to {_product(sizes)}, not the CP size {cp_size}; give "
-                             f"sizes whose product is {cp_size}")
-        sizes = [cp_size]
+    if args.hcp_sizes is not None and args.cp_size is not None and _product(args.hcp_sizes) != args.cp_size:
+        raise ValueError(f"--hcp-sizes {args.hcp_sizes} multiply to {_product(args.hcp_sizes)}, not --cp-size "
+                         f"{args.cp_size}; give sizes whose product is {args.cp_size}")
+    cp_size = (args.cp_size or (args.hcp_sizes and _product(args.hcp_sizes)) or values["cp_size"]
+               or (4 if args.simulate else world_size))
+    sizes = values["sizes"] if values["sizes"] and _product(values["sizes"]) == cp_size else [cp_size]
     comm = normalize_comm(values["comm"] or ("a2a+p2p" if len(sizes) > 1 else "p2p"))
     if cp_size < 2:
         raise ValueError(f"CP size {cp_size}: a self-test of context parallelism needs at least 2 CP ranks; launch "
@@ -190,7 +191,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 2
         ranks = Ranks(None if args.simulate else dist.group.WORLD, progress=not args.no_progress)
         ranks.say(describe(setup, args.simulate))
-        results = run_checks(setup, ranks, args.simulate, args.plant)
+        results = run_checks(setup, ranks, args.simulate, args.plant, layer=not args.skip_layer)
         if ranks.rank == 0:
             print(describe(setup, args.simulate))
             print(report.table(results))

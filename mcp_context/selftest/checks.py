@@ -242,9 +242,11 @@ def boundary_checks(setup: Setup, ranks: Ranks, group) -> list[CheckResult]:
                                                          (positions, "boundaries.positions"), (loss, "boundaries.loss"))]
 
 
-def run_checks(setup: Setup, ranks: Ranks, simulate: bool, fault: Optional[str] = None) -> list[CheckResult]:
-    """Every check, in order. Distributed, ``ranks`` spans the world (the CP ranks) and the CP groups
-    are built only once the ranks agree on the plan (groups of different sizes would hang)."""
+def run_checks(setup: Setup, ranks: Ranks, simulate: bool, fault: Optional[str] = None, layer: bool = True
+               ) -> list[CheckResult]:
+    """Every check, in order (``layer``: the one-layer check too). Distributed, ``ranks`` spans the
+    world (the CP ranks) and the CP groups are built only once the ranks agree on the plan (groups of
+    different sizes would hang)."""
     results = [agreement(setup, ranks, fault, simulate)]
     ranks.say(f"plan agreement: {'ok' if results[0].passed else 'FAILED'}")
     if not results[0].passed and not simulate:
@@ -272,8 +274,9 @@ def run_checks(setup: Setup, ranks: Ranks, simulate: bool, fault: Optional[str] 
         results.append(bytes_check(setup, kind, setup.dtypes[0], ranks, first_run, seconds))
     ranks.say("boundaries ...")
     results += _boundaries_guarded(setup, ranks, groups)
-    if simulate:
-        ranks.say("boundaries.layer: not run with --simulate (a layer at CP needs the CP ranks)")
+    if simulate or not layer:
+        ranks.say("boundaries.layer: not run " + ("with --simulate (a layer at CP needs the CP ranks)" if simulate
+                                                  else "(--skip-layer)"))
     else:
         for kind in setup.kinds:
             if not layer_checkable(setup):
