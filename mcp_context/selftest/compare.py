@@ -6,9 +6,10 @@
   fp32 by fp32 accumulation over the sequence (~1e-6 at S = 1K..8K).
 - bf16 / fp16: each output ``x`` is held to ``1.5 * sqrt(B) * max(e1, u * max|reference|)``, where
   ``e1`` is the error of one fused call of the same kernel over the whole sequence in the same dtype,
-  ``u`` the unit roundoff (2**-8 bf16, 2**-11 fp16, 2**-24 for the fp32 lse and the fp32 sinks'
-  gradient) and ``B`` the most block partials summed into one row by this CP schedule (rounding
-  errors of B partials grow like sqrt(B); the premise of the GPU member tests).
+  ``u`` the unit roundoff (2**-8 bf16, 2**-11 fp16, 2**-24 for the fp32 lse) and ``B`` the most block
+  partials summed into one row by this CP schedule: per key row for dk and dv, per query row for the
+  rest (the sinks' gradient sums ``dout * out`` over rows whose ``out`` merged B partials). Rounding
+  errors of B partials grow like sqrt(B); the premise of the GPU member tests.
 """
 from __future__ import annotations
 
@@ -47,8 +48,8 @@ def half_precision_figures(result: dict, fused: dict, reference: dict, dtype: to
         if name not in OUTPUTS:
             continue
         err, fused_err = max_error(result[name], ref), max_error(fused[name], ref)
-        blocks = {"dk": k_blocks, "dv": k_blocks, "dsink": 1}.get(name, q_blocks)
-        u = UNIT_ROUNDOFF[torch.float32 if name in ("lse", "dsink") else dtype]
+        blocks = k_blocks if name in ("dk", "dv") else q_blocks  # dsink sums rows of the merged out
+        u = UNIT_ROUNDOFF[torch.float32 if name == "lse" else dtype]
         bound = 1.5 * blocks ** 0.5 * max(fused_err, u * _scale(ref))
         figures[name] = {"error": err, "fused_error": fused_err, "ratio": err / fused_err if fused_err else None,
                          "blocks": blocks, "bound": bound}

@@ -45,8 +45,7 @@ def level_groups(sizes: tuple[int, ...], cp_rank: int) -> list:
 
 def model_config(setup: Setup, recipe_model, kind: AttentionKind):
     """The recipe's model (or one built from the attention flags) at TP = PP = 1 in fp32, at this CP."""
-    from ..recipes.schema import ModelConfig, transformer_config_kwargs
-    from megatron.core.transformer import TransformerConfig
+    from ..recipes.schema import ModelConfig, transformer_config_class, transformer_config_kwargs
 
     if recipe_model is None:
         hidden = setup.heads * setup.head_dim
@@ -64,9 +63,9 @@ def model_config(setup: Setup, recipe_model, kind: AttentionKind):
                             recompute_method=None, recompute_num_layers=None)
     kwargs = transformer_config_kwargs(m)
     kwargs["softmax_type"] = kind.softmax_type
-    return m, TransformerConfig(**kwargs, use_cpu_initialization=True, masked_softmax_fusion=False,
-                                bias_activation_fusion=False, apply_rope_fusion=False, bias_dropout_fusion=False,
-                                gradient_accumulation_fusion=False)
+    return m, transformer_config_class(m)(**kwargs, use_cpu_initialization=True, masked_softmax_fusion=False,
+                                          bias_activation_fusion=False, apply_rope_fusion=False,
+                                          bias_dropout_fusion=False, gradient_accumulation_fusion=False)
 
 
 def layer_parity(setup: Setup, kind: AttentionKind, groups: HCPGroups, recipe_model=None,
