@@ -76,8 +76,6 @@ def _parser() -> argparse.ArgumentParser:
 def build_setup(args: argparse.Namespace, world_size: Optional[int]) -> Setup:
     """The setup from the recipe (if any) with the flags over it."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda, but torch sees no CUDA device here; use --device cpu (gloo)")
     values = {"heads": 8, "kv_heads": 2, "head_dim": 64, "v_head_dim": None, "window": None, "skip": None, "softmax_type": "vanilla",
               "packed": False, "cp_size": None, "sizes": None, "comm": None, "seq_len": None, "batch": 2,
               "source": "flags", "half": torch.bfloat16, "model": None}
@@ -175,6 +173,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) .*not installed")
     warnings.filterwarnings("ignore", message="full scope is deprecated")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda, but torch sees no CUDA device here; use --device cpu (gloo)", file=sys.stderr)
+        return 2
     created = False if args.simulate else _init_distributed(device)
     try:
         world = dist.get_world_size() if dist.is_initialized() and not args.simulate else None
