@@ -114,7 +114,7 @@ BAD_LAYOUTS = [
     (["model.hierarchical_context_parallel_sizes=null"],
      "model.cp_comm_type='a2a+p2p' needs model.hierarchical_context_parallel_sizes"),
     (["model.hierarchical_context_parallel_sizes=[4]"],
-     "model.cp_comm_type='a2a+p2p' needs model.hierarchical_context_parallel_sizes with at least two levels"),
+     "model.cp_comm_type='a2a+p2p' needs model.hierarchical_context_parallel_sizes with at least 2 levels"),
     (["model.seq_length=250"],
      "model.seq_length 250 is not divisible by 2*cp=8 for layout 'zigzag'; pad to 256"),
     (["model.tensor_model_parallel_size=2", "model.sequence_parallel=true", "model.seq_length=264", "train.world_size=8"],
@@ -230,8 +230,9 @@ def test_transformer_config_kwargs_build_a_real_transformer_config(path):
 
 
 def test_every_megatron_model_the_package_builds_comes_from_the_one_translation():
-    """Pretraining and the converter build ``TransformerConfig`` and ``GPTModel`` only from
-    ``transformer_config_kwargs`` / ``gpt_model_kwargs``: no second translation can drift."""
+    """Pretraining, the converter and the self-test build ``TransformerConfig`` (or the class
+    ``transformer_config_class`` picks) and ``GPTModel`` only from ``transformer_config_kwargs`` /
+    ``gpt_model_kwargs``: no second translation can drift."""
     import ast
 
     def built(func) -> str:  # TransformerConfig(...) or transformer_config_class(model)(...), its MLA-aware spelling
@@ -239,16 +240,26 @@ def test_every_megatron_model_the_package_builds_comes_from_the_one_translation(
             return "TransformerConfig"
         return getattr(func, "id", None)
 
+    def spread_from(value, assigned: dict) -> str:  # **f(...), or **name where name = f(...) in the same file
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Name):
+            return value.func.id
+        name = assigned.get(getattr(value, "id", None), "")
+        return name if name.endswith("_kwargs") else ""
+
     builders = []
     for path in sorted((RECIPES_DIR.parent / "mcp_context").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        assigned = {t.id: n.value.func.id for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                    and isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Name)
+                    for t in n.targets if isinstance(t, ast.Name)}
+        for node in ast.walk(tree):
             if isinstance(node, ast.Call) and built(node.func) in ("TransformerConfig", "GPTModel"):
-                spread = [kw.value.func.id for kw in node.keywords if kw.arg is None
-                          and isinstance(kw.value, ast.Call) and isinstance(kw.value.func, ast.Name)]
+                spread = [f for f in (spread_from(kw.value, assigned) for kw in node.keywords if kw.arg is None) if f]
                 builders.append((path.parent.name, built(node.func), spread))
     assert sorted(builders) == [
         ("convert", "GPTModel", ["gpt_model_kwargs"]), ("convert", "TransformerConfig", ["transformer_config_kwargs"]),
         ("pretrain", "GPTModel", ["gpt_model_kwargs"]), ("pretrain", "TransformerConfig", ["transformer_config_kwargs"]),
+        ("selftest", "TransformerConfig", ["transformer_config_kwargs"]),
     ]
 
 
