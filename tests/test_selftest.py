@@ -45,9 +45,10 @@ def _one_thread():
 
 
 def _run(argv: list[str]) -> tuple[int, str]:
+    """``main(argv)`` on the CPU (also where CUDA is present: these are the CPU checks), its status and output."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = main(argv + ["--no-progress"])
+        status = main(argv + ["--no-progress", "--device", "cpu"])
     return status, out.getvalue() + err.getvalue()
 
 
@@ -184,7 +185,8 @@ def test_a_planted_fault_fails_across_ranks_naming_the_check(fault, flags, caugh
 def test_table_on_stdout_progress_on_stderr_summary_last():
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = main(["--simulate", "--seq-len", "32", "--dtype", "fp64", "--repeats", "1", "--plant", "wrong-scale"])
+        status = main(["--simulate", "--seq-len", "32", "--dtype", "fp64", "--repeats", "1", "--plant", "wrong-scale",
+                       "--device", "cpu"])
     assert status == 1
     assert out.getvalue().strip().splitlines()[-1] == "selftest: 6 passed, 1 failed", out.getvalue()
     assert "selftest: plan agreement: ok" in err.getvalue() and "attention[causal] fp64: FAIL" in err.getvalue()
