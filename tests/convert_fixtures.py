@@ -36,7 +36,8 @@ WINDOW_MODELS = ("mistral_window", "qwen2_upper_window")
 # Issue 21's families, one model each, converted by their own fixture (``converted_families``): Qwen3 with
 # its per-head q/k norms and a window on its upper layer, Mixtral (renormalised top-2 of 4 experts) with a
 # window on every layer, Qwen3-MoE (top-2 of 4 unnormalised, norm_topk_prob=false) with q/k norms and tied
-# embeddings. Norms are drawn around 1, so a dropped (reset) norm shows in the logits.
+# embeddings, gpt-oss (learned sinks, biases everywhere, clamped GLU, a window on its first layer). Norms are
+# drawn around 1, so a dropped (reset) norm shows in the logits.
 FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
         rope_theta=1e6, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
@@ -45,6 +46,10 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         rope_theta=1e6, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=False,
         tie_word_embeddings=True)),
+    # plain RoPE (YaRN is refused: see docs/convert.md), a clamp low enough that O(1) activations reach it
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        rope_parameters={"rope_type": "default", "rope_theta": 150000.0}, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW, swiglu_limit=1.5)),
 }
 
 

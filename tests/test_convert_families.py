@@ -1,4 +1,4 @@
-"""Conversion tests of issue 21's families (Qwen3, Mixtral, Qwen3-MoE): per family, the round trip is
+"""Conversion tests of issue 21's families (Qwen3, Mixtral, Qwen3-MoE, gpt-oss): per family, the round trip is
 bit for bit (fp32 from transformers, bf16 from random weights), ``config.json`` round-trips, the
 converted model gives Hugging Face's logits within 1e-4 at CP = 1, 2 and 4 (p2p, and a2a+p2p [2, 2]) in
 one four-rank run, and malformed expert checkpoints or configs are refused in one line (exit 2).
@@ -32,7 +32,9 @@ LAYOUTS = [(1, "p2p", None), (2, "p2p", None), (4, "p2p", None), (4, "a2a+p2p", 
 # HF tensors each family's logits must depend on, checked by resetting them (a dropped tensor would show)
 SENSITIVE = {"qwen3": ("self_attn.q_norm.weight", "self_attn.k_norm.weight"),
              "mixtral": ("block_sparse_moe.gate.weight", "post_attention_layernorm.weight"),
-             "qwen3_moe": ("self_attn.k_norm.weight", "mlp.gate.weight")}
+             "qwen3_moe": ("self_attn.k_norm.weight", "mlp.gate.weight"),
+             "gpt_oss": ("self_attn.sinks", "mlp.router.bias", "mlp.experts.gate_up_proj_bias",
+                         "self_attn.o_proj.bias")}
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -64,18 +66,28 @@ def test_family_config_round_trips_and_transformers_reads_it(converted_families,
     assert hf_model_from_config(generated) == arch
     assert hf_model_from_config(AutoConfig.for_model(**generated).to_dict()) == arch  # transformers' parsing
     shape = arch.shape
-    assert shape.qk_layernorm == (name != "mixtral")
+    assert shape.qk_layernorm == (name in ("qwen3", "qwen3_moe"))
     assert (shape.num_moe_experts, shape.moe_router_topk) == ((None, 2) if name == "qwen3" else (4, 2))
     assert shape.moe_router_pre_softmax == (name == "qwen3_moe")  # norm_topk_prob=false: no renormalisation
     assert (shape.window_size, shape.window_attn_skip_freq) == {
-        "qwen3": ([WINDOW - 1, 0], [0, 1]), "mixtral": ([WINDOW - 1, 0], None), "qwen3_moe": (None, None)}[name]
+        "qwen3": ([WINDOW - 1, 0], [0, 1]), "mixtral": ([WINDOW - 1, 0], None), "qwen3_moe": (None, None),
+        "gpt_oss": ([WINDOW - 1, 0], [1, 0])}[name]
+    gpt_oss = (shape.softmax_type, shape.add_bias_linear, shape.activation_func, shape.glu_linear_offset,
+               shape.activation_func_clamp_value)
+    assert gpt_oss == (("learnable", True, "quick_gelu", 1.0, 1.5) if name == "gpt_oss" else
+                       ("vanilla", False, "silu", 0.0, None))
 
 
-def _hf_logits(hf_dir, token_ids: torch.Tensor, reset: str = "") -> torch.Tensor:
-    """transformers' fp32 logits; ``reset``: that tensor of every layer set to ones first."""
-    from transformers import AutoModelForCausalLM
+def _hf_logits(hf_dir, token_ids: torch.Tensor, reset: str = "", **config_override) -> torch.Tensor:
+    """transformers' fp32 logits; ``reset``: that tensor of every layer set to ones first;
+    ``config_override``: config fields changed before the model is built."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, attn_implementation="eager")
+    config = AutoConfig.from_pretrained(str(hf_dir))
+    for field, value in config_override.items():
+        setattr(config, field, value)
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), config=config, dtype=torch.float32,
+                                                 attn_implementation="eager")
     if reset:
         from safetensors.torch import load_file
 
@@ -98,6 +110,10 @@ def test_family_logits_match_hf_at_cp1_cp2_cp4(converted_families, name):
     reference = _hf_logits(hf_dir, token_ids)
     for tensor in SENSITIVE[name]:  # the q/k norms, routers and norms carry the answer: dropping one would fail
         assert (_hf_logits(hf_dir, token_ids, reset=tensor) - reference).abs().max() > 100 * LOGIT_ATOL, tensor
+    if name == "gpt_oss":  # the GLU's clamp is reached, and the window changes the answer
+        assert (_hf_logits(hf_dir, token_ids, swiglu_limit=100.0) - reference).abs().max() > 100 * LOGIT_ATOL
+        assert (_hf_logits(hf_dir, token_ids, layer_types=["full_attention"] * 2) - reference).abs().max() > \
+            100 * LOGIT_ATOL
     per_rank = run_distributed(4, _case_family_logits, str(mcore_dir), arch, token_ids)
     for i, (cp, comm, sizes) in enumerate(LAYOUTS):
         shards = [per_rank[rank][i] for rank in range(cp)]  # ranks 0..cp-1 form one CP group
@@ -190,7 +206,12 @@ def test_malformed_expert_checkpoints_are_refused_in_one_line(converted_families
     ("qwen3_moe", {"norm_topk_prob": "yes"}, "norm_topk_prob='yes': must be true or false"),
     ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
     ("mixtral", {"model_type": "deepseek_v3"}, "model_type='deepseek_v3': MLA"),
-    ("mixtral", {"model_type": "gpt_oss"}, "model_type='gpt_oss': learned sinks"),
+    ("gpt_oss", {"layer_types": ["full_attention"] * 3}, "layer_types=['full_attention', 'full_attention', "
+                                                         "'full_attention']: must list"),
+    ("gpt_oss", {"attention_bias": False}, "attention_bias=False: gpt-oss's experts and router have biases"),
+    ("gpt_oss", {"swiglu_alpha": 2.0}, "swiglu_alpha=2.0: megatron-core's quick_gelu hard-codes 1.702"),
+    ("gpt_oss", {"rope_parameters": {"rope_type": "yarn", "factor": 32.0, "rope_theta": 150000.0}},
+     "rope_type='yarn'"),
 ])
 def test_malformed_family_configs_are_refused_naming_the_field(converted_families, tmp_path, capsys, name,
                                                                overrides, needle):
@@ -245,8 +266,14 @@ def _case_parameter_names(rank, world_size, records):
         for name, record in records.items():
             arch = HFModel.from_record(record)
             params = {n: tuple(p.shape) for n, p in build_gpt_model(arch.shape).named_parameters()}
-            ours = {tmap.param_name(slot[0] if slot else None, "local", slot[1] if len(slot) > 1 else None):
-                    tmap.mcore_shape for tmap in tensor_maps(arch.shape, arch.model_type) for slot in slots(tmap, arch.shape)}
+            ours = {}
+            for tmap in tensor_maps(arch.shape, arch.model_type):
+                for slot in slots(tmap, arch.shape):
+                    layer = slot[0] if slot else None
+                    # one expert per slot, or (gpt-oss) every expert of the layer in one slot
+                    experts = slot[1:] or (range(tmap.experts) if tmap.experts else [None])
+                    for expert in experts:
+                        ours[tmap.param_name(layer, "local", expert)] = tmap.mcore_shape
             assert ours == params, name
     finally:
         parallel_state.destroy_model_parallel()

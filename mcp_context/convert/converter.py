@@ -91,11 +91,12 @@ def _hf_chunks(reader: HFCheckpointReader, arch: HFModel) -> list[TensorChunk]:
     chunks = []
     model = arch.shape
     for tmap in tensor_maps(model, arch.model_type):
-        global_shape, shape = tmap.global_shape(model), tmap.mcore_shape
+        global_shape = tmap.global_shape(model)
         for slot in slots(tmap, model):
             names = hf_names_at(tmap, slot)
             dtype = _common_dtype(reader, names)
-            offsets, sizes = tuple(slot) + (0,) * len(shape), (1,) * len(slot) + shape
+            offsets = tuple(slot) + (0,) * (len(global_shape) - len(slot))
+            sizes = (1,) * len(slot) + global_shape[len(slot):]  # a whole layer's experts where slot is (layer,)
 
             def load(tmap: TensorMap = tmap, names: list[str] = names, sizes: tuple = sizes) -> torch.Tensor:
                 return tmap.fuse([reader.read(n) for n in names]).reshape(sizes)
@@ -159,13 +160,14 @@ def check_mcore_tensors(reader: McoreCheckpointReader, arch: HFModel) -> None:
 
 
 def read_slot(reader: McoreCheckpointReader, tmap: TensorMap, model: ModelConfig, slot: tuple) -> torch.Tensor:
-    """One chunk of ``tmap`` (one layer, one expert of one layer, or the whole tensor) as stored."""
-    shape = tmap.mcore_shape
-    lead = tmap.global_shape(model)[:len(slot)]
+    """One chunk of ``tmap`` (one layer, one expert of one layer, all experts of one layer, or the
+    whole tensor) as stored, without its leading slot axes."""
     if not slot:
         return reader.read(tmap.mcore_key)
-    chunk = reader.read(tmap.mcore_key, tuple(slot) + (0,) * len(shape), (1,) * len(lead) + shape)
-    return chunk.reshape(shape)
+    global_shape = tmap.global_shape(model)
+    chunk = reader.read(tmap.mcore_key, tuple(slot) + (0,) * (len(global_shape) - len(slot)),
+                        (1,) * len(slot) + global_shape[len(slot):])
+    return chunk.reshape(global_shape[len(slot):])
 
 
 def mcore_to_hf(mcore_dir: str | os.PathLike, hf_dir: str | os.PathLike, *,

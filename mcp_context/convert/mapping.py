@@ -18,6 +18,7 @@ the model shape (:class:`~mcp_context.recipes.schema.ModelConfig`) of a converte
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -40,6 +41,8 @@ HF_MOE_NAMES = {
     "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{expert}.", "gate_proj.weight", "up_proj.weight",
                   "down_proj.weight"),
 }
+# gpt-oss holds a layer's experts in one tensor each, transposed, gate and up interleaved on the last axis.
+GPT_OSS_EXPERTS = "mlp.experts."
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_query_groups: int) -> torch.Tensor:
@@ -88,9 +91,12 @@ class TensorMap:
     ``mcore_key`` is the dist-checkpoint key (TE naming, which the local spec maps to through its
     ``sharded_state_dict_keys_map``); per-layer tensors are stacked there along a leading layer axis.
     ``hf_names``, ``local_name`` and ``te_name`` hold ``{layer}`` where ``per_layer`` is true, and
-    ``{expert}`` where ``experts`` (the expert count of a local-experts tensor) is non-zero; such a
-    tensor is stored as ``[num_layers, experts, ...]``. ``layers`` names the layers a per-layer
-    tensor exists on (None: all), e.g. the MoE layers of a model whose other layers are dense.
+    ``{expert}`` where ``experts`` (the expert count of a local-experts tensor) is non-zero and the
+    Hugging Face side has one tensor per expert; such a tensor is stored as ``[num_layers, experts, ...]``.
+    Where the Hugging Face side holds all experts of a layer in one tensor (gpt-oss), the names have no
+    ``{expert}``, one chunk is a whole layer's ``[experts, ...]`` and ``expert_shape`` gives one expert's
+    Megatron shape. ``layers`` names the layers a per-layer tensor exists on (None: all), e.g. the MoE
+    layers of a model whose other layers are dense.
     """
 
     mcore_key: str
@@ -103,10 +109,13 @@ class TensorMap:
     split: Callable[[torch.Tensor], Sequence[torch.Tensor]]
     layers: Optional[tuple[int, ...]] = None
     experts: int = 0
+    expert_shape: Optional[tuple[int, ...]] = None
 
     @property
     def mcore_shape(self) -> tuple[int, ...]:
-        """Shape of one layer's (or the only) Megatron tensor."""
+        """Shape of one layer's (or one expert's, or the only) Megatron tensor."""
+        if self.expert_shape is not None:
+            return self.expert_shape
         first = self.hf_shapes[0]
         return (sum(s[0] for s in self.hf_shapes), *first[1:])
 
@@ -135,7 +144,7 @@ def slots(tmap: TensorMap, model: ModelConfig) -> list[Slot]:
     if not tmap.per_layer:
         return [()]
     layers = tmap.layers if tmap.layers is not None else range(model.num_layers)
-    if tmap.experts:
+    if tmap.experts and "{expert}" in tmap.hf_names[0]:
         return [(layer, expert) for layer in layers for expert in range(tmap.experts)]
     return [(layer,) for layer in layers]
 
@@ -192,7 +201,7 @@ def tensor_maps(model: ModelConfig, model_type: str = "llama") -> list[TensorMap
               ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
               ((h * d, hidden), (g * d, hidden), (g * d, hidden)), qkv_fuse, qkv_split),
     ]
-    if model.add_qkv_bias:
+    if model.add_qkv_bias or model.add_bias_linear:  # megatron-core: either puts a bias on linear_qkv
         maps.append(layer("self_attention.linear_qkv.bias", "self_attention.linear_qkv.bias",
                           ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
                           ((h * d,), (g * d,), (g * d,)), qkv_fuse, qkv_split))
@@ -201,6 +210,12 @@ def tensor_maps(model: ModelConfig, model_type: str = "llama") -> list[TensorMap
                        ("self_attn.q_norm.weight",), ((d,),)),
                  layer("self_attention.k_layernorm.weight", "self_attention.k_layernorm.weight",
                        ("self_attn.k_norm.weight",), ((d,),))]
+    if model.softmax_type == "learnable":  # gpt-oss's sinks: one logit per head in every softmax's denominator
+        offset = "self_attention.core_attention.softmax_offset"
+        maps.append(layer(offset, offset, ("self_attn.sinks",), ((h,),)))
+    if model.add_bias_linear:
+        maps.append(layer("self_attention.linear_proj.bias", "self_attention.linear_proj.bias",
+                          ("self_attn.o_proj.bias",), ((hidden,),)))
     maps += [
         layer("self_attention.linear_proj.weight", "self_attention.linear_proj.weight",
               ("self_attn.o_proj.weight",), ((hidden, h * d),)),
@@ -233,6 +248,8 @@ def tensor_maps(model: ModelConfig, model_type: str = "llama") -> list[TensorMap
 def _moe_maps(model: ModelConfig, model_type: str, layers: tuple[int, ...], layer: Callable,
               fc1_fuse: Callable) -> list[TensorMap]:
     """Router and local experts of the MoE layers ``layers``, named as ``model_type`` names them."""
+    if model_type == "gpt_oss":
+        return _gpt_oss_moe_maps(model, layers, layer)
     if model_type not in HF_MOE_NAMES:
         raise ValueError(f"model_type={model_type!r} has no Hugging Face MoE naming here; MoE layers are "
                          f"mapped for {sorted(HF_MOE_NAMES)}")
@@ -247,6 +264,48 @@ def _moe_maps(model: ModelConfig, model_type: str, layers: tuple[int, ...], laye
               ((ffn, hidden), (ffn, hidden)), fc1_fuse, split_gate_up, layers, experts, key + "linear_fc1.weight"),
         layer(local + "linear_fc2.weight", local + "linear_fc2.weight", (prefix + down,), ((hidden, ffn),),
               layers=layers, experts=experts, key=key + "linear_fc2.weight"),
+    ]
+
+
+def interleaved_to_gate_up(t: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's ``[..., 2f]`` with gate and up interleaved (``t[..., ::2]`` gate, ``t[..., 1::2]`` up)
+    -> ``[..., 2f]`` as ``[gate | up]``."""
+    return torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
+
+
+def gate_up_to_interleaved(t: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`interleaved_to_gate_up`."""
+    gate, up = torch.chunk(t, 2, dim=-1)
+    return torch.stack([gate, up], dim=-1).reshape(t.shape).contiguous()
+
+
+def _gpt_oss_moe_maps(model: ModelConfig, layers: tuple[int, ...], layer: Callable) -> list[TensorMap]:
+    """gpt-oss's router (with bias) and experts: ``gate_up_proj [E, hidden, 2f]`` (interleaved) is the
+    experts' ``linear_fc1 [E, 2f, hidden]`` transposed, ``down_proj [E, f, hidden]`` their ``linear_fc2``
+    transposed; the biases likewise (``gate_up_proj_bias [E, 2f]`` interleaved)."""
+    experts, hidden = model.num_moe_experts, model.hidden_size
+    ffn = model.moe_ffn_hidden_size or model.ffn_hidden_size
+    local, key, hf = "mlp.experts.local_experts.{expert}.", "mlp.experts.experts.", GPT_OSS_EXPERTS
+
+    def one(fuse: Callable[[torch.Tensor], torch.Tensor], split: Callable[[torch.Tensor], torch.Tensor]):
+        return (lambda ts: fuse(ts[0]).contiguous()), (lambda t: [split(t).contiguous()])
+
+    fc1_w = one(lambda t: interleaved_to_gate_up(t).transpose(1, 2),
+                lambda t: gate_up_to_interleaved(t.transpose(1, 2)))
+    fc1_b = one(interleaved_to_gate_up, gate_up_to_interleaved)
+    fc2_w = one(lambda t: t.transpose(1, 2), lambda t: t.transpose(1, 2))
+
+    def expert_map(name: str, hf_name: str, hf_shape: tuple[int, ...], shape: tuple[int, ...], fs) -> TensorMap:
+        tmap = layer(local + name, local + name, (hf + hf_name,), (hf_shape,), *fs, layers, experts, key + name)
+        return dataclasses.replace(tmap, expert_shape=shape)
+
+    return [
+        layer("mlp.router.weight", "mlp.router.weight", ("mlp.router.weight",), ((experts, hidden),), layers=layers),
+        layer("mlp.router.bias", "mlp.router.bias", ("mlp.router.bias",), ((experts,),), layers=layers),
+        expert_map("linear_fc1.weight", "gate_up_proj", (experts, hidden, 2 * ffn), (2 * ffn, hidden), fc1_w),
+        expert_map("linear_fc1.bias", "gate_up_proj_bias", (experts, 2 * ffn), (2 * ffn,), fc1_b),
+        expert_map("linear_fc2.weight", "down_proj", (experts, ffn, hidden), (hidden, ffn), fc2_w),
+        expert_map("linear_fc2.bias", "down_proj_bias", (experts, hidden), (hidden,), one(lambda t: t, lambda t: t)),
     ]
 
 

@@ -2,7 +2,9 @@
 
 Families: dense Llama-style decoders (Llama, Mistral, Qwen2), Qwen3 (per-head q/k RMSNorm:
 ``qk_layernorm``) and the softmax-routed mixtures of experts Mixtral and Qwen3-MoE (megatron-core's
-local experts, ``num_moe_experts`` / ``moe_router_topk`` / ``moe_router_pre_softmax``).
+local experts, ``num_moe_experts`` / ``moe_router_topk`` / ``moe_router_pre_softmax``), and gpt-oss
+(learned sinks ``softmax_type='learnable'``, windows per ``layer_types``, biases on every linear, the
+clamped quick-GELU GLU with an offset).
 
 Owns :class:`HFModel` (a model's shape in megatron-core's names, plus ``model_type``, the one fact
 only the Hugging Face side needs), the reading of ``config.json`` into it with its validation against
@@ -24,18 +26,18 @@ from mcp_context.recipes.schema import ModelConfig
 
 SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                          "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                         "qwen3_moe": "Qwen3MoeForCausalLM"}
+                         "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 # How each family's config.json says which layers slide: on every layer (``sliding_window``; Qwen3-MoE
 # only with ``use_sliding_window``), or per layer (Qwen2's ``layer_types`` / ``max_window_layers``).
 EVERY_LAYER_WINDOW = ("mistral", "mixtral", "qwen3_moe")
 PER_LAYER_WINDOW = ("qwen2", "qwen3")
 QK_NORM_TYPES = ("qwen3", "qwen3_moe")
-MOE_TYPES = ("mixtral", "qwen3_moe")
+MOE_TYPES = ("mixtral", "qwen3_moe", "gpt_oss")
+# gpt-oss's GLU: gate * sigmoid(alpha * gate), which is megatron-core's quick_gelu only at this alpha.
+QUICK_GELU_ALPHA = 1.702
 # Families whose model_type transformers knows but this converter does not yet map (issue 21), and why.
 NOT_YET = {"deepseek_v3": "MLA, sigmoid group-limited routing, shared experts and dense first layers are not "
-                          "mapped yet (docs/convert.md, 'Not yet converted')",
-           "gpt_oss": "learned sinks, expert biases and the clamped SwiGLU are not mapped yet "
-                      "(docs/convert.md, 'Not yet converted')"}
+                          "mapped yet (docs/convert.md, 'Not yet converted')"}
 # megatron-core's RotaryEmbedding._apply_scaling hard-codes these Llama-3 constants; only `factor`
 # is configurable (GPTModel(rope_scaling=True, rope_scaling_factor=...)).
 MCORE_LLAMA3_ROPE_CONSTANTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -145,26 +147,32 @@ def _flag(cfg: dict[str, Any], field: str, default: bool) -> bool:
     return value
 
 
+def _layer_types(cfg: dict[str, Any], num_layers: int, default: Optional[list[str]] = None) -> list[bool]:
+    """``layer_types`` (absent: ``default``) as one bool per layer, True where it slides."""
+    types = cfg.get("layer_types")
+    types = default if types is None else types
+    if not isinstance(types, list) or len(types) != num_layers or \
+            any(t not in ("full_attention", "sliding_attention") for t in types):
+        raise _refuse("layer_types", types, f"must list 'full_attention' or 'sliding_attention' for each of the "
+                      f"num_hidden_layers={num_layers} layers")
+    return [t == "sliding_attention" for t in types]
+
+
 def _sliding_layers(cfg: dict[str, Any], num_layers: int) -> list[bool]:
     """Which layers of a Qwen2 / Qwen3 config slide, as transformers 5 decides: an explicit ``layer_types``
     wins; otherwise layers ``i >= max_window_layers`` when ``use_sliding_window``."""
     use = _flag(cfg, "use_sliding_window", False)
-    types = cfg.get("layer_types")
-    if types is None:
+    if cfg.get("layer_types") is None:
         first = cfg.get("max_window_layers", 28)  # Qwen2Config's default
         if isinstance(first, bool) or not isinstance(first, int) or first < 0:
             raise ValueError(f"config.json field max_window_layers={first!r}: must be an integer >= 0; "
                              f"fix config.json")
         return [use and i >= first for i in range(num_layers)]
-    if not isinstance(types, list) or len(types) != num_layers or \
-            any(t not in ("full_attention", "sliding_attention") for t in types):
-        raise _refuse("layer_types", types, f"must list 'full_attention' or 'sliding_attention' for each of the "
-                      f"num_hidden_layers={num_layers} layers")
-    sliding = [t == "sliding_attention" for t in types]
+    sliding = _layer_types(cfg, num_layers)
     if any(sliding) and not use:
-        raise _refuse("layer_types", types, "names sliding_attention layers but use_sliding_window is false, so "
-                      "transformers has no window for them; set use_sliding_window=true (with sliding_window) "
-                      "or make them full_attention")
+        raise _refuse("layer_types", cfg["layer_types"], "names sliding_attention layers but use_sliding_window "
+                      "is false, so transformers has no window for them; set use_sliding_window=true (with "
+                      "sliding_window) or make them full_attention")
     return sliding
 
 
@@ -177,7 +185,10 @@ def _window_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int,
     and Mixtral slide on every layer, Qwen3-MoE on every layer with ``use_sliding_window``, Qwen2 and
     Qwen3 on the layers ``_sliding_layers`` picks; a list of 0/1 says which
     (None: all of them). A window as long as the position table masks nothing and is dropped."""
-    if model_type in EVERY_LAYER_WINDOW:
+    if model_type == "gpt_oss":
+        sliding = _layer_types(cfg, num_layers, default=["sliding_attention" if i % 2 == 0 else "full_attention"
+                                                          for i in range(num_layers)])
+    elif model_type in EVERY_LAYER_WINDOW:
         sliding = [model_type != "qwen3_moe" or _flag(cfg, "use_sliding_window", False)] * num_layers
     elif model_type in PER_LAYER_WINDOW:
         sliding = _sliding_layers(cfg, num_layers)
@@ -185,7 +196,8 @@ def _window_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int,
         return None, None
     if cfg.get("sliding_window", 4096) is None or not any(sliding):
         return None, None
-    width = _positive_int(cfg, "sliding_window", default=4096)  # both configs' default for an absent field
+    # the configs' default for an absent field
+    width = _positive_int(cfg, "sliding_window", default=128 if model_type == "gpt_oss" else 4096)
     if width >= max_positions:
         return None, None
     return [width - 1, 0], None if all(sliding) else [int(x) for x in sliding]
@@ -206,8 +218,12 @@ def hf_model_from_config(cfg: dict[str, Any]) -> HFModel:
                       f"only {SUPPORTED_MODEL_TYPES[model_type]} (the causal-LM head) is supported")
     if cfg.get("hidden_act", "silu") != "silu":
         raise _refuse("hidden_act", cfg["hidden_act"], "Llama-family SwiGLU needs 'silu'")
+    if model_type == "gpt_oss" and cfg.get("attention_bias", True) is not True:
+        raise _refuse("attention_bias", cfg["attention_bias"], "gpt-oss's experts and router have biases, which "
+                      "megatron-core adds only with add_bias_linear, which also puts them on q/k/v/o; "
+                      "only attention_bias=true is represented")
     for flag in ("attention_bias", "mlp_bias"):
-        if cfg.get(flag, False):
+        if cfg.get(flag, False) and not (model_type == "gpt_oss" and flag == "attention_bias"):
             raise _refuse(flag, cfg[flag], "biases on all projections are not a Llama-family layout; "
                           "megatron-core places them only through add_bias_linear, which also adds "
                           "biases HF does not have")
@@ -233,13 +249,25 @@ def hf_model_from_config(cfg: dict[str, Any]) -> HFModel:
         rope_scaling_factor=factor if factor is not None else ModelConfig.rope_scaling_factor,
         share_embeddings_and_output_weights=tied, normalization="RMSNorm",
         layernorm_epsilon=_positive_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
-        gated_linear_unit=True, activation_func="silu", add_bias_linear=False, add_qkv_bias=model_type == "qwen2",
+        gated_linear_unit=True, add_bias_linear=model_type == "gpt_oss", add_qkv_bias=model_type == "qwen2",
+        softmax_type="learnable" if model_type == "gpt_oss" else "vanilla",
+        **(_gpt_oss_glu(cfg) if model_type == "gpt_oss" else {"activation_func": "silu"}),
         window_size=window, window_attn_skip_freq=skip_freq, attention_dropout=0.0, hidden_dropout=0.0,
         qk_layernorm=model_type in QK_NORM_TYPES, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
         context_parallel_size=1, hierarchical_context_parallel_sizes=None, cp_comm_type="p2p",
         **(_moe_from_hf(cfg, model_type, num_layers) if model_type in MOE_TYPES else {}),
     )
     return HFModel(model_type, shape)
+
+
+def _gpt_oss_glu(cfg: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's expert MLP: ``(clamp(up, -l, l) + 1) * g * sigmoid(1.702 g)`` with ``g = clamp(gate, max=l)``,
+    which is megatron-core's gated quick_gelu with ``glu_linear_offset=1`` and ``activation_func_clamp_value=l``."""
+    alpha = cfg.get("swiglu_alpha", QUICK_GELU_ALPHA)
+    if alpha != QUICK_GELU_ALPHA:
+        raise _refuse("swiglu_alpha", alpha, f"megatron-core's quick_gelu hard-codes {QUICK_GELU_ALPHA}")
+    limit = _positive_float(cfg.get("swiglu_limit", 7.0), "swiglu_limit")
+    return dict(activation_func="quick_gelu", glu_linear_offset=1.0, activation_func_clamp_value=limit)
 
 
 def _moe_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
@@ -251,12 +279,14 @@ def _moe_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int) -> dict[
     layer is MoE (``moe_layer_freq=1``): dense layers among them are refused (the HCP specs cannot build them).
     """
     # absent fields take transformers' defaults (MixtralConfig, Qwen3MoeConfig, whose num_experts is an alias)
-    experts = _positive_int(cfg, "num_local_experts", default=8 if model_type == "mixtral" else
+    experts = _positive_int(cfg, "num_local_experts", default={"mixtral": 8, "gpt_oss": 128}.get(model_type) or
                             _positive_int(cfg, "num_experts", default=128))
-    topk = _positive_int(cfg, "num_experts_per_tok", default=2 if model_type == "mixtral" else 8)
+    topk = _positive_int(cfg, "num_experts_per_tok", default={"mixtral": 2, "gpt_oss": 4}.get(model_type, 8))
     if topk > experts:
         raise _refuse("num_experts_per_tok", topk, f"must be at most the expert count {experts}")
-    if model_type == "mixtral":
+    if model_type == "gpt_oss":  # top-k on the router's logits, then a softmax over the k
+        ffn, pre_softmax = _positive_int(cfg, "intermediate_size"), False
+    elif model_type == "mixtral":
         if cfg.get("router_jitter_noise", 0.0) not in (0, 0.0, None):
             raise _refuse("router_jitter_noise", cfg["router_jitter_noise"], "training-time router noise has no "
                           "megatron-core equivalent (moe_input_jitter_eps jitters the input, not the logits); set 0")
@@ -289,6 +319,10 @@ def hf_config_from_model(model: HFModel, torch_dtype: str = "float32") -> dict[s
                                **MCORE_LLAMA3_ROPE_CONSTANTS}
     if model.model_type in QK_NORM_TYPES:
         cfg["attention_bias"] = False
+    if model.model_type == "gpt_oss":  # its config's default RoPE is YaRN: spell plain RoPE out
+        del cfg["rope_theta"]
+        cfg.update(attention_bias=True, swiglu_limit=m.activation_func_clamp_value,
+                   rope_parameters={"rope_type": "default", "rope_theta": float(m.rotary_base)})
     if model.model_type in MOE_TYPES:
         cfg["num_local_experts"], cfg["num_experts_per_tok"] = m.num_moe_experts, m.moe_router_topk
         if model.model_type == "mixtral":
@@ -307,6 +341,8 @@ def _hf_window_fields(model: HFModel) -> dict[str, Any]:
     window layers are the upper ones, as Qwen2 counts them). Refuses a window HF cannot express."""
     m, kind = model.shape, model.model_type
     if m.window_size is None:
+        if kind == "gpt_oss":  # its config's default alternates windows: say that none slides
+            return {"layer_types": ["full_attention"] * m.num_layers}
         if kind in PER_LAYER_WINDOW or kind == "qwen3_moe":
             return {"use_sliding_window": False}
         return {"sliding_window": None} if kind in EVERY_LAYER_WINDOW else {}
@@ -314,6 +350,9 @@ def _hf_window_fields(model: HFModel) -> dict[str, Any]:
     freq = m.window_attn_skip_freq  # read as megatron-core's is_layer_window_attention (1-based layers)
     sliding = [freq is None or (bool(freq[i]) if isinstance(freq, list) else (i + 1) % freq != 0)
                for i in range(m.num_layers)]
+    if kind == "gpt_oss" and left >= 0 and right == 0:
+        return {"sliding_window": left + 1,
+                "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding]}
     if kind not in EVERY_LAYER_WINDOW + PER_LAYER_WINDOW or left < 0 or right != 0 or \
             (kind in EVERY_LAYER_WINDOW and not all(sliding)):
         raise ValueError(f"window_size={m.window_size} with window_attn_skip_freq={freq!r} has no "

@@ -91,7 +91,8 @@ def build_gpt_model(model: ModelConfig, layer_spec: Any = None, device: DeviceLi
     state, every parameter, buffer and RoPE frequency on ``device``.
 
     ``layer_spec`` defaults to megatron-core's local spec with the layer structure the model needs (q/k
-    norms, local experts; ``layer_spec_kwargs``, as pretraining picks it); ``layout`` replaces
+    norms, local experts; ``layer_spec_kwargs``, as pretraining picks it), or ours (HCP attention) for a
+    model with attention sinks, which megatron-core's attention builds on CUDA only; ``layout`` replaces
     ``ModelConfig`` fields (``tensor_model_parallel_size``, ``context_parallel_size``,
     ``cp_comm_type``, ``pipeline_model_parallel_size``, ...) or sets ``TransformerConfig`` fields the
     shape does not hold (``expert_model_parallel_size``), which must agree with the initialised
@@ -105,7 +106,12 @@ def build_gpt_model(model: ModelConfig, layer_spec: Any = None, device: DeviceLi
 
     shape_fields = {f.name for f in dataclasses.fields(ModelConfig)}
     model = dataclasses.replace(model, **{k: v for k, v in layout.items() if k in shape_fields})
-    if layer_spec is None:
+    if layer_spec is None and model.softmax_type != "vanilla":
+        # megatron-core's own attention makes its softmax_offset on CUDA only: ours runs sinks on any device
+        from mcp_context.megatron.specs import get_gpt_layer_hcp_spec
+
+        layer_spec = get_gpt_layer_hcp_spec(**layer_spec_kwargs(model))
+    elif layer_spec is None:
         structure = layer_spec_kwargs(model)
         layer_spec = get_gpt_layer_local_spec(num_experts=structure["num_experts"],
                                               qk_layernorm=structure["qk_layernorm"],
