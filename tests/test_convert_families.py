@@ -222,15 +222,19 @@ def test_malformed_family_configs_are_refused_naming_the_field(converted_familie
     assert needle in err, err
 
 
-def test_verify_names_the_first_mismatching_expert_tensor(converted_families, tmp_path):
-    hf_dir, mcore_dir, _, _ = converted_families["mixtral"]
+@pytest.mark.parametrize("name,changed", [("mixtral", EXPERT), ("gpt_oss", "model.layers.1.mlp.experts.down_proj")])
+def test_verify_names_the_first_mismatching_expert_tensor(converted_families, tmp_path, name, changed):
+    hf_dir, mcore_dir, _, _ = converted_families[name]
+    _write_hf(tmp_path / "same", load_safetensors_dir(hf_dir), json.loads((hf_dir / "config.json").read_text()))
+    status, err = run_distributed(1, _case_verify, str(tmp_path / "same"), str(mcore_dir))[0]
+    assert status == 0, err  # verify itself passes on the converted pair (gpt-oss: sinks, so our spec at CP=1)
     tensors = load_safetensors_dir(hf_dir)
-    tensors[EXPERT] = tensors[EXPERT] + 1.0  # the same model with one expert changed
+    tensors[changed] = tensors[changed] + 1.0  # the same model with one expert tensor changed
     _write_hf(tmp_path / "hf", tensors, json.loads((hf_dir / "config.json").read_text()))
     status, err = run_distributed(1, _case_verify, str(tmp_path / "hf"), str(mcore_dir))[0]
     assert status == 1
-    assert f"1 tensor(s) differ between --hf and --mcore, e.g. ['{EXPERT}'] (the first in checkpoint order: " \
-           f"{EXPERT})" in err, err
+    assert f"1 tensor(s) differ between --hf and --mcore, e.g. ['{changed}'] (the first in checkpoint order: " \
+           f"{changed})" in err, err
 
 
 def _case_verify(rank, world_size, hf_dir, mcore_dir):
