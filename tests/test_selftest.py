@@ -202,6 +202,15 @@ def test_the_module_entry_exits_with_mains_status():
     assert proc.returncode == 2 and "--simulate" in proc.stderr and "torchrun" in proc.stderr, proc.stderr
 
 
+def test_hierarchical_comm_without_levels_is_refused_not_silently_flat():
+    """Upstream trains a2a+p2p without hierarchical sizes with no CP at all (Megatron-Bridge #2667)."""
+    status, text = _run(["--simulate", "--comm", "a2a+p2p", "--cp-size", "4"])
+    assert status == 2 and "--hcp-sizes" in text
+    status, text = _run(["--simulate", "--recipe", str(ROOT / "recipes" / "tiny_cpu.yaml"),
+                         "model.hierarchical_context_parallel_sizes=null"])
+    assert status == 2 and "hierarchical_context_parallel_sizes" in text
+
+
 def test_model_kinds_follow_window_attn_skip_freq():
     assert [k.window for k in model_kinds(None, None, "vanilla", False)] == [None]
     assert [k.window for k in model_kinds([7, 0], None, "vanilla", False)] == [(7, 0)]

@@ -81,9 +81,10 @@ def build_setup(args: argparse.Namespace, world_size: Optional[int]) -> Setup:
               "source": "flags", "half": torch.bfloat16, "model": None}
     if args.recipe is not None or args.overrides:
         from ..plan.candidates import heads_per_tp_rank
-        from ..recipes import load_recipe
+        from ..recipes import load_recipe, validate_recipe
 
         cfg = load_recipe(args.recipe, args.overrides)
+        validate_recipe(cfg)  # the recipe as a training run would take it (its own world size)
         m = cfg.model
         heads, kv = heads_per_tp_rank(m.num_attention_heads, m.num_query_groups or m.num_attention_heads,
                                       m.tensor_model_parallel_size)
@@ -110,6 +111,10 @@ def build_setup(args: argparse.Namespace, world_size: Optional[int]) -> Setup:
                or (4 if args.simulate else world_size))
     sizes = values["sizes"] if values["sizes"] and _product(values["sizes"]) == cp_size else [cp_size]
     comm = normalize_comm(values["comm"] or ("a2a+p2p" if len(sizes) > 1 else "p2p"))
+    if comm == "a2a+p2p" and len(sizes) < 2:  # upstream trains with no CP at all here (Megatron-Bridge #2667)
+        raise ValueError(f"cp_comm_type a2a+p2p needs hierarchical CP sizes of at least two levels, got {sizes}; "
+                         f"pass --hcp-sizes (e.g. 2,{cp_size // 2}) or set "
+                         f"model.hierarchical_context_parallel_sizes, or use --comm p2p")
     if cp_size < 2:
         raise ValueError(f"CP size {cp_size}: a self-test of context parallelism needs at least 2 CP ranks; launch "
                          f"with torchrun --nproc-per-node N (N >= 2) or pass --simulate --cp-size N")
