@@ -148,8 +148,8 @@ def _distributed_main(rank, world, argv):
 
 
 DISTRIBUTED = {
-    "cp4-hcp-tiny-recipe": ["--recipe", "recipes/tiny_cpu.yaml", "--seq-len", "128"],
-    "cp4-p2p-tiny-recipe": ["--recipe", "recipes/tiny_cpu.yaml", "model.cp_comm_type=p2p",
+    "cp4-hcp-tiny-recipe": ["--recipe", str(ROOT / "recipes" / "tiny_cpu.yaml"), "--seq-len", "128"],
+    "cp4-p2p-tiny-recipe": ["--recipe", str(ROOT / "recipes" / "tiny_cpu.yaml"), "model.cp_comm_type=p2p",
                             "model.hierarchical_context_parallel_sizes=null", "--seq-len", "64", "--dtype", "fp64"],
     "cp4-p2p-sinks-window-packed": ["--comm", "p2p", "--seq-len", "128", "--dtype", "fp64", "--head-dim", "16",
                                     "--softmax-type", "learnable", "--window", "15,0", "--window-attn-skip-freq", "2",
@@ -159,8 +159,7 @@ DISTRIBUTED = {
 
 
 @pytest.mark.parametrize("case", DISTRIBUTED, ids=list(DISTRIBUTED))
-def test_passes_across_four_gloo_ranks(case, monkeypatch):
-    monkeypatch.chdir(ROOT)
+def test_passes_across_four_gloo_ranks(case):
     results = run_distributed(4, _distributed_main, DISTRIBUTED[case])
     assert [status for status, _ in results] == [0] * 4, results[0][1]
     _assert_all_pass(*results[0])
