@@ -49,6 +49,7 @@ _CURRENT_DEVICE_USERS: tuple[tuple[Any, str], ...] = (
     (yarn_rotary_pos_embedding.YarnRotaryEmbedding, "__init__"),
     (yarn_rotary_pos_embedding.YarnRotaryEmbedding, "get_emb"),  # MLA's YaRN RoPE (DeepSeek-V3)
     (moe_router.Router, "gating"),  # moves a CPU router weight to current_device() on every call
+    (moe_router.TopKRouter, "__init__"),  # expert-bias buffers (DeepSeek-V3's aux-loss-free routing)
     (mcore_utils.GlobalMemoryBuffer, "get_tensor"),
     (tp_mappings, "_gather_along_first_dim"),
     (tp_mappings, "_gather_along_last_dim"),
