@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..cp_rules import COMM_TYPES, normalize_comm
+from ..cp_rules import COMM_TYPES, check_levels, normalize_comm
 from .faults import FAULTS, check_fault
 from .setup import DEFAULT_SEQ_LEN, SOFTMAX_TYPES, Setup, model_kinds, valid_seq_len, with_documents
 
@@ -111,10 +111,9 @@ def build_setup(args: argparse.Namespace, world_size: Optional[int]) -> Setup:
                or (4 if args.simulate else world_size))
     sizes = values["sizes"] if values["sizes"] and _product(values["sizes"]) == cp_size else [cp_size]
     comm = normalize_comm(values["comm"] or ("a2a+p2p" if len(sizes) > 1 else "p2p"))
-    if comm == "a2a+p2p" and len(sizes) < 2:  # upstream trains with no CP at all here (Megatron-Bridge #2667)
-        raise ValueError(f"cp_comm_type a2a+p2p needs hierarchical CP sizes of at least two levels, got {sizes}; "
-                         f"pass --hcp-sizes (e.g. 2,{cp_size // 2}) or set "
-                         f"model.hierarchical_context_parallel_sizes, or use --comm p2p")
+    # upstream trains with no CP at all when a hierarchical scheme gets one level (Megatron-Bridge #2667)
+    check_levels(comm, sizes, comm_name="cp_comm_type", sizes_name="hierarchical CP sizes",
+                 fix=f"pass --hcp-sizes (e.g. 2,{cp_size // 2}) or set model.hierarchical_context_parallel_sizes")
     if cp_size < 2:
         raise ValueError(f"CP size {cp_size}: a self-test of context parallelism needs at least 2 CP ranks; launch "
                          f"with torchrun --nproc-per-node N (N >= 2) or pass --simulate --cp-size N")

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from ..cp_rules import a2a_degree
+from ..cp_rules import a2a_degree, comm_rule
 from ..kernels import accum_dtype
 from .setup import AttentionKind, Setup
 
@@ -50,10 +50,10 @@ def analytic_bytes(setup: Setup, dtype: torch.dtype) -> dict[str, int]:
         kv_heads = max(kv, inner)  # fewer KV heads than ranks: each is replicated before the all-to-all
         per_token = (h * dqk + h * dv + kv_heads * dqk + kv_heads * dv) * 2 * es  # fwd q,k,v,out; bwd dout,dq,dk,dv
         sent["all_to_all"] = (inner - 1) * n * b * per_token // inner + (inner - 1) * n * b * h * acc // inner
-    if ring > 1 and setup.comm == "all_gather":
-        shard = n * b * kv * (dqk + dv) * es
-        sent["all_gather"] = (cp - 1) * shard
-        sent["reduce_scatter"] = (cp - 1) * shard
+    if ring > 1 and comm_rule(setup.comm).kv == "gather":  # K/V all-gathered over the ring's members once
+        block = inner * n * b * (kv_heads // inner) * (dqk + dv) * es
+        sent["all_gather"] = (ring - 1) * block
+        sent["reduce_scatter"] = (ring - 1) * block
     elif ring > 1:
         block = inner * n * b * (kv_heads // inner) * (dqk + dv)
         sent["ring_kv"] = 2 * (ring - 1) * block * es
