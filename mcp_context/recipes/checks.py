@@ -111,6 +111,10 @@ def _unused_fields(m: ModelConfig, names: tuple, switch: str) -> None:
                               f"remove model.{name}")
 
 
+_YARN_FIELDS = ("rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                "mscale_all_dim")
+
+
 def _validate_attention_variant(m: ModelConfig) -> None:
     """MLA as megatron-core's ``MLATransformerConfig`` and Megatron-LM build it: no grouped-query
     attention, no kv_channels, RoPE inside the attention (so no Llama-3.1 scaling), YaRN fields only
@@ -136,10 +140,6 @@ def _validate_attention_variant(m: ModelConfig) -> None:
                           f"dimensions")
     if m.rope_type == "rope":
         _unused_fields(m, _YARN_FIELDS, "model.rope_type=yarn")
-
-
-_YARN_FIELDS = ("rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
-                "mscale_all_dim")
 
 
 def _validate_mlp_variant(m: ModelConfig) -> None:
