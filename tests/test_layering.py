@@ -32,8 +32,10 @@ LAYERS = [
     ["recipes"],
     ["data"],
     ["megatron_lm", "pretrain", "convert", "plan"],
+    ["__main__"],  # the commands (python -m mcp_context.<package>): they compose the floors below
     ["selftest"],
 ]
+COMMANDS = LAYERS.index(["__main__"])
 
 
 def _module(path: Path) -> str:
@@ -41,8 +43,11 @@ def _module(path: Path) -> str:
 
 
 def _place(module: str) -> tuple[int, str]:
-    """``(layer, top-level package)`` of an ``mcp_context`` module."""
+    """``(layer, top-level package)`` of an ``mcp_context`` module; a package's ``__main__`` (its command)
+    stands on the commands floor, or on its package's floor when that is higher."""
     top = module.split(".")[1]
+    if module.endswith(".__main__"):
+        return max(COMMANDS, _place(module.removesuffix(".__main__"))[0]), top
     for i, names in enumerate(LAYERS):
         if top in names:
             return i, top
@@ -65,12 +70,13 @@ def _imports(path: Path) -> set[str]:
     return {m for m in found if m.startswith("mcp_context.")}
 
 
-SOURCES = sorted(p for p in PACKAGE.rglob("*.py") if p.name != "__main__.py" and p != PACKAGE / "__init__.py")
+SOURCES = sorted(p for p in PACKAGE.rglob("*.py") if p != PACKAGE / "__init__.py")
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_no_module_imports_one_above_it(path):
-    """``__main__`` files and the package's ``__init__`` are entry points (nothing inside imports them)."""
+    """Every file, commands included; the package's ``__init__`` is the public face (nothing inside
+    imports it). A command imports the floors below it and its own package; nothing imports a command."""
     layer, top = _place(_module(path))
     wrong = []
     for imported in sorted(_imports(path)):
@@ -85,3 +91,8 @@ def test_the_design_doc_draws_the_floors_top_down_in_this_order():
     order = [text.index(f"\n{name}") for name in ("masks.py", "kernels/", "merge.py", "layouts.py", "schedule.py",
                                                    "comm/", "algorithms/", "engine.py", "api.py", "  megatron/")]
     assert order == sorted(order, reverse=True)
+
+
+def test_nothing_imports_a_command():
+    importers = [f"{_module(p)} imports {m}" for p in SOURCES for m in _imports(p) if m.endswith("__main__")]
+    assert not importers, importers
