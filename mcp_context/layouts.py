@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .cp_rules import check_layout, check_seq_len
+from .cp_rules import check_layout, check_seq_len, document_multiple
 from .masks import Documents, documents_mask
 
 
@@ -91,10 +91,11 @@ def _packed_spans(layout: str, cp_size: int, starts: tuple[int, ...], lengths: t
     Only the offsets decide (not the mask inside documents): ``shard_sequence`` needs nothing else."""
     padded = [starts[d + 1] - starts[d] for d in range(len(starts) - 1)]
     if layout == "zigzag":
-        bad = next((d for d, n in enumerate(padded) if n % (2 * cp_size)), None)
+        multiple = document_multiple(layout, cp_size)
+        bad = next((d for d, n in enumerate(padded) if n % multiple), None)
         if bad is not None:
-            raise ValueError(f"layout='zigzag' cuts every document into 2*cp={2 * cp_size} chunks, but document {bad} "
-                             f"has {padded[bad]} (padded) rows; pad every document to a multiple of {2 * cp_size} "
+            raise ValueError(f"layout='zigzag' cuts every document into 2*cp={multiple} chunks, but document {bad} "
+                             f"has {padded[bad]} (padded) rows; pad every document to a multiple of {multiple} "
                              f"with cu_seqlens_padded (Megatron's THD packing does), or use layout='balanced' "
                              f"(no per-document padding)")
         ranks: list[list[tuple[int, int]]] = [[] for _ in range(cp_size)]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import shlex
 from typing import Optional
 
-from mcp_context.cp_rules import COMM_ALIASES
+from mcp_context.cp_rules import canonical_comm
 from mcp_context.data.corpus import (BUNDLED_CORPUS, corpus_path, data_prefixes, read_documents, empty_test_split,
                                      tokenizer_model_path)
 from mcp_context.recipes import RecipeConfig, RecipeError
@@ -231,7 +231,7 @@ def to_megatron_args(cfg: RecipeConfig) -> list[str]:
     if m.virtual_pipeline_model_parallel_size is not None:
         add("--num-virtual-stages-per-pipeline-rank", m.virtual_pipeline_model_parallel_size)
     add("--context-parallel-size", m.context_parallel_size)
-    add("--cp-comm-type", COMM_ALIASES.get(m.cp_comm_type, m.cp_comm_type))
+    add("--cp-comm-type", canonical_comm(m.cp_comm_type))
     if m.hierarchical_context_parallel_sizes is not None:
         add("--hierarchical-context-parallel-sizes", *m.hierarchical_context_parallel_sizes)
     if m.sequence_parallel:

@@ -134,9 +134,10 @@ BAD_LAYOUTS = [
     (["model.num_attention_heads=12", "model.num_query_groups=3", "model.hierarchical_context_parallel_sizes=[4, 1]"],
      "key/value heads per TP rank, model.num_query_groups/tensor_model_parallel_size=3 cannot be replicated "
      "evenly over the all-to-all degree model.hierarchical_context_parallel_sizes[0]=4"),
-    (["model.num_attention_heads=8", "model.tensor_model_parallel_size=4", "model.cp_comm_type=p2p",
-      "model.hierarchical_context_parallel_sizes=null", "train.world_size=16"],
-     "model.num_query_groups=2 is not divisible by model.tensor_model_parallel_size=4"),
+    (["model.hidden_size=96", "model.num_attention_heads=12", "model.num_query_groups=3", "model.kv_channels=8",
+      "model.tensor_model_parallel_size=2", "model.cp_comm_type=p2p", "model.hierarchical_context_parallel_sizes=null",
+      "train.world_size=8"],
+     "model.num_query_groups=3 must be a multiple or a divisor of model.tensor_model_parallel_size=2"),
     (["train.global_batch_size=6", "train.world_size=8"],
      "train.global_batch_size=6 is not divisible by train.micro_batch_size * data-parallel size = 2 * 2; "
      "use a multiple of 4"),

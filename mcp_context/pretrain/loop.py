@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from mcp_context.cp_rules import document_multiple
 from mcp_context.pretrain import build
 from mcp_context.pretrain.batches import MicroBatchSampler, step_batches
 from mcp_context.pretrain.checkpoint import (checkpoint_to_resume, load_checkpoint, remove_interrupted_saves,
@@ -152,7 +153,8 @@ def _packing(cfg: RecipeConfig, dataset) -> Optional[DocumentPacking]:
     m = cfg.model
     if not cfg.data.reset_attention_mask:
         return None
-    multiple = 2 * m.context_parallel_size * (m.tensor_model_parallel_size if m.sequence_parallel else 1)
+    multiple = document_multiple("zigzag", m.context_parallel_size) * (m.tensor_model_parallel_size
+                                                                        if m.sequence_parallel else 1)
     return DocumentPacking(dataset.config.tokenizer.eod, multiple)
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from mcp_context.cp_rules import heads_per_tp_rank
 from mcp_context.recipes.schema import (MLA_FIELDS, MOE_FIELDS, DataConfig, ModelConfig, RecipeConfig, RecipeError,
                                          check_vocab_size, precision)
 
@@ -182,13 +183,12 @@ def _validate_mlp_variant(m: ModelConfig) -> None:
 
 
 def _validate_tensor_parallel_kv_heads(m: ModelConfig) -> None:
-    groups = m.num_query_groups or m.num_attention_heads
-    if groups % m.tensor_model_parallel_size:
-        raise RecipeError(
-            f"model.num_query_groups={groups} is not divisible by "
-            f"model.tensor_model_parallel_size={m.tensor_model_parallel_size}; choose a TP size that divides "
-            f"the number of key/value heads"
-        )
+    """The TP heads rule (``cp_rules.heads_per_tp_rank``, megatron-core's), named in the recipe's keys."""
+    try:
+        heads_per_tp_rank(m.num_attention_heads, m.num_query_groups or m.num_attention_heads,
+                          m.tensor_model_parallel_size, prefix="model.")
+    except ValueError as err:
+        raise RecipeError(str(err)) from None
 
 
 def _validate_batch(cfg: RecipeConfig, world_size: Optional[int]) -> None:

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, List, Literal, Optional, Union
 
-from mcp_context.cp_rules import COMM_ALIASES
+from mcp_context.cp_rules import canonical_comm
 
 
 class RecipeError(ValueError):
@@ -441,7 +441,7 @@ def transformer_config_kwargs(model: ModelConfig) -> dict[str, Any]:
 
         activations["quick_gelu"] = quick_gelu
     kwargs["activation_func"] = activations[model.activation_func]
-    kwargs["cp_comm_type"] = COMM_ALIASES.get(kwargs["cp_comm_type"], kwargs["cp_comm_type"])  # TE spelling
+    kwargs["cp_comm_type"] = canonical_comm(kwargs["cp_comm_type"])  # TE spelling
     kwargs["params_dtype"] = getattr(torch, model.params_dtype)
     kwargs["fp16"] = precision(model) == "fp16"  # --fp16's mixed precision, as Megatron-LM builds it
     if model.hierarchical_context_parallel_sizes is not None:
