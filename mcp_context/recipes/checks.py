@@ -95,12 +95,8 @@ def _validate_window_layers(m: ModelConfig) -> None:
     if m.window_size is None:
         raise RecipeError(f"{key}={freq!r} picks the sliding-window layers, but model.window_size is null; set "
                           f"model.window_size (e.g. [4095, 0]) or set {key} to null")
-    if isinstance(freq, int) and freq < 1:
-        raise RecipeError(f"{key}={freq} must be an integer n >= 1 (every n-th layer attends in full) or a list "
-                          f"of 0/1, one per layer; use null for a window on every layer")
-    if isinstance(freq, list) and (len(freq) != m.num_layers or any(v not in (0, 1) for v in freq)):
-        raise RecipeError(f"{key}={freq!r} must hold one 0 (full attention) or 1 (window) per layer: "
-                          f"model.num_layers={m.num_layers} entries")
+    _check_layer_pattern(key, freq, m.num_layers, "attends in full", "full attention", "window",
+                         "; use null for a window on every layer")
 
 
 def _unused_fields(m: ModelConfig, names: tuple, switch: str) -> None:
@@ -159,12 +155,7 @@ def _validate_mlp_variant(m: ModelConfig) -> None:
         raise RecipeError(f"model.moe_router_topk={m.moe_router_topk} is more than model.num_moe_experts={experts}; "
                           f"route each token to at most {experts} experts")
     freq, key = m.moe_layer_freq, "model.moe_layer_freq"
-    if isinstance(freq, int) and freq < 1:
-        raise RecipeError(f"{key}={freq} must be an integer n >= 1 (every n-th layer is MoE) or a list of 0/1, one "
-                          f"per layer")
-    if isinstance(freq, list) and (len(freq) != m.num_layers or any(v not in (0, 1) for v in freq)):
-        raise RecipeError(f"{key}={freq!r} must hold one 0 (dense) or 1 (MoE) per layer: model.num_layers="
-                          f"{m.num_layers} entries")
+    _check_layer_pattern(key, freq, m.num_layers, "is MoE", "dense", "MoE")
     if m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid":
         raise RecipeError(f"model.moe_router_enable_expert_bias=true needs model.moe_router_score_function=sigmoid "
                           f"(megatron-core's aux-loss-free routing), not {m.moe_router_score_function!r}")
@@ -180,6 +171,17 @@ def _validate_mlp_variant(m: ModelConfig) -> None:
             raise RecipeError(f"model.moe_router_topk={m.moe_router_topk} is more than the "
                               f"{group_topk * (experts // groups)} experts of model.moe_router_group_topk={group_topk} "
                               f"groups of {experts // groups}; choose more groups or a smaller top-k")
+
+
+def _check_layer_pattern(key: str, freq, num_layers: int, nth: str, zero: str, one: str, hint: str = "") -> None:
+    """megatron-core's per-layer pattern fields (``window_attn_skip_freq``, ``moe_layer_freq``): an int
+    n >= 1 (every n-th layer ``nth``) or one 0 (``zero``) / 1 (``one``) per layer."""
+    if isinstance(freq, int) and freq < 1:
+        raise RecipeError(f"{key}={freq} must be an integer n >= 1 (every n-th layer {nth}) or a list of 0/1, one "
+                          f"per layer{hint}")
+    if isinstance(freq, list) and (len(freq) != num_layers or any(v not in (0, 1) for v in freq)):
+        raise RecipeError(f"{key}={freq!r} must hold one 0 ({zero}) or 1 ({one}) per layer: model.num_layers="
+                          f"{num_layers} entries")
 
 
 def _validate_tensor_parallel_kv_heads(m: ModelConfig) -> None:
