@@ -102,7 +102,8 @@ def _bench_config(rank, world, groups, comm, layout, shape: Shape, reps: int) ->
     """One configuration's interleaved repetitions; the figures (on rank 0; ``{}`` elsewhere)."""
     from mcp_context import ContextParallelAttention, comm_stats, context_parallel_attention, shard_sequence
     from mcp_context.cp_rules import a2a_degree
-    from mcp_context.masks import CAUSAL
+    from mcp_context.engine import agree_on_documents
+    from mcp_context.masks import CAUSAL, documents_mask
     from mcp_context.schedule import layout_schedule, load_balance, masked_waste
 
     gen = torch.Generator().manual_seed(0)
@@ -146,11 +147,22 @@ def _bench_config(rank, world, groups, comm, layout, shape: Shape, reps: int) ->
             engine.check_agreement(*leaves)
         return (time.perf_counter() - t0) / calls
 
+    offsets = torch.tensor([0, shape.seq_len // 3, shape.seq_len], dtype=torch.int32)
+
+    def packing_check(calls: int = 20) -> float:
+        """Seconds of one step's packing check (parse the offsets, agree on them across the CP ranks: what
+        runs once per step for a packed batch whatever ``check_ranks`` says), timed as ``rank_check``."""
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            agree_on_documents(documents_mask(offsets), groups)
+        return (time.perf_counter() - t0) / calls
+
     reps_out = []
     for _ in range(reps):  # interleaved: ours and the baseline alternate within each repetition
         reps_out.append({"ours_fwd": _timed(lambda: ours(False)), "full_fwd": baseline(False),
                          "ours_fwd_bwd": _timed(lambda: ours(True)), "full_fwd_bwd": baseline(True),
-                         "rank_check": rank_check()})
+                         "rank_check": rank_check(), "packing_check": packing_check()})
     if rank != 0:
         return {}  # the times above are the slowest rank's on every rank; the baseline ran on rank 0
     sched = layout_schedule(layout, world, shape.seq_len, CAUSAL, a2a_degree(comm, groups.sizes))
@@ -159,6 +171,8 @@ def _bench_config(rank, world, groups, comm, layout, shape: Shape, reps: int) ->
             "ratio_fwd_bwd": statistics.median(r["ours_fwd_bwd"] / r["full_fwd_bwd"] for r in reps_out),
             "rank_check_share_fwd": statistics.median(r["rank_check"] / r["ours_fwd"] for r in reps_out),
             "rank_check_share_fwd_bwd": statistics.median(r["rank_check"] / r["ours_fwd_bwd"] for r in reps_out),
+            "packing_check_share_fwd_bwd": statistics.median(r["packing_check"] / r["ours_fwd_bwd"]
+                                                             for r in reps_out),
             "load_balance": load_balance(sched), "masked_waste_tile128": masked_waste(sched),
             "bytes_sent_fwd": bytes_fwd, "bytes_sent_fwd_bwd": bytes_fwd_bwd}
 
@@ -236,7 +250,8 @@ def _cpu_worker(rank, world, init_file, out_file, shape, reps, comms, layouts):
             print(f"  P={world} {comm:10s} {layout:10s} fwd {res['ratio_fwd']:.2f}x  "
                   f"fwd+bwd {res['ratio_fwd_bwd']:.2f}x  balance {res['load_balance']:.3f}  "
                   f"rank check {100 * res['rank_check_share_fwd']:.2f}% of fwd, "
-                  f"{100 * res['rank_check_share_fwd_bwd']:.2f}% of fwd+bwd", flush=True)
+                  f"{100 * res['rank_check_share_fwd_bwd']:.2f}% of fwd+bwd, packing check (once per step) "
+                  f"{100 * res['packing_check_share_fwd_bwd']:.2f}% of one layer's fwd+bwd", flush=True)
         results.append(res)
     timeline = _timeline(rank, world, groups.get((world,)) or build_hcp_groups([world]), shape, reps)
     if rank == 0:
