@@ -50,6 +50,13 @@ FAMILIES = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
         rope_parameters={"rope_type": "default", "rope_theta": 150000.0}, num_local_experts=4, num_experts_per_tok=2,
         layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW, swiglu_limit=1.5)),
+    # MLA (q and kv latents, interleaved RoPE dims), sigmoid top-2 of 8 among the best 1 of 2 groups with the
+    # expert bias, one shared expert; every layer MoE (dense first layers are refused)
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_key_value_heads=4, head_dim=8, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+        first_k_dense_replace=0, n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5,
+        q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 }
 
 
@@ -66,6 +73,9 @@ def build_hf_model(name: str) -> torch.nn.Module:
     with torch.no_grad():  # O(1) weights so that logits are O(1) and every tensor matters
         for pname, p in model.named_parameters():
             p.copy_(torch.randn_like(p) * (0.1 if "norm" in pname else 0.15) + (1.0 if "norm" in pname else 0.0))
+        for pname, b in model.named_buffers():  # DeepSeek-V3's router bias is a saved buffer
+            if pname.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.1)
     return model
 
 

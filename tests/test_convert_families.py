@@ -1,7 +1,8 @@
-"""Conversion tests of issue 21's families (Qwen3, Mixtral, Qwen3-MoE, gpt-oss): per family, the round trip is
-bit for bit (fp32 from transformers, bf16 from random weights), ``config.json`` round-trips, the
-converted model gives Hugging Face's logits within 1e-4 at CP = 1, 2 and 4 (p2p, and a2a+p2p [2, 2]) in
-one four-rank run, and malformed expert checkpoints or configs are refused in one line (exit 2).
+"""Conversion tests of issue 21's families (Qwen3, Mixtral, Qwen3-MoE, gpt-oss, DeepSeek-V3): per family,
+the round trip is bit for bit (fp32 from transformers, bf16 from random weights), ``config.json``
+round-trips, the converted model gives Hugging Face's logits within 1e-4 at CP = 1, 2 and 4 (p2p, and
+a2a+p2p [2, 2]) in one four-rank run, and malformed expert checkpoints or configs are refused in one line
+(exit 2); DeepSeek-V3's MTP layers are dropped with a notice; Mixtral loads at EP = 2.
 
 References: ``transformers`` running the original checkpoint (fp32, eager attention) and parsing the
 configs we write; the ``safetensors`` package reading the files.
@@ -34,7 +35,9 @@ SENSITIVE = {"qwen3": ("self_attn.q_norm.weight", "self_attn.k_norm.weight"),
              "mixtral": ("block_sparse_moe.gate.weight", "post_attention_layernorm.weight"),
              "qwen3_moe": ("self_attn.k_norm.weight", "mlp.gate.weight"),
              "gpt_oss": ("self_attn.sinks", "mlp.router.bias", "mlp.experts.gate_up_proj_bias",
-                         "self_attn.o_proj.bias")}
+                         "self_attn.o_proj.bias"),
+             "deepseek_v3": ("self_attn.q_a_layernorm.weight", "self_attn.kv_a_layernorm.weight",
+                             "mlp.gate.e_score_correction_bias", "mlp.shared_experts.down_proj.weight")}
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -66,16 +69,25 @@ def test_family_config_round_trips_and_transformers_reads_it(converted_families,
     assert hf_model_from_config(generated) == arch
     assert hf_model_from_config(AutoConfig.for_model(**generated).to_dict()) == arch  # transformers' parsing
     shape = arch.shape
-    assert shape.qk_layernorm == (name in ("qwen3", "qwen3_moe"))
-    assert (shape.num_moe_experts, shape.moe_router_topk) == ((None, 2) if name == "qwen3" else (4, 2))
+    assert shape.qk_layernorm == (name in ("qwen3", "qwen3_moe", "deepseek_v3"))  # MLA: the latent norms
+    experts = {"qwen3": (None, 2), "deepseek_v3": (8, 2)}.get(name, (4, 2))
+    assert (shape.num_moe_experts, shape.moe_router_topk) == experts
     assert shape.moe_router_pre_softmax == (name == "qwen3_moe")  # norm_topk_prob=false: no renormalisation
     assert (shape.window_size, shape.window_attn_skip_freq) == {
         "qwen3": ([WINDOW - 1, 0], [0, 1]), "mixtral": ([WINDOW - 1, 0], None), "qwen3_moe": (None, None),
-        "gpt_oss": ([WINDOW - 1, 0], [1, 0])}[name]
+        "gpt_oss": ([WINDOW - 1, 0], [1, 0]), "deepseek_v3": (None, None)}[name]
     gpt_oss = (shape.softmax_type, shape.add_bias_linear, shape.activation_func, shape.glu_linear_offset,
                shape.activation_func_clamp_value)
     assert gpt_oss == (("learnable", True, "quick_gelu", 1.0, 1.5) if name == "gpt_oss" else
                        ("vanilla", False, "silu", 0.0, None))
+    deepseek = (shape.multi_latent_attention, shape.q_lora_rank, shape.kv_lora_rank, shape.qk_head_dim,
+                shape.qk_pos_emb_head_dim, shape.v_head_dim, shape.moe_router_score_function,
+                shape.moe_router_enable_expert_bias, shape.moe_router_num_groups, shape.moe_router_group_topk,
+                shape.moe_router_topk_scaling_factor, shape.moe_shared_expert_intermediate_size)
+    if name == "deepseek_v3":
+        assert deepseek == (True, 32, 24, 16, 8, 16, "sigmoid", True, 2, 1, 2.5, 48)
+    else:
+        assert not shape.multi_latent_attention and shape.moe_router_score_function == "softmax"
 
 
 def _hf_logits(hf_dir, token_ids: torch.Tensor, reset: str = "", **config_override) -> torch.Tensor:
@@ -95,7 +107,9 @@ def _hf_logits(hf_dir, token_ids: torch.Tensor, reset: str = "", **config_overri
             for file in hf_dir.glob("*.safetensors"):
                 for key in load_file(file):
                     if key.endswith(reset):
-                        model.get_parameter(key.replace("block_sparse_moe.", "mlp.")).fill_(1.0)
+                        name = key.replace("block_sparse_moe.", "mlp.")
+                        owner = model.get_submodule(name.rsplit(".", 1)[0])
+                        getattr(owner, name.rsplit(".", 1)[1]).fill_(1.0)  # a parameter or a saved buffer
     with torch.no_grad():
         return model.eval()(token_ids).logits.float()
 
@@ -205,13 +219,17 @@ def test_malformed_expert_checkpoints_are_refused_in_one_line(converted_families
     ("qwen3_moe", {"mlp_only_layers": [0]}, "mlp_only_layers=[0]: dense layers among MoE ones"),
     ("qwen3_moe", {"norm_topk_prob": "yes"}, "norm_topk_prob='yes': must be true or false"),
     ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
-    ("mixtral", {"model_type": "deepseek_v3"}, "model_type='deepseek_v3': MLA"),
     ("gpt_oss", {"layer_types": ["full_attention"] * 3}, "layer_types=['full_attention', 'full_attention', "
                                                          "'full_attention']: must list"),
     ("gpt_oss", {"attention_bias": False}, "attention_bias=False: gpt-oss's experts and router have biases"),
     ("gpt_oss", {"swiglu_alpha": 2.0}, "swiglu_alpha=2.0: megatron-core's quick_gelu hard-codes 1.702"),
     ("gpt_oss", {"rope_parameters": {"rope_type": "yarn", "factor": 32.0, "rope_theta": 150000.0}},
      "rope_type='yarn'"),
+    ("deepseek_v3", {"first_k_dense_replace": 1}, "first_k_dense_replace=1: dense layers among MoE ones"),
+    ("deepseek_v3", {"norm_topk_prob": False}, "norm_topk_prob=False: only norm_topk_prob=True"),
+    ("deepseek_v3", {"topk_group": 2}, "topk_group=2: transformers scores a group by its top 2 experts"),
+    ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "factor": 40.0, "rope_theta": 10000.0}},
+     "rope_type='yarn': transformers' DeepSeek YaRN"),
 ])
 def test_malformed_family_configs_are_refused_naming_the_field(converted_families, tmp_path, capsys, name,
                                                                overrides, needle):
@@ -222,7 +240,8 @@ def test_malformed_family_configs_are_refused_naming_the_field(converted_familie
     assert needle in err, err
 
 
-@pytest.mark.parametrize("name,changed", [("mixtral", EXPERT), ("gpt_oss", "model.layers.1.mlp.experts.down_proj")])
+@pytest.mark.parametrize("name,changed", [("mixtral", EXPERT), ("gpt_oss", "model.layers.1.mlp.experts.down_proj"),
+                                          ("deepseek_v3", "model.layers.1.mlp.experts.5.up_proj.weight")])
 def test_verify_names_the_first_mismatching_expert_tensor(converted_families, tmp_path, name, changed):
     hf_dir, mcore_dir, _, _ = converted_families[name]
     _write_hf(tmp_path / "same", load_safetensors_dir(hf_dir), json.loads((hf_dir / "config.json").read_text()))
@@ -269,7 +288,8 @@ def _case_parameter_names(rank, world_size, records):
     try:
         for name, record in records.items():
             arch = HFModel.from_record(record)
-            params = {n: tuple(p.shape) for n, p in build_gpt_model(arch.shape).named_parameters()}
+            state = build_gpt_model(arch.shape).state_dict()  # parameters and saved buffers (the router's bias)
+            params = {n: tuple(t.shape) for n, t in state.items() if not n.endswith("_extra_state")}
             ours = {}
             for tmap in tensor_maps(arch.shape, arch.model_type):
                 for slot in slots(tmap, arch.shape):
@@ -306,3 +326,22 @@ def _case_ep2(rank, world_size, mcore_dir, arch, token_ids):
         return mcore_logits(model, token_ids), experts
     finally:
         parallel_state.destroy_model_parallel()
+
+
+def test_deepseek_mtp_layers_are_dropped_with_a_notice_and_others_refused(converted_families, tmp_path, capsys):
+    """DeepSeek-V3 checkpoints carry multi-token-prediction layers after the main ones (transformers skips
+    them too): converted with a printed notice naming them, the rest bit for bit; a layer beyond them is an error."""
+    hf_dir = converted_families["deepseek_v3"][0]
+    tensors = load_safetensors_dir(hf_dir)
+    mtp = {"model.layers.2.eh_proj.weight": torch.randn(64, 128), "model.layers.2.enorm.weight": torch.randn(64),
+           "model.layers.2.shared_head.norm.weight": torch.randn(64)}
+    config = {**json.loads((hf_dir / "config.json").read_text()), "num_nextn_predict_layers": 1}
+    _write_hf(tmp_path / "hf", {**tensors, **mtp}, config)
+    assert main(["hf-to-mcore", "--hf", str(tmp_path / "hf"), "--mcore", str(tmp_path / "mcore"), "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "notice: dropping the 3 tensor(s) of DeepSeek-V3's multi-token-prediction layer(s) (model.layers.2.*" in err
+    mcore_to_hf(tmp_path / "mcore", tmp_path / "back", progress=False)
+    assert_same_tensors(load_safetensors_dir(tmp_path / "back"), tensors)
+    _write_hf(tmp_path / "hf3", {**tensors, **mtp, "model.layers.3.enorm.weight": torch.randn(64)}, config)
+    err = _cli(capsys, "hf-to-mcore", "--hf", str(tmp_path / "hf3"), "--mcore", str(tmp_path / "out"), "--no-progress")
+    assert "has 1 tensor(s) a deepseek_v3 does not use, e.g. ['model.layers.3.enorm.weight']" in err, err

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import sys
 from typing import Any, Optional
 
 import torch
@@ -60,6 +61,8 @@ def check_hf_tensors(reader: HFCheckpointReader, arch: HFModel) -> None:
                              f"intermediate_size={m.ffn_hidden_size}, vocab_size={m.vocab_size}{_moe_sizes(m)}); "
                              f"fix config.json or the weights")
     leftover = sorted(n for n in present - set(expected) if not n.endswith(_IGNORED_HF_SUFFIXES))
+    mtp = _mtp_tensors(leftover, reader.config, arch)
+    leftover = [n for n in leftover if n not in mtp]
     if m.share_embeddings_and_output_weights and leftover == ["lm_head.weight"]:
         if torch.equal(reader.read("lm_head.weight"), reader.read("model.embed_tokens.weight")):
             leftover = []
@@ -70,6 +73,21 @@ def check_hf_tensors(reader: HFCheckpointReader, arch: HFModel) -> None:
         raise ValueError(f"checkpoint {reader.dir} has {len(leftover)} tensor(s) a {arch.model_type} does not "
                          f"use, e.g. {leftover[:4]}; converting would drop them (is this really a "
                          f"{arch.model_type}? is qkv bias / tying set correctly in config.json?)")
+    if mtp:
+        print(f"notice: dropping the {len(mtp)} tensor(s) of DeepSeek-V3's multi-token-prediction layer(s) "
+              f"(model.layers.{m.num_layers}.* on; config.json num_nextn_predict_layers="
+              f"{reader.config.get('num_nextn_predict_layers')}): the megatron-core model built here has no MTP "
+              f"block, so the conversion holds the main model only", file=sys.stderr)
+
+
+def _mtp_tensors(names: list[str], config: dict, arch: HFModel) -> list[str]:
+    """The names among ``names`` that belong to a DeepSeek-V3 checkpoint's multi-token-prediction layers
+    (``model.layers.L ..`` up to ``L + num_nextn_predict_layers - 1``, after the ``L`` main layers)."""
+    extra = config.get("num_nextn_predict_layers") or 0
+    if arch.model_type != "deepseek_v3" or not isinstance(extra, int) or isinstance(extra, bool):
+        return []
+    prefixes = tuple(f"model.layers.{arch.shape.num_layers + i}." for i in range(extra))
+    return [n for n in names if n.startswith(prefixes)]
 
 
 def _moe_sizes(m: ModelConfig) -> str:

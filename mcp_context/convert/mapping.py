@@ -31,6 +31,10 @@ LAYER_KEY_PREFIX = "decoder.layers."
 # local spec, plus TE's core attention (harmless extra entries for the local spec).
 ATTENTION_EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv",
                                  "self_attention.core_attention")
+MLA_EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_q_down_proj",
+                           "self_attention.linear_q_up_proj", "self_attention.linear_kv_down_proj",
+                           "self_attention.linear_kv_up_proj", "self_attention.core_attention")
+SHARED_EXPERT_EXTRA_STATE_MODULES = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
 DENSE_MLP_EXTRA_STATE_MODULES = ("mlp.linear_fc1", "mlp.linear_fc2")
 # A MoE layer's local experts: one object per (layer, expert) under these keys.
 EXPERT_EXTRA_STATE_MODULES = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
@@ -40,6 +44,8 @@ HF_MOE_NAMES = {
                 "w2.weight"),
     "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{expert}.", "gate_proj.weight", "up_proj.weight",
                   "down_proj.weight"),
+    "deepseek_v3": ("mlp.gate.weight", "mlp.experts.{expert}.", "gate_proj.weight", "up_proj.weight",
+                    "down_proj.weight"),
 }
 # gpt-oss holds a layer's experts in one tensor each, transposed, gate and up interleaved on the last axis.
 GPT_OSS_EXPERTS = "mlp.experts."
@@ -194,6 +200,8 @@ def tensor_maps(model: ModelConfig, model_type: str = "llama") -> list[TensorMap
         return TensorMap(LAYER_KEY_PREFIX + (key or suffix_te), mc_layer + suffix_local, mc_layer + suffix_te,
                          tuple(hf_layer + n for n in hf), shapes, True, fuse, split, layers, experts)
 
+    if model.multi_latent_attention:
+        return _mla_maps(model, model_type, maps, layer, fc1_fuse, sparse, dense)
     maps += [
         layer("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight",
               ("input_layernorm.weight",), ((hidden,),)),
@@ -267,6 +275,65 @@ def _moe_maps(model: ModelConfig, model_type: str, layers: tuple[int, ...], laye
     ]
 
 
+def _mla_maps(model: ModelConfig, model_type: str, maps: list[TensorMap], layer: Callable, fc1_fuse: Callable,
+              sparse: list[int], dense: Optional[tuple[int, ...]]) -> list[TensorMap]:
+    """DeepSeek-V3's multi-latent attention (local-spec names and keys: its norms are not fused into a
+    linear), then its MLP (dense layers, routed experts with the router's expert bias, shared experts).
+    The projections map as they are: megatron-core's MLA de-interleaves the RoPE dims of q and k itself
+    (``rope_utils._apply_rotary_pos_emb_bshd(multi_latent_attention=True)``), as transformers'
+    ``rope_interleave`` does."""
+    h, hidden, vocab = model.num_attention_heads, model.hidden_size, model.vocab_size
+    q_lora, kv_lora, rope = model.q_lora_rank, model.kv_lora_rank, model.qk_pos_emb_head_dim
+    qk, v = model.qk_head_dim + rope, model.v_head_dim
+
+    attn = "self_attention."
+    maps += [
+        layer("input_layernorm.weight", "input_layernorm.weight", ("input_layernorm.weight",), ((hidden,),)),
+        layer(attn + "linear_q_down_proj.weight", attn + "linear_q_down_proj.weight", ("self_attn.q_a_proj.weight",),
+              ((q_lora, hidden),)),
+        layer(attn + "q_layernorm.weight", attn + "q_layernorm.weight", ("self_attn.q_a_layernorm.weight",),
+              ((q_lora,),)),
+        layer(attn + "linear_q_up_proj.weight", attn + "linear_q_up_proj.weight", ("self_attn.q_b_proj.weight",),
+              ((h * qk, q_lora),)),
+        layer(attn + "linear_kv_down_proj.weight", attn + "linear_kv_down_proj.weight",
+              ("self_attn.kv_a_proj_with_mqa.weight",), ((kv_lora + rope, hidden),)),
+        layer(attn + "kv_layernorm.weight", attn + "kv_layernorm.weight", ("self_attn.kv_a_layernorm.weight",),
+              ((kv_lora,),)),
+        layer(attn + "linear_kv_up_proj.weight", attn + "linear_kv_up_proj.weight", ("self_attn.kv_b_proj.weight",),
+              ((h * (model.qk_head_dim + v), kv_lora),)),
+        layer(attn + "linear_proj.weight", attn + "linear_proj.weight", ("self_attn.o_proj.weight",),
+              ((hidden, h * v),)),
+        layer("pre_mlp_layernorm.weight", "pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",),
+              ((hidden,),)),
+    ]
+    if dense != ():
+        ffn = model.ffn_hidden_size
+        maps += [layer("mlp.linear_fc1.weight", "mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+                       ((ffn, hidden), (ffn, hidden)), fc1_fuse, split_gate_up, dense),
+                 layer("mlp.linear_fc2.weight", "mlp.linear_fc2.weight", ("mlp.down_proj.weight",), ((hidden, ffn),),
+                       layers=dense)]
+    if sparse:
+        layers = tuple(sparse)
+        maps += _moe_maps(model, model_type, layers, layer, fc1_fuse)
+        if model.moe_router_enable_expert_bias:
+            maps.append(layer("mlp.router.expert_bias", "mlp.router.expert_bias",
+                              ("mlp.gate.e_score_correction_bias",), ((model.num_moe_experts,),), layers=layers))
+        shared = model.moe_shared_expert_intermediate_size
+        if shared:
+            maps += [layer("mlp.shared_experts.linear_fc1.weight", "mlp.shared_experts.linear_fc1.weight",
+                           ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"),
+                           ((shared, hidden), (shared, hidden)), fc1_fuse, split_gate_up, layers),
+                     layer("mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.linear_fc2.weight",
+                           ("mlp.shared_experts.down_proj.weight",), ((hidden, shared),), layers=layers)]
+    maps.append(TensorMap("decoder.final_layernorm.weight", "decoder.final_layernorm.weight",
+                          "decoder.final_layernorm.weight", ("model.norm.weight",), ((hidden,),), False,
+                          _identity, _unwrap))
+    if not model.share_embeddings_and_output_weights:
+        maps.append(TensorMap("output_layer.weight", "output_layer.weight", "output_layer.weight",
+                              ("lm_head.weight",), ((vocab, hidden),), False, _identity, _unwrap))
+    return maps
+
+
 def interleaved_to_gate_up(t: torch.Tensor) -> torch.Tensor:
     """gpt-oss's ``[..., 2f]`` with gate and up interleaved (``t[..., ::2]`` gate, ``t[..., 1::2]`` up)
     -> ``[..., 2f]`` as ``[gate | up]``."""
@@ -321,7 +388,9 @@ def extra_state_keys(model: ModelConfig) -> list[str]:
     num_layers, sparse = model.num_layers, set(moe_layers(model))
     keys = []
     for i in range(num_layers):
-        modules = ATTENTION_EXTRA_STATE_MODULES + (() if i in sparse else DENSE_MLP_EXTRA_STATE_MODULES)
+        attention = MLA_EXTRA_STATE_MODULES if model.multi_latent_attention else ATTENTION_EXTRA_STATE_MODULES
+        shared = SHARED_EXPERT_EXTRA_STATE_MODULES if model.moe_shared_expert_intermediate_size else ()
+        modules = attention + (shared if i in sparse else DENSE_MLP_EXTRA_STATE_MODULES)
         keys += [f"{LAYER_KEY_PREFIX}{module}._extra_state/shard_{i}_{num_layers}" for module in modules]
         if i in sparse:
             experts = model.num_moe_experts

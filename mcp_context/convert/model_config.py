@@ -26,18 +26,16 @@ from mcp_context.recipes.schema import ModelConfig
 
 SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                          "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                         "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+                         "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
+                         "deepseek_v3": "DeepseekV3ForCausalLM"}
 # How each family's config.json says which layers slide: on every layer (``sliding_window``; Qwen3-MoE
 # only with ``use_sliding_window``), or per layer (Qwen2's ``layer_types`` / ``max_window_layers``).
 EVERY_LAYER_WINDOW = ("mistral", "mixtral", "qwen3_moe")
 PER_LAYER_WINDOW = ("qwen2", "qwen3")
 QK_NORM_TYPES = ("qwen3", "qwen3_moe")
-MOE_TYPES = ("mixtral", "qwen3_moe", "gpt_oss")
+MOE_TYPES = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3")
 # gpt-oss's GLU: gate * sigmoid(alpha * gate), which is megatron-core's quick_gelu only at this alpha.
 QUICK_GELU_ALPHA = 1.702
-# Families whose model_type transformers knows but this converter does not yet map (issue 21), and why.
-NOT_YET = {"deepseek_v3": "MLA, sigmoid group-limited routing, shared experts and dense first layers are not "
-                          "mapped yet (docs/convert.md, 'Not yet converted')"}
 # megatron-core's RotaryEmbedding._apply_scaling hard-codes these Llama-3 constants; only `factor`
 # is configurable (GPTModel(rope_scaling=True, rope_scaling_factor=...)).
 MCORE_LLAMA3_ROPE_CONSTANTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -206,8 +204,6 @@ def _window_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int,
 def hf_model_from_config(cfg: dict[str, Any]) -> HFModel:
     """Validate a Hugging Face ``config.json`` dict and return its :class:`HFModel`."""
     model_type = cfg.get("model_type")
-    if model_type in NOT_YET:
-        raise _refuse("model_type", model_type, NOT_YET[model_type])
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise _refuse("model_type", model_type,
                       f"supported model types are {sorted(SUPPORTED_MODEL_TYPES)}; other architectures need "
@@ -235,6 +231,8 @@ def hf_model_from_config(cfg: dict[str, Any]) -> HFModel:
         raise _refuse("num_key_value_heads", kv_heads, f"must divide num_attention_heads={heads}")
     hidden = _positive_int(cfg, "hidden_size")
     head_dim = _positive_int(cfg, "head_dim", default=max(hidden // heads, 1))
+    if model_type == "deepseek_v3":
+        _check_deepseek(cfg)
     theta, factor = _rope_from_hf(cfg)
     tied = _flag(cfg, "tie_word_embeddings", False)
     max_positions = _positive_int(cfg, "max_position_embeddings", default=4096)
@@ -257,7 +255,64 @@ def hf_model_from_config(cfg: dict[str, Any]) -> HFModel:
         context_parallel_size=1, hierarchical_context_parallel_sizes=None, cp_comm_type="p2p",
         **(_moe_from_hf(cfg, model_type, num_layers) if model_type in MOE_TYPES else {}),
     )
+    if model_type == "deepseek_v3":
+        shape = dataclasses.replace(shape, **_mla_from_hf(cfg, theta))
     return HFModel(model_type, shape)
+
+
+def _check_deepseek(cfg: dict[str, Any]) -> None:
+    """Refuse the DeepSeek-V3 settings this converter does not represent (or has not proven), by field."""
+    if cfg.get("first_k_dense_replace", 3) != 0:
+        raise _refuse("first_k_dense_replace", cfg.get("first_k_dense_replace", 3), "dense layers among MoE ones "
+                      "(moe_layer_freq other than 1) cannot be built by the HCP layer specs; only every layer MoE "
+                      "(first_k_dense_replace=0) is converted")
+    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    if params.get("rope_type", params.get("type", "default")) != "default":
+        raise _refuse("rope_parameters.rope_type", params.get("rope_type", params.get("type")),
+                      "transformers' DeepSeek YaRN (mscale_all_dim in the softmax scale) against MLA's own YaRN is "
+                      "not proven here; only plain RoPE DeepSeek-V3 is converted")
+    if cfg.get("q_lora_rank", 1536) is None:
+        raise _refuse("q_lora_rank", None, "a full query projection (q_proj) is not mapped; only the low-rank "
+                      "query (q_a_proj, q_a_layernorm, q_b_proj) is")
+    for field, need in (("rope_interleave", True), ("norm_topk_prob", True), ("attention_bias", False)):
+        if cfg.get(field, need) is not need:
+            raise _refuse(field, cfg[field], f"only {field}={need} is represented (megatron-core's sigmoid router "
+                          f"always renormalises the top-k; its MLA has no biases and de-interleaves the RoPE dims as "
+                          f"rope_interleave=true does)")
+
+
+def _mla_from_hf(cfg: dict[str, Any], theta: float) -> dict[str, Any]:
+    """DeepSeek-V3's attention as megatron-core's MLA (``MLATransformerConfig``'s fields) with plain RoPE."""
+    return dict(multi_latent_attention=True, qk_layernorm=True, num_query_groups=None, kv_channels=None,
+                q_lora_rank=_positive_int(cfg, "q_lora_rank", default=1536),
+                kv_lora_rank=_positive_int(cfg, "kv_lora_rank", default=512),
+                qk_head_dim=_positive_int(cfg, "qk_nope_head_dim", default=128),
+                qk_pos_emb_head_dim=_positive_int(cfg, "qk_rope_head_dim", default=64),
+                v_head_dim=_positive_int(cfg, "v_head_dim", default=128), rope_type="rope", mscale=1.0,
+                mscale_all_dim=0.0, rotary_base=theta)
+
+
+def _deepseek_router(cfg: dict[str, Any], experts: int, topk: int) -> dict[str, Any]:
+    """DeepSeek-V3's MoE: sigmoid scores, the top-k chosen on scores + ``e_score_correction_bias`` among the
+    ``topk_group`` best of ``n_group`` groups (a group scored by the sum of its top 2), weights
+    renormalised and scaled by ``routed_scaling_factor``; ``n_shared_experts`` shared experts. megatron-core
+    scores a group by its top ``topk / group_topk``: the two agree where that is 2 (DeepSeek-V3: 8 / 4)."""
+    groups, group_topk = _positive_int(cfg, "n_group", default=8), _positive_int(cfg, "topk_group", default=4)
+    if experts % groups or group_topk > groups:
+        raise _refuse("n_group", groups, f"must divide n_routed_experts={experts} and be at least "
+                      f"topk_group={group_topk}")
+    if groups > 1 and topk // group_topk != 2:
+        raise _refuse("topk_group", group_topk, f"transformers scores a group by its top 2 experts, megatron-core by "
+                      f"its top num_experts_per_tok // topk_group = {topk // group_topk}; they agree only at 2")
+    shared = _positive_int(cfg, "n_shared_experts", default=1) if cfg.get("n_shared_experts", 1) else 0
+    width = _positive_int(cfg, "moe_intermediate_size", default=2048)
+    return dict(num_moe_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=width, moe_layer_freq=1,
+                moe_shared_expert_intermediate_size=shared * width or None, moe_router_score_function="sigmoid",
+                moe_router_pre_softmax=False, moe_router_enable_expert_bias=True,
+                moe_router_num_groups=groups if groups > 1 else None,
+                moe_router_group_topk=group_topk if groups > 1 else None,
+                moe_router_topk_scaling_factor=_positive_float(cfg.get("routed_scaling_factor", 2.5),
+                                                               "routed_scaling_factor"))
 
 
 def _gpt_oss_glu(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -279,11 +334,14 @@ def _moe_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int) -> dict[
     layer is MoE (``moe_layer_freq=1``): dense layers among them are refused (the HCP specs cannot build them).
     """
     # absent fields take transformers' defaults (MixtralConfig, Qwen3MoeConfig, whose num_experts is an alias)
-    experts = _positive_int(cfg, "num_local_experts", default={"mixtral": 8, "gpt_oss": 128}.get(model_type) or
-                            _positive_int(cfg, "num_experts", default=128))
+    experts = _positive_int(cfg, "n_routed_experts", default=256) if model_type == "deepseek_v3" else \
+        _positive_int(cfg, "num_local_experts", default={"mixtral": 8, "gpt_oss": 128}.get(model_type) or
+                      _positive_int(cfg, "num_experts", default=128))
     topk = _positive_int(cfg, "num_experts_per_tok", default={"mixtral": 2, "gpt_oss": 4}.get(model_type, 8))
     if topk > experts:
         raise _refuse("num_experts_per_tok", topk, f"must be at most the expert count {experts}")
+    if model_type == "deepseek_v3":
+        return _deepseek_router(cfg, experts, topk)
     if model_type == "gpt_oss":  # top-k on the router's logits, then a softmax over the k
         ffn, pre_softmax = _positive_int(cfg, "intermediate_size"), False
     elif model_type == "mixtral":
@@ -319,11 +377,13 @@ def hf_config_from_model(model: HFModel, torch_dtype: str = "float32") -> dict[s
                                **MCORE_LLAMA3_ROPE_CONSTANTS}
     if model.model_type in QK_NORM_TYPES:
         cfg["attention_bias"] = False
+    if model.model_type == "deepseek_v3":
+        cfg.update(_hf_deepseek_fields(m))
     if model.model_type == "gpt_oss":  # its config's default RoPE is YaRN: spell plain RoPE out
         del cfg["rope_theta"]
         cfg.update(attention_bias=True, swiglu_limit=m.activation_func_clamp_value,
                    rope_parameters={"rope_type": "default", "rope_theta": float(m.rotary_base)})
-    if model.model_type in MOE_TYPES:
+    if model.model_type in MOE_TYPES and model.model_type != "deepseek_v3":
         cfg["num_local_experts"], cfg["num_experts_per_tok"] = m.num_moe_experts, m.moe_router_topk
         if model.model_type == "mixtral":
             cfg["router_jitter_noise"] = 0.0
@@ -332,6 +392,21 @@ def hf_config_from_model(model: HFModel, torch_dtype: str = "float32") -> dict[s
                        decoder_sparse_step=1, mlp_only_layers=[])
     cfg.update(_hf_window_fields(model))
     return cfg
+
+
+def _hf_deepseek_fields(m: ModelConfig) -> dict[str, Any]:
+    """A DeepSeek-V3 ``config.json``'s MLA and router fields (MTP layers are not converted: none)."""
+    groups = m.moe_router_num_groups or 1
+    return {"num_key_value_heads": m.num_attention_heads, "head_dim": m.qk_pos_emb_head_dim,
+            "q_lora_rank": m.q_lora_rank, "kv_lora_rank": m.kv_lora_rank, "qk_nope_head_dim": m.qk_head_dim,
+            "qk_rope_head_dim": m.qk_pos_emb_head_dim, "v_head_dim": m.v_head_dim, "rope_interleave": True,
+            "n_routed_experts": m.num_moe_experts, "num_experts_per_tok": m.moe_router_topk,
+            "moe_intermediate_size": m.moe_ffn_hidden_size,
+            "n_shared_experts": (m.moe_shared_expert_intermediate_size or 0) // m.moe_ffn_hidden_size,
+            "first_k_dense_replace": 0, "n_group": groups, "topk_group": m.moe_router_group_topk or 1,
+            "norm_topk_prob": True, "routed_scaling_factor": m.moe_router_topk_scaling_factor,
+            "attention_bias": False, "num_nextn_predict_layers": 0,
+            "rope_parameters": {"rope_type": "default", "rope_theta": float(m.rotary_base)}}
 
 
 def _hf_window_fields(model: HFModel) -> dict[str, Any]:

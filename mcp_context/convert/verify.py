@@ -92,7 +92,8 @@ def build_gpt_model(model: ModelConfig, layer_spec: Any = None, device: DeviceLi
 
     ``layer_spec`` defaults to megatron-core's local spec with the layer structure the model needs (q/k
     norms, local experts; ``layer_spec_kwargs``, as pretraining picks it), or ours (HCP attention) for a
-    model with attention sinks, which megatron-core's attention builds on CUDA only; ``layout`` replaces
+    model with attention sinks or MLA, which megatron-core's own local attention cannot build here;
+    ``layout`` replaces
     ``ModelConfig`` fields (``tensor_model_parallel_size``, ``context_parallel_size``,
     ``cp_comm_type``, ``pipeline_model_parallel_size``, ...) or sets ``TransformerConfig`` fields the
     shape does not hold (``expert_model_parallel_size``), which must agree with the initialised
@@ -106,8 +107,9 @@ def build_gpt_model(model: ModelConfig, layer_spec: Any = None, device: DeviceLi
 
     shape_fields = {f.name for f in dataclasses.fields(ModelConfig)}
     model = dataclasses.replace(model, **{k: v for k, v in layout.items() if k in shape_fields})
-    if layer_spec is None and model.softmax_type != "vanilla":
-        # megatron-core's own attention makes its softmax_offset on CUDA only: ours runs sinks on any device
+    if layer_spec is None and (model.softmax_type != "vanilla" or model.multi_latent_attention):
+        # megatron-core's own attention makes its softmax_offset on CUDA only and takes no MLA head dims
+        # (k_channels / v_channels): ours runs both on any device
         from mcp_context.megatron.specs import get_gpt_layer_hcp_spec
 
         layer_spec = get_gpt_layer_hcp_spec(**layer_spec_kwargs(model))
