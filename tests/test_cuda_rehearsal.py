@@ -1,8 +1,8 @@
 """The CUDA path rehearsed on the CPU under ``FakeTensorMode`` (``tests/rehearsal.py``): shapes, dtypes,
 devices and op schemas, never numbers.
 
-Every ring member's forward and backward with ``torch:cudnn`` and with ``torch:flash``, bf16, Llama-3-8B
-heads (32 query / 8 KV, d=128) at S=32K and 128K over P=8, flat (p2p zigzag) and a2a+p2p [2, 4], causal,
+Every ring member's forward and backward with ``torch:cudnn`` (at S=32K and 128K) and with ``torch:flash``
+(at 32K), bf16, Llama-3-8B heads (32 query / 8 KV, d=128) over P=8, flat (p2p zigzag) and a2a+p2p [2, 4], causal,
 window (4095, 0) and packed documents; and one megatron-core layer built with our spec, forward. Each case passes when every member's out/lse/dq/dk/dv come back
 with the right shapes, dtypes and device and no op raised. The two planted faults show what a rehearsal
 catches: a wrong argument type in an op call and a CPU tensor in a CUDA step, each named with where it
@@ -25,10 +25,12 @@ from tests.rehearsal import Case, RehearsalError, rehearse_members
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # FakeTensorMode's "CUDA not available" notes
 
+# cuDNN (the op auto gives blocks over 1K rows) at 32K and 128K; flash (the small-block op) at 32K
 CASES = [pytest.param(kernel, Case(seq_len, 8, inner, mask), id=f"{kernel}-{seq_len // 1024}K-"
                       f"{'p2p' if inner == 1 else 'a2a+p2p'}-{mask}")
          for kernel, seq_len, inner, mask in itertools.product(("torch:cudnn", "torch:flash"), (32768, 131072),
-                                                               (1, 2), ("causal", "window", "packed"))]
+                                                               (1, 2), ("causal", "window", "packed"))
+         if kernel == "torch:cudnn" or seq_len == 32768]
 
 
 @pytest.mark.parametrize("kernel,case", CASES)
