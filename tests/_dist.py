@@ -14,7 +14,8 @@ Every process group a case creates (megatron-core's ``initialize_model_parallel`
 its ``destroy_model_parallel`` drops them without destroying them) is destroyed when the case ends:
 each gloo group keeps native threads, and hundreds of cases would otherwise pile up thousands. Groups
 made with ``use_local_synchronization`` are kept: torch names them after their ranks, so a destroyed
-one's rendezvous keys would be found by its successor.
+one's rendezvous keys would be found by its successor; a pool whose workers have gathered more than
+``MAX_WORKER_THREADS`` native threads is replaced after its case.
 """
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 _POOLS: dict[int, "_Pool"] = {}
+# A worker whose native threads pass this is replaced after its case: gloo groups a case keeps (those
+# made with use_local_synchronization) hold threads that poll, and idle pools of a few hundred threads
+# per worker were seen to take a whole core from the tests that followed.
+MAX_WORKER_THREADS = 96
 _GRACE_S = 10.0
 # gloo failing to connect a new group's ranks (a peer's socket closed while the mesh formed): the
 # machine's, not the case's; the case runs once more on a fresh pool.
@@ -65,14 +70,23 @@ def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any
             break
         fn, args = task
         try:
-            results.put((rank, True, fn(rank, world_size, *args)))
+            ok, payload = True, fn(rank, world_size, *args)
         except BaseException:  # report everything, including assertion failures, to the test process
-            results.put((rank, False, traceback.format_exc()))
+            ok, payload = False, traceback.format_exc()
         for group in created:
             with contextlib.suppress(ValueError):  # a group this rank is not in, or one already destroyed
                 dist.destroy_process_group(group)
         created.clear()
+        results.put((rank, ok, payload, _native_threads()))
     dist.destroy_process_group()
+
+
+def _native_threads() -> int:
+    """This process's native threads (gloo's included; 0 where /proc is absent)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
 
 
 class _Pool:
@@ -96,10 +110,12 @@ class _Pool:
         out: list = [None] * self.world_size
         errors: dict[int, str] = {}
         pending = set(range(self.world_size))
+        most_threads = 0
         deadline = time.monotonic() + timeout
         while pending and time.monotonic() < deadline:
             try:
-                rank, ok, payload = self.results.get(timeout=1.0)
+                rank, ok, payload, threads = self.results.get(timeout=1.0)
+                most_threads = max(most_threads, threads)
             except queue.Empty:
                 dead = [r for r in pending if not self.procs[r].is_alive()]
                 if dead:
@@ -121,6 +137,8 @@ class _Pool:
             failure = TransportFailure if any(s in tb for tb in errors.values() for s in _TRANSPORT_FAILURES) \
                 else AssertionError
             raise failure(f"distributed case {fn.__name__} failed (world size {self.world_size}):\n" + "\n".join(lines))
+        if most_threads > MAX_WORKER_THREADS:  # kept groups' threads poll even while the pool idles: start afresh
+            self.close()
         return out
 
     def close(self, force: bool = False) -> None:

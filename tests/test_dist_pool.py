@@ -28,3 +28,31 @@ def test_any_other_failure_is_reported_without_running_again(tmp_path):
     with pytest.raises(AssertionError, match=r"(?s)rank 0 raised:.*RuntimeError: the case.s own failure"):
         run_distributed(2, _fails_first, str(tmp_path), "the case's own failure")
     assert [len((tmp_path / f"rank{r}").read_text().splitlines()) for r in (0, 1)] == [1, 1]
+
+
+def _pid_and_threads(rank, world, groups: int):
+    import os
+
+    import torch.distributed as dist
+
+    from tests._dist import _native_threads
+
+    for _ in range(groups):  # kept by the pool: torch names such groups after their ranks
+        dist.new_group([0, 1], use_local_synchronization=True)
+    return os.getpid(), _native_threads()
+
+
+def test_a_pool_whose_workers_gather_threads_is_replaced_after_the_case(monkeypatch):
+    """Kept gloo groups hold polling threads: past MAX_WORKER_THREADS the pool is started afresh (the bound
+    lowered here so that three kept groups pass it; a plain worker has about 5 native threads)."""
+    from tests import _dist
+
+    monkeypatch.setattr(_dist, "MAX_WORKER_THREADS", 12)
+    first = run_distributed(2, _pid_and_threads, 0)
+    assert all(threads <= 12 for _, threads in first), first
+    again = run_distributed(2, _pid_and_threads, 0)
+    assert [pid for pid, _ in again] == [pid for pid, _ in first]  # the same pool serves the next case
+    grown = run_distributed(2, _pid_and_threads, 3)
+    assert all(threads > 12 for _, threads in grown), grown
+    fresh = run_distributed(2, _pid_and_threads, 0)
+    assert not {pid for pid, _ in fresh} & {pid for pid, _ in grown}  # replaced after the growing case
