@@ -340,7 +340,8 @@ def test_megatron_args_parse_back_to_the_recipe(path):
     assert (a.window_size, a.window_attn_skip_freq) == (m.window_size and tuple(m.window_size), m.window_attn_skip_freq)
     structure = (m.multi_latent_attention, m.num_moe_experts is not None, m.qk_layernorm)
     spec = {(False, False, False): {"local": "hcp_local_spec", "te": "hcp_te_spec"}[m.layer_spec],
-            (False, True, False): "hcp_moe_local_spec", (True, True, True): "hcp_mla_moe_local_spec"}[structure]
+            (False, True, False): "hcp_moe_local_spec", (True, True, True): "hcp_mla_moe_local_spec",
+            (False, False, True): "hcp_qknorm_local_spec", (False, True, True): "hcp_qknorm_moe_local_spec"}[structure]
     assert a.spec == ["mcp_context.megatron.specs", spec]
     assert (a.num_layers, a.hidden_size, a.ffn_hidden_size, a.num_attention_heads) == (
         m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads)
