@@ -81,3 +81,13 @@ def assert_within_tolerance(rank: int, dtype: torch.dtype, errors: dict) -> None
     """Every ``{name: max abs error}`` of one rank within ``TOL[dtype]``."""
     for name, err in errors.items():
         assert err <= TOL[dtype], f"rank {rank} {dtype} {name}: max abs error {err:.3e} > {TOL[dtype]}"
+
+
+def shard_errors(shard, out, lse, local, ref_out, ref_lse, ref_inputs, rows) -> dict:
+    """Max abs errors of this rank's ``out``, ``lse`` (on ``rows``: padding rows excluded) and the q, k, v
+    gradients of ``local`` against the full-sequence reference, cut to this rank by ``shard``."""
+    pairs = {"out": (out, ref_out), "dq": (local[0].grad, ref_inputs[0].grad),
+             "dk": (local[1].grad, ref_inputs[1].grad), "dv": (local[2].grad, ref_inputs[2].grad)}
+    errors = {name: (a.double() - shard(b.detach())).abs().max().item() for name, (a, b) in pairs.items()}
+    errors["lse"] = (lse[rows].double() - shard(ref_lse)[rows]).abs().max().item()
+    return errors

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests._dist import run_distributed
-from tests.reference import TOL, document_ids, full_attention, in_both_dtypes, random_qkv
+from tests.reference import TOL, document_ids, full_attention, in_both_dtypes, random_qkv, shard_errors
 from tests.test_packed import packing
 
 HIERARCHIES = [(4, [2, 2]), (8, [2, 2, 2]), (8, [2, 4])]
@@ -59,10 +59,7 @@ def _compare(rank, world, sizes, layout, m, kv_heads, dtype):
                                           comm="a2a+all_gather", return_lse=True, window_size=window, **docs)
     out.backward(shard(dout).to(dtype))
     rows = shard(ids) >= 0 if packed else torch.ones(out.shape[:3], dtype=torch.bool)
-    errors = {name: (a.double() - shard(b.detach())).abs().max().item() for name, (a, b) in {
-        "out": (out, ref_out), "dq": (local[0].grad, ref_inputs[0].grad), "dk": (local[1].grad, ref_inputs[1].grad),
-        "dv": (local[2].grad, ref_inputs[2].grad)}.items()}
-    errors["lse"] = (lse[rows].double() - shard(ref_lse)[rows]).abs().max().item()
+    errors = shard_errors(shard, out, lse, local, ref_out, ref_lse, ref_inputs, rows)
     return errors
 
 
