@@ -8,12 +8,30 @@ different packings still all raise the same error. Engines are shared per config
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from tests._dist import run_distributed
 from tests.reference import random_qkv
 from tests.test_packed import packing
+
+
+@contextlib.contextmanager
+def counting_calls(owner, name: str):
+    """Count the calls of ``owner.name`` inside the block (the count is ``[n]``, read after it)."""
+    original, count = getattr(owner, name), [0]
+
+    def counting(*args, **kwargs):
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    setattr(owner, name, counting)
+    try:
+        yield count
+    finally:
+        setattr(owner, name, original)
 
 
 def _same_results(rank, world):
@@ -57,21 +75,11 @@ def _parses(rank, world):
     q, k, v, _ = random_qkv(seq_len, 1, 4, 2, 8, seed=5)
     local = [shard_sequence(x, world, rank, "zigzag", 0, torch.tensor(cu), torch.tensor(padded)) for x in (q, k, v)]
     groups = build_hcp_groups([world])
-    calls = {"parse": 0}
-    original = masks._offsets
-
-    def counting(*args, **kwargs):
-        calls["parse"] += 1
-        return original(*args, **kwargs)
-
-    masks._offsets = counting
-    try:
+    with counting_calls(masks, "_offsets") as parses:
         layers = [engine_for(groups, comm="p2p", layout="zigzag") for _ in range(8)]  # 8 layers, one config
         for engine in layers:
             engine(*local, documents=documents)
-    finally:
-        masks._offsets = original
-    return calls["parse"], len({id(e) for e in layers})
+    return parses[0], len({id(e) for e in layers})
 
 
 def test_a_documents_value_is_parsed_once_and_engines_are_shared_by_layers():
@@ -158,20 +166,10 @@ def _agreed_once(rank, world):
     documents = agree_on_documents(documents_mask(cu, padded), groups)  # the step's one check
     q = torch.zeros(seq_len // world, 1, 4, 8, dtype=torch.float64)
     engine = ContextParallelAttention(groups, comm="p2p", check_ranks=False)
-    calls = {"all_reduce": 0}
-    original = dist.all_reduce
-
-    def counting(*args, **kwargs):
-        calls["all_reduce"] += 1
-        return original(*args, **kwargs)
-
-    dist.all_reduce = counting
-    try:
+    with counting_calls(dist, "all_reduce") as all_reduces:
         for _ in range(4):  # four layers
             engine(q, q, q, documents=documents)
-    finally:
-        dist.all_reduce = original
-    return calls["all_reduce"]
+    return all_reduces[0]
 
 
 def test_an_agreed_documents_value_costs_no_check_per_layer():
