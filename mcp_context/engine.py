@@ -70,9 +70,9 @@ def agree_on_documents(documents: Documents, groups: Union[HCPGroups, ProcessGro
     cp_group = groups.cp_group if isinstance(groups, HCPGroups) else (groups or dist.group.WORLD)
     if documents.agreed_in is cp_group or dist.get_world_size(cp_group) == 1:
         return documents
-    digest = documents.digest()
-    if not _all_equal(digest, cp_group, _check_device(cp_group)):
-        mine = torch.tensor([digest], dtype=torch.int64, device=_check_device(cp_group))
+    digest, device = documents.digest(), _check_device(cp_group)
+    if not _all_equal(digest, cp_group, device):
+        mine = torch.tensor([digest], dtype=torch.int64, device=device)
         every = mine.new_empty(dist.get_world_size(cp_group))
         dist.all_gather_into_tensor(every, mine, group=cp_group)
         differ = sorted({i for i, d in enumerate(every.tolist()) if d != every[0].item()})
