@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mcp_context.convert.__main__ import main
 from mcp_context.convert.converter import hf_to_mcore, mcore_to_hf
 
 SEQ, BATCH = 24, 2
@@ -157,3 +158,12 @@ def gather_vocab(logits: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, logits.contiguous(), group=group)
     return torch.cat(parts, dim=-1)
+
+
+def cli_error(capsys, *argv: str) -> str:
+    """Run the convert CLI; assert exit status 2 and exactly one ``error:`` line on stderr; return that line."""
+    status = main(list(argv))
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    return err

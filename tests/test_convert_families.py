@@ -20,7 +20,7 @@ from mcp_context.convert.model_config import HFModel, hf_config_from_model, hf_m
 
 pytest.register_assert_rewrite("tests.convert_fixtures")  # also loaded as a plugin below: rewrite it first
 from tests._dist import run_distributed
-from tests.convert_fixtures import (FAMILIES, LOGIT_ATOL, WINDOW, assert_same_tensors, build_hf_model,
+from tests.convert_fixtures import (cli_error, FAMILIES, LOGIT_ATOL, WINDOW, assert_same_tensors, build_hf_model,
                                     init_megatron, load_safetensors_dir, tokens)
 
 pytest.importorskip("transformers", reason="the HF side of conversion tests needs transformers")
@@ -161,14 +161,6 @@ def _case_family_logits(rank, world_size, mcore_dir, arch, token_ids):
     return out
 
 
-def _cli(capsys, *argv: str) -> str:
-    """Run the CLI; assert exit status 2 and exactly one ``error:`` line on stderr; return that line."""
-    status = main(list(argv))
-    err = capsys.readouterr().err
-    assert status == 2, err
-    assert err.startswith("error: ") and err.count("\n") == 1, err
-    return err
-
 
 def _write_hf(path, tensors: dict, config: dict) -> None:
     from safetensors.torch import save_file
@@ -202,11 +194,11 @@ def test_malformed_expert_checkpoints_are_refused_in_one_line(converted_families
         edit(tensors)
     config = {**json.loads((hf_dir / "config.json").read_text()), **overrides}
     _write_hf(tmp_path / "hf", tensors, config)
-    err = _cli(capsys, "hf-to-mcore", "--hf", str(tmp_path / "hf"), "--mcore", str(tmp_path / "out"), "--no-progress")
+    err = cli_error(capsys, "hf-to-mcore", "--hf", str(tmp_path / "hf"), "--mcore", str(tmp_path / "out"), "--no-progress")
     assert needle in err and ("experts=" in err or "tensor '" not in err), err
     if overrides:  # the same config against the good Megatron checkpoint: refused naming the expert tensor
         (tmp_path / "cfg.json").write_text(json.dumps(config))
-        err = _cli(capsys, "mcore-to-hf", "--mcore", str(mcore_dir), "--hf", str(tmp_path / "back"),
+        err = cli_error(capsys, "mcore-to-hf", "--mcore", str(mcore_dir), "--hf", str(tmp_path / "back"),
                    "--hf-config", str(tmp_path / "cfg.json"), "--no-progress")
         assert ("decoder.layers.mlp" in err and "global shape" in err) or "num_experts_per_tok" in err, err
     assert not (tmp_path / "out").exists() and not (tmp_path / "back").exists()
@@ -236,7 +228,7 @@ def test_malformed_family_configs_are_refused_naming_the_field(converted_familie
     hf_dir = converted_families[name][0]
     config = {**json.loads((hf_dir / "config.json").read_text()), **overrides}
     _write_hf(tmp_path / "hf", load_safetensors_dir(hf_dir), config)
-    err = _cli(capsys, "hf-to-mcore", "--hf", str(tmp_path / "hf"), "--mcore", str(tmp_path / "out"), "--no-progress")
+    err = cli_error(capsys, "hf-to-mcore", "--hf", str(tmp_path / "hf"), "--mcore", str(tmp_path / "out"), "--no-progress")
     assert needle in err, err
 
 
@@ -343,5 +335,5 @@ def test_deepseek_mtp_layers_are_dropped_with_a_notice_and_others_refused(conver
     mcore_to_hf(tmp_path / "mcore", tmp_path / "back", progress=False)
     assert_same_tensors(load_safetensors_dir(tmp_path / "back"), tensors)
     _write_hf(tmp_path / "hf3", {**tensors, **mtp, "model.layers.3.enorm.weight": torch.randn(64)}, config)
-    err = _cli(capsys, "hf-to-mcore", "--hf", str(tmp_path / "hf3"), "--mcore", str(tmp_path / "out"), "--no-progress")
+    err = cli_error(capsys, "hf-to-mcore", "--hf", str(tmp_path / "hf3"), "--mcore", str(tmp_path / "out"), "--no-progress")
     assert "has 1 tensor(s) a deepseek_v3 does not use, e.g. ['model.layers.3.enorm.weight']" in err, err

@@ -22,6 +22,7 @@ from mcp_context.convert.__main__ import main
 from mcp_context.convert.converter import hf_to_mcore
 from mcp_context.convert.hf_io import HFCheckpointReader
 from mcp_context.convert.random_checkpoint import write_random_hf_checkpoint
+from tests.convert_fixtures import cli_error
 
 pytest.importorskip("safetensors", reason="the converter reads safetensors through the safetensors library")
 
@@ -47,14 +48,6 @@ def _copy(src: Path, dst: Path) -> Path:
             (dst / file.relative_to(src)).write_bytes(file.read_bytes())
     return dst
 
-
-def _cli(capsys, *argv: str) -> str:
-    """Run the CLI; assert exit status 2 and exactly one ``error:`` line on stderr; return that line."""
-    status = main(list(argv))
-    err = capsys.readouterr().err
-    assert status == 2, err
-    assert err.startswith("error: ") and err.count("\n") == 1, err
-    return err
 
 
 def _split(path: Path) -> tuple[dict, bytes]:
@@ -136,7 +129,7 @@ def test_malformed_safetensors_are_refused_naming_the_file(tiny, tmp_path, capsy
     MALFORMED[damage](hf / "model.safetensors")
     with pytest.raises(ValueError, match="model.safetensors"):
         HFCheckpointReader(hf)
-    err = _cli(capsys, "hf-to-mcore", "--hf", str(hf), "--mcore", str(tmp_path / "out"), "--no-progress")
+    err = cli_error(capsys, "hf-to-mcore", "--hf", str(hf), "--mcore", str(tmp_path / "out"), "--no-progress")
     assert str(hf / "model.safetensors") in err
     assert not (tmp_path / "out").exists() and not (tmp_path / ".out.partial").exists()
 
@@ -210,7 +203,7 @@ def test_bad_index_is_refused_naming_the_entry(tiny, tmp_path, capsys, damage):
     edit, needle = INDEX_DAMAGE[damage]
     hf = _sharded(tiny[0], tmp_path / "hf")
     _set_index(hf, edit)
-    err = _cli(capsys, "hf-to-mcore", "--hf", str(hf), "--mcore", str(tmp_path / "out"), "--no-progress")
+    err = cli_error(capsys, "hf-to-mcore", "--hf", str(hf), "--mcore", str(tmp_path / "out"), "--no-progress")
     assert needle in err
     assert not (tmp_path / "out").exists()
 
@@ -236,36 +229,36 @@ def test_bad_config_json_is_refused_naming_the_field(tiny, tmp_path, capsys, cas
     text, needle = BAD_CONFIGS[case]
     hf = _copy(tiny[0], tmp_path / "hf")
     (hf / "config.json").write_bytes(text if isinstance(text, bytes) else text.encode())
-    err = _cli(capsys, "hf-to-mcore", "--hf", str(hf), "--mcore", str(tmp_path / "out"), "--no-progress")
+    err = cli_error(capsys, "hf-to-mcore", "--hf", str(hf), "--mcore", str(tmp_path / "out"), "--no-progress")
     assert needle in err
     (tmp_path / "cfg.json").write_bytes((hf / "config.json").read_bytes())  # the same file as --hf-config
-    err = _cli(capsys, "mcore-to-hf", "--mcore", str(tiny[1]), "--hf", str(tmp_path / "back"),
+    err = cli_error(capsys, "mcore-to-hf", "--mcore", str(tiny[1]), "--hf", str(tmp_path / "back"),
                "--hf-config", str(tmp_path / "cfg.json"), "--no-progress")
     assert needle in err
-    err = _cli(capsys, "make-random", "--config", str(tmp_path / "cfg.json"), "--out", str(tmp_path / "rnd"))
+    err = cli_error(capsys, "make-random", "--config", str(tmp_path / "cfg.json"), "--out", str(tmp_path / "rnd"))
     assert needle in err
     assert not any((tmp_path / d).exists() for d in ("out", "back", "rnd"))
 
 
 def test_missing_files_are_named(tiny, tmp_path, capsys):
     out = str(tmp_path / "out")
-    assert "config.json not found" in _cli(capsys, "hf-to-mcore", "--hf", str(tmp_path / "nowhere"), "--mcore", out)
+    assert "config.json not found" in cli_error(capsys, "hf-to-mcore", "--hf", str(tmp_path / "nowhere"), "--mcore", out)
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "config.json").write_text(json.dumps(TINY))
     assert "neither model.safetensors.index.json nor model.safetensors" in \
-        _cli(capsys, "hf-to-mcore", "--hf", str(tmp_path / "empty"), "--mcore", out)
-    assert "metadata.json not found" in _cli(capsys, "mcore-to-hf", "--mcore", str(tmp_path / "nowhere"), "--hf", out)
-    assert str(tmp_path / "no.json") in _cli(capsys, "mcore-to-hf", "--mcore", str(tiny[1]), "--hf", out,
+        cli_error(capsys, "hf-to-mcore", "--hf", str(tmp_path / "empty"), "--mcore", out)
+    assert "metadata.json not found" in cli_error(capsys, "mcore-to-hf", "--mcore", str(tmp_path / "nowhere"), "--hf", out)
+    assert str(tmp_path / "no.json") in cli_error(capsys, "mcore-to-hf", "--mcore", str(tiny[1]), "--hf", out,
                                              "--hf-config", str(tmp_path / "no.json"))
-    assert str(tmp_path / "no.json") in _cli(capsys, "make-random", "--config", str(tmp_path / "no.json"),
+    assert str(tmp_path / "no.json") in cli_error(capsys, "make-random", "--config", str(tmp_path / "no.json"),
                                              "--out", out)
     mcore = _copy(tiny[1], tmp_path / "mcore")
     (mcore / ".metadata").unlink()
-    assert ".metadata" in _cli(capsys, "mcore-to-hf", "--mcore", str(mcore), "--hf", out)
+    assert ".metadata" in cli_error(capsys, "mcore-to-hf", "--mcore", str(mcore), "--hf", out)
     mcore = _copy(tiny[1], tmp_path / "mcore2")
     next(mcore.glob("*.distcp")).unlink()
-    assert ".distcp" in _cli(capsys, "mcore-to-hf", "--mcore", str(mcore), "--hf", out, "--no-progress")
-    assert "already exists" in _cli(capsys, "hf-to-mcore", "--hf", str(tiny[0]), "--mcore", str(tiny[1]))
+    assert ".distcp" in cli_error(capsys, "mcore-to-hf", "--mcore", str(mcore), "--hf", out, "--no-progress")
+    assert "already exists" in cli_error(capsys, "hf-to-mcore", "--hf", str(tiny[0]), "--mcore", str(tiny[1]))
     assert not (tmp_path / "out").exists()
 
 
@@ -290,7 +283,7 @@ def test_damaged_megatron_checkpoint_is_refused_naming_the_file(tiny, tmp_path, 
     edit, needle = MCORE_DAMAGE[damage]
     mcore = _copy(tiny[1], tmp_path / "mcore")
     edit(mcore)
-    err = _cli(capsys, "mcore-to-hf", "--mcore", str(mcore), "--hf", str(tmp_path / "out"), "--no-progress")
+    err = cli_error(capsys, "mcore-to-hf", "--mcore", str(mcore), "--hf", str(tmp_path / "out"), "--no-progress")
     assert needle in err
     assert not (tmp_path / "out").exists() and not (tmp_path / ".out.partial").exists()
 
@@ -311,7 +304,7 @@ BAD_ARGS = {
 @pytest.mark.parametrize("case", list(BAD_ARGS))
 def test_bad_arguments_are_one_line_and_exit_2(capsys, case):
     argv, needle = BAD_ARGS[case]
-    assert needle in _cli(capsys, *argv)
+    assert needle in cli_error(capsys, *argv)
 
 
 def test_a_valid_file_with_a_dtype_the_converter_does_not_handle_is_refused_naming_the_tensor(tmp_path, capsys):
@@ -321,5 +314,5 @@ def test_a_valid_file_with_a_dtype_the_converter_does_not_handle_is_refused_nami
     save_file({"model.embed_tokens.weight": torch.zeros(32, 16, dtype=torch.uint16)},
               str(tmp_path / "hf" / "model.safetensors"))
     (tmp_path / "hf" / "config.json").write_text(json.dumps(TINY))
-    err = _cli(capsys, "hf-to-mcore", "--hf", str(tmp_path / "hf"), "--mcore", str(tmp_path / "out"))
+    err = cli_error(capsys, "hf-to-mcore", "--hf", str(tmp_path / "hf"), "--mcore", str(tmp_path / "out"))
     assert "'model.embed_tokens.weight'" in err and "'U16'" in err
