@@ -29,6 +29,12 @@ from .masks import (BLOCK_MASK_KINDS, CAUSAL, CAUSAL_BLOCK, FULL, FULL_BLOCK, Bl
 
 ALL_BLOCK_MASKS = frozenset(BLOCK_MASK_KINDS)
 
+RUN_ROWS = 2048
+"""Most query rows in one task of a diagonal run (unless one square is larger). A fused op runs a
+task as one call whose copies (the flipped rows of an anticausal run, the call's output and
+gradients) grow with its rows: 2048 keeps a window's peak memory at that of the square-by-square
+cut (the planner's dry run at 128K over P = 8) while a narrow window still costs a few calls per step."""
+
 
 @dataclass(frozen=True)
 class BlockTask:
@@ -146,18 +152,24 @@ def _band_runs(q0: int, n: int, k0: int, m: int, lo: int, hi: int, native: froze
     ``g = hi - lo`` rows (the band's width less one; 1 for a one-key band), see exactly: an
     anticausal ``g x g`` square per group (keys from ``a + lo``, the band's lower edge) and a causal
     ``g x g`` square per group (keys from ``a + hi``, its upper edge). Consecutive groups' squares are
-    consecutive in rows and in keys, so each family is one task, ``BlockMask(..., diagonal=groups)``,
-    that a fused op runs as one batched call: two tasks for the band instead of about ``4 n / w``.
+    consecutive in rows and in keys, so each family is one task per ``RUN_ROWS`` rows,
+    ``BlockMask(..., diagonal=groups)``, that a fused op runs as one batched call: about
+    ``2 n / RUN_ROWS`` tasks for the band instead of about ``4 n / w``.
     The few rows above and below (where the band leaves the rectangle) are cut as before."""
     g = max(hi - lo, 1)
     a0, a1 = max(0, -lo), min(n, m - hi)  # rows whose whole band is inside the rectangle
     groups = (a1 - a0) // g
     if groups < 2:
         return None
-    rows, end = (q0 + a0, q0 + a0 + groups * g), a0 + groups * g
-    runs = [BlockTask(rows, (k0 + a0 + hi, k0 + a0 + hi + groups * g), BlockMask(None, 0, groups))]
-    if hi > lo:  # a one-key band has no lower-edge part
-        runs.insert(0, BlockTask(rows, (k0 + a0 + lo, k0 + a0 + lo + groups * g), BlockMask(0, None, groups)))
+    end, per_task = a0 + groups * g, max(1, RUN_ROWS // g)
+    runs = []
+    for first in range(0, groups, per_task):  # a run's tasks: RUN_ROWS rows at most (or one group)
+        n_groups = min(per_task, groups - first)
+        a, rows = a0 + first * g, n_groups * g
+        q = (q0 + a, q0 + a + rows)
+        if hi > lo:  # a one-key band has no lower-edge part
+            runs.append(BlockTask(q, (k0 + a + lo, k0 + a + lo + rows), BlockMask(0, None, n_groups)))
+        runs.append(BlockTask(q, (k0 + a + hi, k0 + a + hi + rows), BlockMask(None, 0, n_groups)))
     return (_pieces(q0, q0 + a0, k0, k0 + m, lo, hi, native) + runs
             + _pieces(q0 + end, q0 + n, k0, k0 + m, lo + end, hi + end, native))
 

@@ -404,3 +404,31 @@ def test_cli_refuses_a_shape_whose_dry_run_tensors_overflow_in_one_line(capsys):
                         "--kv-heads", "65536", "--hidden", "65536"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "above 2**62 bytes (torch sizes storage in int64); lower --seq-len" in err, err
+
+
+MISTRAL_128K = ["--layers", "32", "--hidden", "4096", "--heads", "32", "--kv-heads", "8", "--ffn-hidden", "14336",
+                "--vocab", "32000", "--seq-len", "131072", "--gpus", "8", "--tp", "1", "--cp-sizes", "8"]
+
+
+DOCUMENTED_ROWS = [("p2p", (8,), "zigzag"), ("p2p", (8,), "contiguous"), ("a2a", (8,), "zigzag"),
+                   ("a2a+p2p", (2, 4), "zigzag"), ("a2a+all_gather", (2, 4), "contiguous"),
+                   ("all_gather", (8,), "zigzag")]
+
+
+@pytest.mark.parametrize("name,window", [("plan_mistral7b_128k_8gpu_window4096", "4095,0"),
+                                         ("plan_mistral7b_128k_8gpu_causal", "-1,-1")])
+def test_the_documented_plans_rows_are_what_the_engine_gives_now(name, window):
+    """``docs/img``'s plan JSONs are the planner's output for the commands in docs/performance.md:
+    rows re-evaluated now (every scheme, every CP rank dry-run) equal the shipped ones field for
+    field (bytes, balance, predicted times, saved and peak memory). An engine change that moves a
+    figure (a view that outlives its step, a copy in a kernel) fails here until the JSON is
+    regenerated on purpose."""
+    from mcp_context.plan.__main__ import _parser, _request
+    from mcp_context.plan.report import row_dict
+
+    req = _request(_parser().parse_args(MISTRAL_128K + [f"--window-size={window}"]))
+    shipped = json.loads((REPO / "docs" / "img" / f"{name}.json").read_text())["candidates"]
+    rows = {(r["cp_comm_type"], tuple(r["hierarchical_context_parallel_sizes"]), r["layout"]): r for r in shipped}
+    for comm, sizes, layout in DOCUMENTED_ROWS:  # not striped: its schedule costs ~10 s per row here
+        cand = Candidate(8, sizes, comm, layout)
+        assert row_dict(evaluate(req, cand)) == rows[comm, sizes, layout], cand.label()

@@ -20,7 +20,7 @@ from ..kernels import Dropout, Kernel, accum_dtype, finite_lse_for_backward
 from ..merge import add_sink_, merge_, sink_grad
 from ..schedule import BlockTask
 from .. import trace
-from .rotation import Rotation
+from .rotation import Rotation, split_kv
 
 
 def first_writes(tasks: Sequence[Sequence[BlockTask]]) -> tuple[tuple[bool, ...], ...]:
@@ -107,6 +107,15 @@ def _accumulator(like: torch.Tensor, shape: tuple, dtype: torch.dtype, fill: flo
     return like.new_empty(shape, dtype=dtype) if covered else like.new_full(shape, fill, dtype=dtype)
 
 
+def _add_dkv_(dkv: torch.Tensor, span: tuple[int, int], gk: torch.Tensor, gv: torch.Tensor) -> None:
+    """Add a block's dK and dV into rows ``span`` of a step's ``[b, h_kv, n, dqk + dv]`` accumulator.
+
+    A function, so no view of the accumulator outlives the step: the rotation frees or sends it on."""
+    dk, dv = split_kv(_rows(dkv, span), gk.shape[-1])
+    dk.add_(gk)
+    dv.add_(gv)
+
+
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan,
                  sink: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``q [sq, b, h, dqk]``, ``k [sk, b, h_kv, dqk]``, ``v [sk, b, h_kv, dv]`` -> ``out [sq, b, h, dv]``
@@ -145,7 +154,6 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     acc = accum_dtype(q.dtype)
     dq = _accumulator(qb, tuple(qb.shape), acc, 0.0, plan.covered)
     kb_all, vb_all = _bhsd(k), _bhsd(v)
-    dqk = kb_all.shape[-1]
     grads = plan.rotation.gradients(kb_all, vb_all, acc)
     for step, kb, vb in plan.rotation.blocks(kb_all, vb_all):
         t0 = trace.now()
@@ -158,9 +166,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                 _copy_(_rows(dq, t.q), gq)
             else:
                 _rows(dq, t.q).add_(gq)
-            dkv_rows = _rows(dkv, t.kv)
-            dkv_rows.narrow(-1, 0, dqk).add_(gk)
-            dkv_rows.narrow(-1, dqk, dkv.shape[-1] - dqk).add_(gv)
+            _add_dkv_(dkv, t.kv, gk, gv)
         trace.record("backward_compute", step, t0)
         grads.done(step, dkv)
     dk, dv = grads.result()

@@ -16,7 +16,8 @@ Each op computes ``full`` blocks and ``causal`` squares; an ``anticausal`` squar
 lower edge of a sliding window) is a causal square of the blocks with their rows reversed, so it runs
 on the same op with the rows flipped (copies of O(s·d), against O(s^2·d) compute). A mask with
 ``diagonal = g > 1`` (a narrow window's squares, ``masks.BlockMask``) runs as one call with the ``g``
-squares folded into the batch dimension (a copy of O(s·d)).
+squares folded into the batch dimension (a view for one sequence, else a copy of O(s·d)); an anticausal
+run is flipped once, whole (a run of anticausal squares reversed is a run of causal ones).
 
 Every op reads ``[b, h, s, d]`` views of the executor's ``[s, b, h, d]`` storage (a permute, no
 copy); only a last dimension that is not contiguous is copied (the CPU op silently misreads it).
@@ -69,15 +70,17 @@ def _repeat_kv(x: torch.Tensor, h: int) -> torch.Tensor:
 
 
 def _fold(x: torch.Tensor, g: int) -> torch.Tensor:
-    """``[b, h, g*s, ...] -> [g*b, h, s, ...]``: ``g`` equal row ranges as batch entries."""
-    x = x.unflatten(2, (g, x.shape[2] // g)).movedim(2, 0)
-    return x.clone(memory_format=torch.contiguous_format).flatten(0, 1)
+    """``[b, h, g*s, ...] -> [g*b, h, s, ...]``: ``g`` equal row ranges as batch entries.
+
+    A view of ``x`` when ``b == 1`` (an sbhd or bshd shard folds into bshd-packed batch entries);
+    copied otherwise."""
+    return x.unflatten(2, (g, x.shape[2] // g)).movedim(2, 0).flatten(0, 1)
 
 
 def _unfold(x: torch.Tensor, g: int) -> torch.Tensor:
-    """The inverse of ``_fold``: ``[g*b, h, s, ...] -> [b, h, g*s, ...]``."""
-    x = x.unflatten(0, (g, x.shape[0] // g)).movedim(0, 2)
-    return x.clone(memory_format=torch.contiguous_format).flatten(2, 3)
+    """The inverse of ``_fold``: ``[g*b, h, s, ...] -> [b, h, g*s, ...]`` (a view of a bshd-packed
+    ``out`` when ``b == 1``; copied otherwise)."""
+    return x.unflatten(0, (g, x.shape[0] // g)).movedim(0, 2).flatten(2, 3)
 
 
 def _sum_kv_groups(dx: torch.Tensor, h_kv: int) -> torch.Tensor:
@@ -184,12 +187,13 @@ class TorchKernel:
         if dropout is not None:
             raise ValueError(f"{self.name} cannot replay a per-block dropout mask; use the math kernel")
         g = block_mask(mask).diagonal
-        if g > 1:  # g equal squares along the diagonal: one call with the squares as batch entries
-            out, lse = self.forward(*(_fold(x, g) for x in (q, k, v)), replace(block_mask(mask), diagonal=1), scale)
-            return _unfold(out, g), _unfold(lse, g)
-        if block_mask(mask).kind == "anticausal":  # key b >= a: causal on the rows reversed
-            out, lse = self.forward(q.flip(2), k.flip(2), v.flip(2), CAUSAL_BLOCK, scale)
+        if block_mask(mask).kind == "anticausal":  # key b >= a: causal on the rows reversed (a run of
+            # anticausal squares reversed is a run of causal squares, in reverse order: one flip each way)
+            out, lse = self.forward(q.flip(2), k.flip(2), v.flip(2), replace(CAUSAL_BLOCK, diagonal=g), scale)
             return out.flip(2), lse.flip(-1)
+        if g > 1:  # g equal squares along the diagonal: one call with the squares as batch entries
+            out, lse = self.forward(*(_fold(x, g) for x in (q, k, v)), CAUSAL_BLOCK, scale)
+            return _unfold(out, g), _unfold(lse, g)
         causal = self._causal(mask, q, k)
         h = q.shape[1]
         if not self.capabilities.native_gqa:
@@ -200,13 +204,13 @@ class TorchKernel:
         if dropout is not None:
             raise ValueError(f"{self.name} cannot replay a per-block dropout mask; use the math kernel")
         g = block_mask(mask).diagonal
-        if g > 1:
-            grads = self.backward(*(_fold(x, g) for x in (dout, q, k, v, out, lse)),
-                                  replace(block_mask(mask), diagonal=1), scale)
-            return tuple(_unfold(x, g) for x in grads)
         if block_mask(mask).kind == "anticausal":
-            grads = self.backward(*(x.flip(2) for x in (dout, q, k, v, out)), lse.flip(-1), CAUSAL_BLOCK, scale)
-            return tuple(g.flip(2) for g in grads)
+            grads = self.backward(*(x.flip(2) for x in (dout, q, k, v, out)), lse.flip(-1),
+                                  replace(CAUSAL_BLOCK, diagonal=g), scale)
+            return tuple(x.flip(2) for x in grads)
+        if g > 1:
+            grads = self.backward(*(_fold(x, g) for x in (dout, q, k, v, out, lse)), CAUSAL_BLOCK, scale)
+            return tuple(_unfold(x, g) for x in grads)
         causal = self._causal(mask, q, k)
         h, h_kv = q.shape[1], k.shape[1]
         if not self.capabilities.native_gqa:
