@@ -185,26 +185,30 @@ def _is_one_causal_block(q_spans: Sequence[Span], kv_spans: Sequence[Span]) -> b
 
 
 def _fuse_full_tasks(tasks: list[BlockTask]) -> list[BlockTask]:
-    """Fuse full tasks that share a query range and abut in keys (or the reverse): fewer, larger calls."""
-    changed = True
-    while changed:
-        changed = False
+    """Fuse full tasks that share a query range and abut in keys (or the reverse): fewer, larger calls.
+
+    Pairs fuse one at a time, always the first task (in list order) that has a partner with the
+    first such partner, the fused task going last; partners are looked up by their ranges, so a
+    step of ``n`` tasks costs O(n) per fusion, not O(n^2)."""
+    while True:
+        starts_at: dict[tuple, int] = {}  # (q, kv start) / (kv, q start) of each full task -> first index
+        for j, b in enumerate(tasks):
+            if b.mask == FULL_BLOCK:
+                starts_at.setdefault(("kv", b.q, b.kv[0]), j)
+                starts_at.setdefault(("q", b.kv, b.q[0]), j)
         for i, a in enumerate(tasks):
-            for j, b in enumerate(tasks):
-                if i == j or a.mask != FULL_BLOCK or b.mask != FULL_BLOCK:
-                    continue
-                if a.q == b.q and a.kv[1] == b.kv[0]:
-                    fused = BlockTask(a.q, (a.kv[0], b.kv[1]))
-                elif a.kv == b.kv and a.q[1] == b.q[0]:
-                    fused = BlockTask((a.q[0], b.q[1]), a.kv)
-                else:
-                    continue
+            if a.mask != FULL_BLOCK:
+                continue
+            partners = [j for j in (starts_at.get(("kv", a.q, a.kv[1])), starts_at.get(("q", a.kv, a.q[1])))
+                        if j is not None and j != i]
+            if partners:
+                j = min(partners)
+                b = tasks[j]
+                fused = (BlockTask(a.q, (a.kv[0], b.kv[1])) if a.q == b.q else BlockTask((a.q[0], b.q[1]), a.kv))
                 tasks = [t for k, t in enumerate(tasks) if k not in (i, j)] + [fused]
-                changed = True
                 break
-            if changed:
-                break
-    return sorted(tasks, key=lambda t: (t.q, t.kv))
+        else:
+            return sorted(tasks, key=lambda t: (t.q, t.kv))
 
 
 def step_tasks(q_spans: Sequence[Span], kv_spans: Sequence[Span], mask: Mask,

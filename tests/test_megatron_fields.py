@@ -39,6 +39,10 @@ CASES = {case.name: dataclasses.replace(case, comms=case.comms if case.name == "
     ParityCase("rope-interleaved", (("rotary_interleaved", True),)),
     ParityCase("recompute-core-attn", (("recompute_granularity", "selective"), ("recompute_modules", ["core_attn"]))),
     ParityCase("backend-unfused", (("attention_backend", AttnBackend.unfused),)),
+    # megatron-core's local experts in every layer, top-2 of 4 with a softmax router (no aux loss, no
+    # capacity: a token's route does not depend on the others); megatron_patches runs the router without TE
+    ParityCase("moe", (("num_moe_experts", 4), ("moe_router_topk", 2), ("moe_layer_freq", 1)),
+               (("num_experts", 4),)),
 ]}
 GPT_TESTS = "tests/test_megatron_gpt.py"
 HONOURED = {
@@ -64,10 +68,10 @@ HONOURED = {
     # the learnable softmax_offset is made from these as megatron-core makes it
     **{f: f"{GPT_TESTS}::test_softmax_offset_is_made_like_megatron_cores" for f in (
         "params_dtype", "init_method", "perform_initialization", "use_cpu_initialization")},
-    # a layer spec builds one MLP kind in every layer: the getter's argument, refused by a spec that differs
-    # (megatron-core 0.16.1's MoE router does not run without TE: te_general_gemm is undefined, so no MoE parity)
-    **{f: "tests/test_megatron_specs.py::test_fixed_specs_refuse_configs_they_do_not_build" for f in (
-        "num_moe_experts", "moe_grouped_gemm", "moe_layer_freq")},
+    # a layer spec builds one MLP kind in every layer: the getter's argument (a spec that differs refuses,
+    # tests/test_megatron_specs.py::test_fixed_specs_refuse_configs_they_do_not_build)
+    "num_moe_experts": "moe", "moe_layer_freq": "moe",
+    "moe_grouped_gemm": "tests/test_megatron_specs.py::test_fixed_specs_refuse_configs_they_do_not_build",
 }
 
 # ---- refused: (value, extra config, the message) ----
