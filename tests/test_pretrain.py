@@ -255,7 +255,7 @@ def test_sigkill_mid_run_then_resume_repeats_the_uninterrupted_losses(data_dir, 
     from mcp_context.pretrain.checkpoint import latest_checkpoint
     from mcp_context.pretrain.metrics import read_metrics
 
-    steps = 40
+    steps = 12  # killed at its first checkpoint (step 2 here), far from the end
     overrides = COMMON[:1] + CP2 + [f"train.steps={steps}", f"train.lr_decay_iters={steps}", "train.world_size=2",
                                     "checkpoint.save_interval=2", f"data.cache_dir={data_dir}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
