@@ -15,7 +15,8 @@ its ``destroy_model_parallel`` drops them without destroying them) is destroyed 
 each gloo group keeps native threads, and hundreds of cases would otherwise pile up thousands. Groups
 made with ``use_local_synchronization`` are kept: torch names them after their ranks, so a destroyed
 one's rendezvous keys would be found by its successor; a pool whose workers have gathered more than
-``MAX_WORKER_THREADS`` native threads is replaced after its case.
+``MAX_WORKER_THREADS`` native threads is replaced after its case. The grids take their hierarchies
+from ``hcp_groups``, built once per worker and kept.
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any
 
     def recording_new_group(*args, **kwargs):
         group = new_group(*args, **kwargs)
-        if not kwargs.get("use_local_synchronization"):  # those are named by their ranks: keep them
+        if not kwargs.get("use_local_synchronization") and not _KEEPING:  # those are named by their ranks
             created.append(group)
         return group
 
@@ -79,6 +80,26 @@ def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any
         created.clear()
         results.put((rank, ok, payload, _native_threads()))
     dist.destroy_process_group()
+
+
+_KEPT: dict[tuple, Any] = {}  # in a worker: the hierarchies hcp_groups built, kept for the pool's life
+_KEEPING: list = []  # non-empty while hcp_groups builds: its groups are not destroyed after the case
+
+
+def hcp_groups(sizes) -> Any:
+    """``build_hcp_groups(sizes)`` over the world, built once per pool worker and kept, as a training
+    job builds its groups once: every case runs on every rank in the same order, so the ranks ask for
+    the same hierarchies in the same order. Cases that test group building call ``build_hcp_groups``."""
+    key = tuple(sizes)
+    if key not in _KEPT:
+        from mcp_context import build_hcp_groups
+
+        _KEEPING.append(key)
+        try:
+            _KEPT[key] = build_hcp_groups(list(sizes))
+        finally:
+            _KEEPING.clear()
+    return _KEPT[key]
 
 
 def _native_threads() -> int:

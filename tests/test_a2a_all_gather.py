@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from tests._dist import run_distributed
+from tests._dist import hcp_groups, run_distributed
 from tests.reference import TOL, document_ids, full_attention, in_both_dtypes, random_qkv, shard_errors
 from tests.test_packed import packing
 
@@ -34,7 +34,7 @@ def _cases():
 
 
 def _compare(rank, world, sizes, layout, m, kv_heads, dtype):
-    from mcp_context import build_hcp_groups, context_parallel_attention, shard_sequence
+    from mcp_context import context_parallel_attention, shard_sequence
 
     causal, window = MASKS[m]
     packed = layout.startswith("packed-")
@@ -55,7 +55,7 @@ def _compare(rank, world, sizes, layout, m, kv_heads, dtype):
         return shard_sequence(x, world, rank, layout, 0, docs.get("cu_seqlens"), docs.get("cu_seqlens_padded"))
 
     local = [shard(x).to(dtype).requires_grad_() for x in (q, k, v)]
-    out, lse = context_parallel_attention(*local, build_hcp_groups(sizes), causal=causal, layout=layout,
+    out, lse = context_parallel_attention(*local, hcp_groups(sizes), causal=causal, layout=layout,
                                           comm="a2a+all_gather", return_lse=True, window_size=window, **docs)
     out.backward(shard(dout).to(dtype))
     rows = shard(ids) >= 0 if packed else torch.ones(out.shape[:3], dtype=torch.bool)
@@ -82,9 +82,9 @@ N, B, H, D = 8, 2, 8, 4
 
 
 def _count(rank, world, sizes, h_kv):
-    from mcp_context import build_hcp_groups, comm_stats, context_parallel_attention
+    from mcp_context import comm_stats, context_parallel_attention
 
-    groups = build_hcp_groups(sizes)
+    groups = hcp_groups(sizes)
     q, k, v = (torch.randn(N, B, h, D, dtype=torch.float64, requires_grad=True) for h in (H, h_kv, h_kv))
     comm_stats.reset()
     context_parallel_attention(q, k, v, groups, comm="a2a+all_gather", layout="zigzag").sum().backward()

@@ -12,7 +12,7 @@ import torch
 
 from mcp_context.kernels import Dropout, get_kernel
 from mcp_context.masks import CAUSAL_BLOCK
-from tests._dist import run_distributed
+from tests._dist import hcp_groups, run_distributed
 from tests.reference import random_qkv
 
 
@@ -44,9 +44,9 @@ def test_fused_backend_refuses_dropout():
 
 
 def _directional(rank, world, sizes, comm):
-    from mcp_context import build_hcp_groups, context_parallel_attention, shard_sequence
+    from mcp_context import context_parallel_attention, shard_sequence
 
-    groups = build_hcp_groups(sizes)
+    groups = hcp_groups(sizes)
     q, k, v, dout = random_qkv(8 * world, 2, 4, 2, 8, seed=3)
     gen = torch.Generator().manual_seed(11)
     direction = [torch.randn(x.shape, generator=gen, dtype=torch.float64) for x in (q, k, v)]

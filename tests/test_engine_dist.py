@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from tests._dist import run_distributed
+from tests._dist import hcp_groups, run_distributed
 from tests.reference import assert_within_tolerance, full_attention, in_both_dtypes, random_qkv
 
 HIERARCHIES = {2: [[2]], 4: [[4], [2, 2]], 8: [[8], [2, 4], [4, 2], [2, 2, 2]]}
@@ -37,7 +37,7 @@ def _cases():
 
 
 def _compare(rank, world, sizes, comm, layout, causal, kv_heads, backend, dtype):
-    from mcp_context import build_hcp_groups, context_parallel_attention, shard_sequence
+    from mcp_context import context_parallel_attention, shard_sequence
 
     seq_len, batch, heads, head_dim = 12 * world, 2, 8, 8
     scale = 1 / math.sqrt(head_dim)
@@ -50,7 +50,7 @@ def _compare(rank, world, sizes, comm, layout, causal, kv_heads, backend, dtype)
         return shard_sequence(x, world, rank, layout, dim=0)
 
     local = [shard(x).to(dtype).requires_grad_() for x in (q, k, v)]
-    out, lse = context_parallel_attention(*local, build_hcp_groups(sizes), causal=causal, layout=layout, comm=comm,
+    out, lse = context_parallel_attention(*local, hcp_groups(sizes), causal=causal, layout=layout, comm=comm,
                                           backend=backend, return_lse=True)
     out.backward(shard(dout).to(dtype))
     assert out.dtype == dtype and local[0].grad.dtype == dtype

@@ -23,7 +23,7 @@ import torch
 from mcp_context.layouts import layout_spans, shard_index, shard_positions, shard_sequence, unshard_sequence
 from mcp_context.masks import CAUSAL, FULL, Documents, SlidingWindow, documents_mask
 from mcp_context.schedule import layout_schedule, load_balance
-from tests._dist import run_distributed
+from tests._dist import hcp_groups, run_distributed
 from tests.reference import assert_within_tolerance, document_ids, full_attention, in_both_dtypes, random_qkv
 
 CPU_FUSED = frozenset({"full", "causal", "anticausal"})
@@ -65,7 +65,7 @@ def _cases():
 
 
 def _compare(rank, world, sizes, comm, layout, w, kv_heads, backend, dtype):
-    from mcp_context import build_hcp_groups, context_parallel_attention
+    from mcp_context import context_parallel_attention
 
     cu, padded, seq_len = packing(world, layout)
     causal, window = WITHIN[w]
@@ -82,7 +82,7 @@ def _compare(rank, world, sizes, comm, layout, w, kv_heads, backend, dtype):
         return shard_sequence(x, world, rank, layout, 0, cu_t, padded_t)
 
     local = [shard(x).to(dtype).requires_grad_() for x in (q, k, v)]
-    out, lse = context_parallel_attention(*local, build_hcp_groups(sizes), causal=causal, layout=layout, comm=comm,
+    out, lse = context_parallel_attention(*local, hcp_groups(sizes), causal=causal, layout=layout, comm=comm,
                                           backend=backend, return_lse=True, window_size=window, cu_seqlens=cu_t,
                                           cu_seqlens_padded=padded_t)
     out.backward(shard(dout).to(dtype))

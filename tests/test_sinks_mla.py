@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from tests._dist import run_distributed
+from tests._dist import hcp_groups, run_distributed
 from tests.reference import TOL, document_ids, full_attention, in_both_dtypes, random_qkv, shard_errors
 from tests.test_packed import packing
 
@@ -44,7 +44,7 @@ def _cases(mla: bool):
 
 
 def _compare(rank, world, sizes, comm, layout, window, kv_heads, backend, sink, mla, dtype):
-    from mcp_context import build_hcp_groups, context_parallel_attention, shard_sequence
+    from mcp_context import context_parallel_attention, shard_sequence
 
     causal = window is None or window[1] == 0
     dqk, dv = MLA_DIMS if mla else (HEAD_DIM, HEAD_DIM)
@@ -71,7 +71,7 @@ def _compare(rank, world, sizes, comm, layout, window, kv_heads, backend, sink, 
 
     local = [shard(x).to(dtype).requires_grad_() for x in (q, k, v)]
     local_sink = offset.to(dtype).requires_grad_() if sink else None
-    out, lse = context_parallel_attention(*local, build_hcp_groups(sizes), causal=causal, layout=layout, comm=comm,
+    out, lse = context_parallel_attention(*local, hcp_groups(sizes), causal=causal, layout=layout, comm=comm,
                                           backend=backend, return_lse=True, window_size=window,
                                           softmax_offset=local_sink, **docs)
     out.backward(shard(dout).to(dtype))
@@ -167,7 +167,7 @@ def _gpt_oss_case(rank, world, sizes, comm, dtype=torch.float64):
     from transformers.masking_utils import create_sliding_window_causal_mask
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention, GptOssRotaryEmbedding, apply_rotary_pos_emb
 
-    from mcp_context import build_hcp_groups, context_parallel_attention, shard_sequence
+    from mcp_context import context_parallel_attention, shard_sequence
 
     seq_len, window = 16 * world, 11
     config = GptOssConfig(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
@@ -197,14 +197,14 @@ def _gpt_oss_case(rank, world, sizes, comm, dtype=torch.float64):
         return shard_sequence(t.permute(2, 0, 1, 3), world, rank, "zigzag", dim=0)
 
     # Megatron/TE's window (left, 0) with left = sliding_window - 1: HF's window counts the query itself.
-    out = context_parallel_attention(shard(q), shard(k), shard(v), build_hcp_groups(sizes), causal=True,
+    out = context_parallel_attention(shard(q), shard(k), shard(v), hcp_groups(sizes), causal=True,
                                      comm=comm, window_size=(window - 1, 0), softmax_offset=attn.sinks)
     out = attn.o_proj(out.reshape(out.shape[0], 1, -1))  # [s_local, 1, hidden]
     ref_local = shard_sequence(ref.transpose(0, 1), world, rank, "zigzag", dim=0)
     dx, dsink = torch.autograd.grad(out, (x, attn.sinks), shard_sequence(dout.transpose(0, 1), world, rank,
                                                                          "zigzag", dim=0))
     for g in (dx, dsink):
-        dist.all_reduce(g, group=build_hcp_groups(sizes).cp_group)
+        dist.all_reduce(g, group=hcp_groups(sizes).cp_group)
     return {"out": (out - ref_local).abs().max().item(), "dx": (dx - ref_dx).abs().max().item(),
             "dsink": (dsink - ref_dsink).abs().max().item(), "sink_grad": ref_dsink.abs().max().item()}
 

@@ -21,7 +21,7 @@ from mcp_context.kernels.math import MathKernel
 from mcp_context.layouts import spans_positions
 from mcp_context.masks import ANTICAUSAL_BLOCK, CAUSAL, CAUSAL_BLOCK, FULL, BlockMask, SlidingWindow, attention_mask
 from mcp_context.schedule import layout_schedule
-from tests._dist import run_distributed
+from tests._dist import hcp_groups, run_distributed
 from tests.reference import assert_within_tolerance, full_attention, in_both_dtypes, random_qkv
 
 FUSED_MASKS = frozenset({"full", "causal", "anticausal"})
@@ -64,7 +64,7 @@ def _cases():
 
 
 def _compare(rank, world, sizes, comm, layout, w, kv_heads, backend, dtype):
-    from mcp_context import build_hcp_groups, context_parallel_attention, shard_sequence
+    from mcp_context import context_parallel_attention, shard_sequence
 
     seq_len, batch, heads, head_dim = 12 * world, 2, 8, 8
     _, causal, window = _windows(seq_len, world)[w]
@@ -78,7 +78,7 @@ def _compare(rank, world, sizes, comm, layout, w, kv_heads, backend, dtype):
         return shard_sequence(x, world, rank, layout, dim=0)
 
     local = [shard(x).to(dtype).requires_grad_() for x in (q, k, v)]
-    out, lse = context_parallel_attention(*local, build_hcp_groups(sizes), causal=causal, layout=layout, comm=comm,
+    out, lse = context_parallel_attention(*local, hcp_groups(sizes), causal=causal, layout=layout, comm=comm,
                                           backend=backend, return_lse=True, window_size=window)
     out.backward(shard(dout).to(dtype))
     pairs = {"out": (out, ref_out), "lse": (lse, ref_lse), "dq": (local[0].grad, ref_inputs[0].grad),
