@@ -24,7 +24,8 @@ from mcp_context.layouts import layout_spans, shard_index, shard_positions, shar
 from mcp_context.masks import CAUSAL, FULL, Documents, SlidingWindow, documents_mask
 from mcp_context.schedule import layout_schedule, load_balance
 from tests._dist import hcp_groups, run_distributed
-from tests.reference import assert_within_tolerance, document_ids, full_attention, in_both_dtypes, random_qkv
+from tests.reference import (assert_within_tolerance, document_ids, full_attention, in_both_dtypes, random_qkv,
+                             shard_errors)
 
 CPU_FUSED = frozenset({"full", "causal", "anticausal"})
 HIERARCHIES = [(2, [2]), (4, [4]), (4, [2, 2]), (8, [2, 2, 2])]
@@ -87,10 +88,7 @@ def _compare(rank, world, sizes, comm, layout, w, kv_heads, backend, dtype):
                                           cu_seqlens_padded=padded_t)
     out.backward(shard(dout).to(dtype))
     pad = shard(ids) < 0
-    errors = {name: (a.double() - shard(b.detach())).abs().max().item() for name, (a, b) in {
-        "out": (out, ref_out), "dq": (local[0].grad, ref_inputs[0].grad), "dk": (local[1].grad, ref_inputs[1].grad),
-        "dv": (local[2].grad, ref_inputs[2].grad)}.items()}
-    errors["lse"] = (lse[~pad].double() - shard(ref_lse)[~pad]).abs().max().item()
+    errors = shard_errors(shard, out, lse, local, ref_out, ref_lse, ref_inputs, ~pad)
     padding = {"rows": int(pad.sum()), "out": out[pad].abs().sum().item(),  # sums of |x|: 0 iff all are 0
                "lse_inf": bool(torch.isneginf(lse[pad]).all()),
                "grads": sum(x.grad[pad].abs().sum().item() for x in local)}
