@@ -60,7 +60,7 @@ def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any
 
     def recording_new_group(*args, **kwargs):
         group = new_group(*args, **kwargs)
-        if not kwargs.get("use_local_synchronization") and not _KEEPING:  # those are named by their ranks
+        if not kwargs.get("use_local_synchronization") and not _keeping:  # those are named by their ranks
             created.append(group)
         return group
 
@@ -83,22 +83,23 @@ def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any
 
 
 _KEPT: dict[tuple, Any] = {}  # in a worker: the hierarchies hcp_groups built, kept for the pool's life
-_KEEPING: list = []  # non-empty while hcp_groups builds: its groups are not destroyed after the case
+_keeping = False  # True while hcp_groups builds: its groups are not destroyed after the case
 
 
 def hcp_groups(sizes) -> Any:
     """``build_hcp_groups(sizes)`` over the world, built once per pool worker and kept, as a training
     job builds its groups once: every case runs on every rank in the same order, so the ranks ask for
     the same hierarchies in the same order. Cases that test group building call ``build_hcp_groups``."""
+    global _keeping
     key = tuple(sizes)
     if key not in _KEPT:
         from mcp_context import build_hcp_groups
 
-        _KEEPING.append(key)
+        _keeping = True
         try:
             _KEPT[key] = build_hcp_groups(list(sizes))
         finally:
-            _KEEPING.clear()
+            _keeping = False
     return _KEPT[key]
 
 

@@ -18,6 +18,7 @@ import torch
 
 from mcp_context.kernels import get_kernel
 from mcp_context.kernels.math import MathKernel
+from mcp_context.kernels.torch_sdpa import cpu_flash_kernel
 from mcp_context.layouts import spans_positions
 from mcp_context.masks import ANTICAUSAL_BLOCK, CAUSAL, CAUSAL_BLOCK, FULL, BlockMask, SlidingWindow, attention_mask
 from mcp_context.schedule import layout_schedule
@@ -330,6 +331,16 @@ def test_a_quarter_shard_window_moves_only_the_halo(layout):
         assert err <= 1e-10, (rank, err)
 
 
+def test_a_diagonal_run_of_a_kind_the_fused_op_lacks_is_refused_not_run_as_causal():
+    """The fold keeps the run's kind: a diagonal run of band squares reaches the op's own check and is
+    refused (a fused op computes full and causal squares only), never computed as causal squares."""
+    x = torch.randn(1, 2, 12, 4, dtype=torch.float64)
+    for call in (lambda k: k.forward(x, x, x, BlockMask(-1, 1, 3), 0.5),
+                 lambda k: k.backward(x, x, x, x, x, x[..., 0], BlockMask(-1, 1, 3), 0.5)):
+        with pytest.raises(ValueError, match="not a band mask on a 4x4 block"):
+            call(cpu_flash_kernel())
+
+
 @pytest.mark.parametrize("kind,g,n", [("causal", 4, 5), ("anticausal", 3, 7), ("causal", 6, 1)])
 def test_diagonal_block_masks_run_as_one_call_and_match_the_reference(kind, g, n):
     """A diagonal run (``g`` equal ``n x n`` squares, one task) through the fused CPU op (squares folded
@@ -357,15 +368,17 @@ def test_diagonal_block_masks_run_as_one_call_and_match_the_reference(kind, g, n
             assert (a - b.detach()).abs().max().item() <= 1e-10, (kernel.name, name)
 
 
-@pytest.mark.parametrize("layout,inner", [("zigzag", 1), ("contiguous", 1), ("striped", 1), ("zigzag", 2)])
-def test_a_narrow_window_at_32k_is_a_few_tasks_per_step_and_still_exact(layout, inner):
-    """Window (63, 0) at S = 32768 over P = 8 for the fused ops' mask set: at most 14 tasks per step
-    (a run's tasks hold ``RUN_ROWS`` rows; cut square by square it was 127 per step for zigzag and
-    1024 for striped: launches, not FLOPs, bound that on a GPU). The pairs stay exact: every pair the tasks cover is in the window, none is
-    covered twice, and there are as many as the window holds (sum over i of min(i, 63) + 1)."""
+@pytest.mark.parametrize("layout,inner,most", [("zigzag", 1, 12), ("contiguous", 1, 6), ("striped", 1, 6),
+                                               ("zigzag", 2, 14)])
+def test_a_narrow_window_at_32k_is_a_few_tasks_per_step_and_still_exact(layout, inner, most):
+    """Window (63, 0) at S = 32768 over P = 8 for the fused ops' mask set: at most ``most`` tasks per
+    step (a run's tasks hold ``RUN_ROWS`` rows; cut square by square it was 127 per step for zigzag
+    and 1024 for striped: launches, not FLOPs, bound that on a GPU). The pairs stay exact: every pair
+    the tasks cover is in the window, none is covered twice, and there are as many as the window holds
+    (sum over i of min(i, 63) + 1)."""
     seq, p, left = 32768, 8, 63
     sch = layout_schedule(layout, p, seq, SlidingWindow(left, 0), inner, FUSED_MASKS)
-    assert max(len(step) for member in sch.tasks for step in member) <= 14
+    assert max(len(step) for member in sch.tasks for step in member) == most
     pair_ids = []
     for m in range(sch.ring_size):
         q_pos = spans_positions(sch.member_spans[m])

@@ -192,7 +192,7 @@ class TorchKernel:
             out, lse = self.forward(q.flip(2), k.flip(2), v.flip(2), replace(CAUSAL_BLOCK, diagonal=g), scale)
             return out.flip(2), lse.flip(-1)
         if g > 1:  # g equal squares along the diagonal: one call with the squares as batch entries
-            out, lse = self.forward(*(_fold(x, g) for x in (q, k, v)), CAUSAL_BLOCK, scale)
+            out, lse = self.forward(*(_fold(x, g) for x in (q, k, v)), replace(block_mask(mask), diagonal=1), scale)
             return _unfold(out, g), _unfold(lse, g)
         causal = self._causal(mask, q, k)
         h = q.shape[1]
@@ -209,7 +209,8 @@ class TorchKernel:
                                   replace(CAUSAL_BLOCK, diagonal=g), scale)
             return tuple(x.flip(2) for x in grads)
         if g > 1:
-            grads = self.backward(*(_fold(x, g) for x in (dout, q, k, v, out, lse)), CAUSAL_BLOCK, scale)
+            grads = self.backward(*(_fold(x, g) for x in (dout, q, k, v, out, lse)),
+                                  replace(block_mask(mask), diagonal=1), scale)
             return tuple(_unfold(x, g) for x in grads)
         causal = self._causal(mask, q, k)
         h, h_kv = q.shape[1], k.shape[1]
