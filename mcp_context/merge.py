@@ -7,7 +7,8 @@ with no NaN, which is what a fully masked causal chunk needs.
 
 On CUDA the merge is one fused kernel (``torch.compile``): eager it is about ten elementwise kernels,
 0.98 ms for a ``[1, 32, 16384, 128]`` block on an H100 against 0.26 ms compiled (memory-bound floor
-0.23 ms). If compiling fails the eager form is used, with one warning naming the reason.
+0.23 ms). If compiling fails the eager form is used, with one warning naming the reason. The ring's
+backward adds each block's dK and dV into one packed fp32 accumulator the same way (``add_kv_``).
 
 An attention sink (gpt-oss's learned softmax offset, or off-by-one's zero) is one more key per head
 with score ``s_h`` and a zero value: ``add_sink_`` merges it into the final result once
@@ -42,16 +43,42 @@ def merge_eager_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, 
     torch.ops.aten.copy_(lse, new_lse)  # not Tensor.copy_: see algorithms/executor.py's _copy_
 
 
-_compiled: Optional[Callable] = None
-_compile_error: Optional[str] = None
+class _Fused:
+    """``eager`` run as one compiled kernel on CUDA (compiled once, dynamic shapes), eagerly elsewhere.
+
+    A fake-CUDA rehearsal cannot compile, so it runs eagerly too. If compiling fails the eager form is
+    used from then on, with one warning naming the reason (same results, slower)."""
+
+    def __init__(self, eager: Callable, what: str):
+        self.eager, self.what = eager, what
+        self.compiled: Optional[Callable] = None
+        self.error: Optional[str] = None
+
+    def compile(self) -> Callable:
+        if self.compiled is None:
+            self.compiled = torch.compile(self.eager, dynamic=True, fullgraph=True)
+        return self.compiled
+
+    def __call__(self, *args: torch.Tensor) -> None:
+        first = args[0]
+        if first.is_cuda and not is_fake(first) and self.error is None:
+            try:
+                self.compile()(*args)
+                return
+            except Exception as err:  # noqa: BLE001 - compilation fails before anything is written
+                text = str(err).strip()
+                self.error = f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
+                warnings.warn(f"torch.compile of the {self.what} failed ({self.error}); running it eagerly "
+                              f"(slower, same results)", stacklevel=2)
+        self.eager(*args)
+
+
+_merge = _Fused(merge_eager_, "attention merge")
 
 
 def compiled_merge() -> Callable:
     """``merge_eager_`` compiled into one kernel (built once; shapes are dynamic)."""
-    global _compiled
-    if _compiled is None:
-        _compiled = torch.compile(merge_eager_, dynamic=True, fullgraph=True)
-    return _compiled
+    return _merge.compile()
 
 
 def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
@@ -59,16 +86,23 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
 
     ``out``/``lse`` may be views (a query sub-range of the full accumulator).
     """
-    global _compile_error
-    if out.is_cuda and not is_fake(out) and _compile_error is None:  # a fake-CUDA rehearsal cannot compile
-        try:
-            compiled_merge()(out, lse, block_out, block_lse)
-            return
-        except Exception as err:  # noqa: BLE001 - compilation fails before anything is written
-            _compile_error = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
-            warnings.warn(f"torch.compile of the attention merge failed ({_compile_error}); merging eagerly "
-                          f"(slower, same results)", stacklevel=2)
-    merge_eager_(out, lse, block_out, block_lse)
+    _merge(out, lse, block_out, block_lse)
+
+
+def add_kv_eager_(dkv: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+    """``dkv [..., dqk + dv] += [dk, dv]`` (the columns of a packed dK/dV accumulator); see ``add_kv_``."""
+    dqk = dk.shape[-1]
+    dkv.narrow(-1, 0, dqk).add_(dk)
+    dkv.narrow(-1, dqk, dkv.shape[-1] - dqk).add_(dv)
+
+
+_add_kv = _Fused(add_kv_eager_, "dK/dV accumulation")
+
+
+def add_kv_(dkv: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+    """Add a block's ``dk [b, h_kv, n, dqk]`` and ``dv [b, h_kv, n, dv]`` into ``dkv [b, h_kv, n, dqk + dv]``
+    (fp32) in place: one fused kernel on CUDA, where eagerly it is two adds with a cast each."""
+    _add_kv(dkv, dk, dv)
 
 
 def add_sink_(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> None:

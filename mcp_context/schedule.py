@@ -255,6 +255,30 @@ def layout_schedule(layout: str, cp_size: int, seq_len: int, mask: Mask, inner_s
     return build_schedule(members, mask, kernel_masks)
 
 
+def position_pieces(schedule: Schedule) -> Optional[tuple[tuple[int, int], ...]]:
+    """``(row, count)`` pieces of every member's shard laid end to end in member order (what an all-gather
+    gives) that, concatenated in this order, put the rows in position order; ``None`` when a shard holds
+    a strided span (``striped``), whose rows are not runs of positions."""
+    pieces, row = [], 0
+    for spans in schedule.member_spans:
+        for span in spans:
+            if span.stride != 1 and span.count > 1:
+                return None
+            pieces.append((span.start, row, span.count))
+            row += span.count
+    return tuple((r, n) for _, r, n in sorted(pieces))
+
+
+def gathered_tasks(schedule: Schedule, member: int, kernel_masks: frozenset = ALL_BLOCK_MASKS
+                   ) -> tuple[tuple[BlockTask, ...]]:
+    """``member``'s tasks, as one step, against every key/value row of the sequence in position order
+    (K/V all-gathered and put in order, ``position_pieces``): each query span meets its visible key range
+    as one run, so a causal zigzag shard is a full block per chunk over all earlier keys plus the chunk's
+    causal square, full blocks fused where they abut (3 or 4 calls for any ring size, no ring steps)."""
+    seq_len = sum(s.count for spans in schedule.member_spans for s in spans)
+    return (step_tasks(schedule.member_spans[member], (Span(0, seq_len),), schedule.mask, kernel_masks),)
+
+
 def load_balance(schedule: Schedule) -> float:
     """Max over ring members of attention FLOPs divided by the mean (1.0 is perfect)."""
     pairs = schedule.useful_pairs()

@@ -34,7 +34,7 @@ from mcp_context.algorithms.rotation import LocalRotation
 from mcp_context.kernels import get_kernel
 from mcp_context.layouts import spans_positions
 from mcp_context.masks import CAUSAL, FULL
-from mcp_context.schedule import layout_schedule
+from mcp_context.schedule import gathered_tasks, layout_schedule
 from tests.reference import full_attention, random_qkv
 
 HEADS, HEAD_DIM = 8, 16
@@ -47,10 +47,13 @@ def _heads(inner: int, kv_heads: int) -> tuple[slice, slice]:
     return slice(0, HEADS // inner), slice(0, max(1, kv_heads // inner))
 
 
-def run_members(layout, cp, inner, causal, kv_heads, dtype, device, seq_len, head_group=None, seed=0):
+def run_members(layout, cp, inner, causal, kv_heads, dtype, device, seq_len, head_group=None, seed=0,
+                gathered=False):
     """Every member's out/lse/dq and the summed dK/dV, next to the fp64 reference of the same heads.
 
-    ``head_group``: the all-to-all degree whose rank-0 heads are used (default ``inner``)."""
+    ``head_group``: the all-to-all degree whose rank-0 heads are used (default ``inner``). ``gathered``:
+    each member runs its all-gather plan (``schedule.gathered_tasks``: one step against the whole
+    sequence's K/V in position order), as all_gather and a2a+all_gather do."""
     q, k, v, dout = random_qkv(seq_len, 1, HEADS, kv_heads, HEAD_DIM, seed=seed)
     q_heads, kv_idx = _heads(head_group or inner, kv_heads)
     q, dout = q[:, :, q_heads], dout[:, :, q_heads]
@@ -59,32 +62,39 @@ def run_members(layout, cp, inner, causal, kv_heads, dtype, device, seq_len, hea
     ref_out, ref_lse = full_attention(*ref_leaves, causal, HEAD_DIM ** -0.5)
     ref_out.backward(dout)
 
-    schedule = layout_schedule(layout, cp, seq_len, CAUSAL if causal else FULL, inner)
+    kernel = get_kernel("auto", torch.device(device), dtype, head_dim=HEAD_DIM)
+    schedule = layout_schedule(layout, cp, seq_len, CAUSAL if causal else FULL, inner, kernel.capabilities.masks)
     ring = schedule.ring_size
     positions = [spans_positions(spans) for spans in schedule.member_spans]
-    order = torch.cat(positions)  # K/V rows in member order
+    order = torch.arange(seq_len) if gathered else torch.cat(positions)  # K/V rows: position or member order
     k_all, v_all = (x[order].to(device, dtype).requires_grad_() for x in (k, v))
-    kernel = get_kernel("auto", torch.device(device), dtype, head_dim=HEAD_DIM)
     got = {"out": [], "lse": [], "dq": []}
     q_blocks, k_blocks = torch.zeros(seq_len, dtype=torch.long), torch.zeros(seq_len, dtype=torch.long)
+    plans = []
     for member in range(ring):
-        for step, tasks in enumerate(schedule.tasks[member]):
-            for t in tasks:
+        tasks = gathered_tasks(schedule, member, kernel.capabilities.masks) if gathered else schedule.tasks[member]
+        rotation = LocalRotation(0, 1) if gathered else LocalRotation(member, ring)
+        plans.append(RingPlan.build(tasks, rotation, kernel, HEAD_DIM ** -0.5, len(positions[member])))
+        for step, step_tasks in enumerate(tasks):
+            for t in step_tasks:
                 q_blocks[positions[member][slice(*t.q)]] += 1
-                k_blocks[positions[schedule.kv_source(member, step)][slice(*t.kv)]] += 1
+                kv_rows = order if gathered else positions[schedule.kv_source(member, step)]
+                k_blocks[kv_rows[slice(*t.kv)]] += 1
     for member in range(ring):
         rows = positions[member]
         qm = q[rows].to(device, dtype).requires_grad_()
-        plan = RingPlan.build(schedule.tasks[member], LocalRotation(member, ring), kernel, HEAD_DIM ** -0.5, len(rows))
-        out, lse = RingAttention.apply(qm, k_all, v_all, plan)
+        out, lse = RingAttention.apply(qm, k_all, v_all, plans[member])
         out.backward(dout[rows].to(device, dtype))
         got["out"].append(out.detach().double().cpu())
         got["lse"].append(lse.permute(2, 0, 1).double().cpu())
         got["dq"].append(qm.grad.double().cpu())
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(seq_len)
-    result = {name: torch.cat(parts)[inverse] for name, parts in got.items()}
-    result["dk"], result["dv"] = k_all.grad.double().cpu()[inverse], v_all.grad.double().cpu()[inverse]
+    def inverse_of(rows):
+        inverse = torch.empty_like(rows)
+        inverse[rows] = torch.arange(seq_len)
+        return inverse
+
+    result = {name: torch.cat(parts)[inverse_of(torch.cat(positions))] for name, parts in got.items()}
+    result["dk"], result["dv"] = (x.grad.double().cpu()[inverse_of(order)] for x in (k_all, v_all))
     reference = {"out": ref_out.detach(), "lse": ref_lse, "dq": ref_leaves[0].grad, "dk": ref_leaves[1].grad,
                  "dv": ref_leaves[2].grad}
     result["blocks"] = {name: int((q_blocks if name in ("out", "lse", "dq") else k_blocks).max())
@@ -103,10 +113,10 @@ def half_precision_tolerance(name: str, dtype: torch.dtype, blocks: int, fused_e
     return 1.5 * blocks ** 0.5 * max(fused_err, u * reference.abs().max().item())
 
 
-def half_precision_errors(layout, cp, inner, causal, kv_heads, dtype, device, seq_len):
+def half_precision_errors(layout, cp, inner, causal, kv_heads, dtype, device, seq_len, gathered=False):
     """``{name: (error, tolerance, error of one fused call, blocks)}`` for every member's schedule in
     ``dtype`` against the fp64 reference; the fused call holds the whole sequence (one member)."""
-    result, reference = run_members(layout, cp, inner, causal, kv_heads, dtype, device, seq_len)
+    result, reference = run_members(layout, cp, inner, causal, kv_heads, dtype, device, seq_len, gathered=gathered)
     fused, fused_ref = run_members("contiguous", 1, 1, causal, kv_heads, dtype, device, seq_len, head_group=inner)
     errors = {}
     for name, ref in reference.items():
@@ -138,6 +148,34 @@ def test_member_schedules_on_one_cpu_match_fp64_reference(cp, layout, inner, cau
         for name, ref in reference.items():
             err = (result[name] - ref).abs().max().item()
             assert err <= tol, f"{dtype} {name}: max abs error {err:.2e} > {tol}"
+
+
+GATHERED = [pytest.param(cp, layout, inner, causal, kv_heads, id=f"P{cp}-{layout}-"
+                         f"{'all_gather' if inner == 1 else 'a2a+all_gather'}-{'causal' if causal else 'full'}-hkv{kv_heads}")
+            for cp, layout, inner, causal, kv_heads in ((2, "zigzag", 1, True, 2), (4, "zigzag", 1, True, 8),
+                                                        (8, "zigzag", 1, True, 1), (8, "zigzag", 2, True, 8),
+                                                        (4, "contiguous", 1, True, 2), (4, "contiguous", 2, False, 8),
+                                                        (16, "zigzag", 1, False, 2), (16, "zigzag", 2, True, 2))]
+
+
+@pytest.mark.parametrize("cp,layout,inner,causal,kv_heads", GATHERED)
+def test_gathered_member_plans_on_one_cpu_match_fp64_reference(cp, layout, inner, causal, kv_heads):
+    """The all-gather plans (each query run against its visible keys in position order, in a few calls)."""
+    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
+        result, reference = run_members(layout, cp, inner, causal, kv_heads, dtype, "cpu", seq_len=6 * cp,
+                                        gathered=True)
+        for name, ref in reference.items():
+            err = (result[name] - ref).abs().max().item()
+            assert err <= tol, f"{dtype} {name}: max abs error {err:.2e} > {tol}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (one ring member per call on one device)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("cp,layout,inner,causal,kv_heads", GATHERED)
+def test_gathered_member_plans_on_cuda_meet_the_half_precision_tolerance(dtype, cp, layout, inner, causal, kv_heads):
+    _assert_within_half_precision_tolerance(
+        half_precision_errors(layout, cp, inner, causal, kv_heads, dtype, "cuda", seq_len=2048, gathered=True))
 
 
 @pytest.mark.parametrize("cp,layout,inner,causal,kv_heads", [(4, "zigzag", 1, True, 2), (8, "zigzag", 1, True, 8)],

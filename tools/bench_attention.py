@@ -12,9 +12,10 @@ shard) and times the same transfer alone, which shows whether the transfer overl
 
 Device, when CUDA is available (or on CPU with ``--device-bench cpu`` as a smoke run): kernel
 backends side by side on one causal block (math, torch flash / cuDNN / efficient, TE when
-importable), and one rank's zigzag schedule run on one device (the other ranks' K/V simulated
-locally) against one fused SDPA call of equal useful FLOPs: TFLOP/s (causal FLOPs counted once),
-their ratio, and peak memory.
+importable), and one rank's step of each scheme in ``--device-schemes`` run on one device (the other
+ranks' K/V simulated locally) against one fused SDPA call of equal useful FLOPs and one at the
+per-rank length (ring-flash-attention's baseline): TFLOP/s (causal FLOPs counted once), the ratios,
+peak memory, and the scheme's transfers modelled at NVLink and network rates.
 
 The parts live in ``bench_cpu.py``, ``bench_device.py`` and ``bench_plots.py``; this file is the command line.
 Writes ``bench_attention_p<P...>.jsonl`` as results come (one flushed JSON line per part: the machine,
@@ -72,6 +73,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-cpu", action="store_true", help="skip the gloo runs")
     ap.add_argument("--device-bench", choices=["auto", "cuda", "cpu", "none"], default="auto",
                     help="kernel/schedule benchmark device (auto: cuda when available, else none)")
+    ap.add_argument("--device-schemes", nargs="+", default=["p2p"], choices=COMMS,
+                    help="schemes of the one-rank device benchmark (default p2p), e.g. every one: "
+                    + " ".join(COMMS))
     ap.add_argument("--device-seq-lens", type=int, nargs="+", help="sequence lengths of the device benchmark "
                     "(default: --seq-len), e.g. 32768 131072")
     args = ap.parse_args(argv)
@@ -104,7 +108,7 @@ def main(argv=None) -> int:
     if device is not None:
         print(f"device benchmarks on {device}", flush=True)
         results["device"] = [device_benchmarks(torch.device(device), Shape(n, *astuple(shape)[1:]), args.world_sizes,
-                                               args.reps, sink) for n in device_seq_lens]
+                                               args.reps, sink, schemes=args.device_schemes) for n in device_seq_lens]
     from mcp_context.atomic import write_atomic
 
     path = os.path.join(args.out, f"bench_attention{suffix}.json")

@@ -1,5 +1,9 @@
-"""Device part of ``tools/bench_attention.py``: block kernels side by side, and one rank's zigzag schedule
-on one device (the other ranks' K/V laid out locally) against one fused SDPA call of equal useful FLOPs.
+"""Device part of ``tools/bench_attention.py``: block kernels side by side, and one rank's step of each
+scheme on one device (the other ranks' K/V laid out locally, ``tools/rank_step.py``) against two fused
+baselines: one SDPA call of equal useful FLOPs (ours, the strict one), and one at the per-rank length
+``S / P`` (ring-flash-attention's, so our figures sit beside published ones). The transfers a scheme
+needs are not run on one GPU: their bytes and the time they take at stated link rates (``LINKS_GBPS``)
+are reported beside the compute.
 
 CUDA events and ``torch.cuda.max_memory_allocated`` on a GPU; ``perf_counter`` (and no peak memory) on
 the CPU, where it is a smoke run of the path, not a figure.
@@ -117,17 +121,13 @@ def _kernel_block(kernel, q, k, v, dout, backward: bool):
 
 def device_benchmarks(device: torch.device, shape: Shape, world_sizes, reps: int,
                       sink: Callable[[dict], None] = lambda record: None,
-                      math_budget_bytes: Optional[int] = None) -> dict:
+                      math_budget_bytes: Optional[int] = None, schemes=("p2p",)) -> dict:
     """Kernel backends side by side, and one rank's schedule vs one fused SDPA of equal useful FLOPs.
 
     Each kernel row and each schedule row goes to ``sink`` as it is measured (with ``part`` and
     ``seq_len``). The math kernel is skipped, with the reason, when ``math_block_bytes`` exceeds
     ``math_budget_bytes`` (default: half of ``device_memory_bytes``)."""
-    from mcp_context.algorithms.executor import RingAttention, RingPlan
-    from mcp_context.algorithms.rotation import LocalRotation
     from mcp_context.kernels import get_kernel
-    from mcp_context.masks import CAUSAL
-    from mcp_context.schedule import layout_schedule
 
     print(f"  S={shape.seq_len}", flush=True)
 
@@ -173,61 +173,89 @@ def device_benchmarks(device: torch.device, shape: Shape, world_sizes, reps: int
     kernel = get_kernel("auto", device, dtype, head_dim=d)
     schedules = []
     for world in world_sizes:
-        sched = layout_schedule("zigzag", world, shape.seq_len, CAUSAL)
-        s_local = shape.seq_len // world
-        pairs = sched.useful_pairs()[0]
-        s_eq = round((math.sqrt(8 * pairs + 1) - 1) / 2)  # causal s_eq*(s_eq+1)/2 == useful pairs
-        row = {"world_size": world, "rank": 0, "useful_pairs": pairs, "equal_flops_causal_len": s_eq,
-               "kernel": kernel.name}
-        try:
-            _schedule_row(row, device, sched, kernel, rand, shape, s_local, s_eq, reps, RingAttention, RingPlan,
-                          LocalRotation)
-        except RuntimeError as err:
-            if (reason := _out_of_memory(err)) is None:
-                raise
-            row["error"] = reason
-        schedules.append(row)
-        emit("rank_schedule", row)
+        for comm in schemes:
+            row = {"world_size": world, "comm": comm, "rank": 0, "kernel": kernel.name}
+            try:
+                _schedule_row(row, device, kernel, rand, shape, reps)
+            except RuntimeError as err:
+                if (reason := _out_of_memory(err)) is None:
+                    raise
+                row["error"] = reason
+            schedules.append(row)
+            emit("rank_schedule", row)
     return {"device": str(device), "dtype": str(dtype), "seq_len": shape.seq_len, "block_len": n, "kernels": kernels,
             "rank_schedule": schedules}
 
 
-def _schedule_row(row: dict, device, sched, kernel, rand, shape: Shape, s_local: int, s_eq: int, reps: int,
-                  RingAttention, RingPlan, LocalRotation) -> None:
-    """Fill ``row`` with rank 0's schedule against one fused SDPA call of equal useful FLOPs."""
-    b, h, hk, d = shape.batch, shape.heads, shape.kv_heads, shape.head_dim
-    world, pairs = row["world_size"], row["useful_pairs"]
-    ql = rand(s_local, b, h, d).requires_grad_()
-    kl, vl = (rand(shape.seq_len, b, hk, d).requires_grad_() for _ in range(2))  # every member's K/V, here
-    do = rand(s_local, b, h, d)
-    plan = RingPlan.build(sched.tasks[0], LocalRotation(0, world), kernel, d ** -0.5, s_local)
-    qe, ke, ve, doe = rand(b, h, s_eq, d).requires_grad_(), rand(b, hk, s_eq, d).requires_grad_(), \
-        rand(b, hk, s_eq, d).requires_grad_(), rand(b, h, s_eq, d)
+LINKS_GBPS = {"nvlink": 450.0, "network": 50.0}
+"""Link rates (GB/s per GPU per direction) at which a scheme's transfers are modelled: NVLink inside a
+node of 8, the network between nodes."""
 
-    def rank_step(backward):
-        out, _ = RingAttention.apply(ql, kl, vl, plan)
+
+def _equal_len(pairs: int) -> int:
+    """The causal length whose ``s (s + 1) / 2`` pairs equal ``pairs``."""
+    return round((math.sqrt(8 * pairs + 1) - 1) / 2)
+
+
+def _schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int) -> None:
+    """Fill ``row`` with rank 0's step of ``row["comm"]`` against two fused baselines: one SDPA call of
+    equal useful FLOPs (ours) and one at the per-rank length ``S / P`` (ring-flash-attention's)."""
+    from mcp_context.algorithms.executor import RingAttention
+    from mcp_context.masks import CAUSAL
+    from tools.rank_step import rank_step, transfer_bytes
+
+    b, h, hk, d = shape.batch, shape.heads, shape.kv_heads, shape.head_dim
+    world, comm = row["world_size"], row["comm"]
+    inner = 2 if world % 2 == 0 else 1
+    step = rank_step(comm, world, shape.seq_len, CAUSAL, kernel, h, hk, d, inner)
+    pairs = step.useful_pairs
+    s_eq, s_rank = _equal_len(pairs * step.heads // h), shape.seq_len // world
+    row.update(sizes=list(step.sizes), heads_on_rank=step.heads, attention_calls=step.calls, useful_pairs=pairs,
+               equal_flops_causal_len=s_eq, per_rank_len=s_rank)
+    ql = rand(step.q_rows, b, step.heads, d).requires_grad_()
+    kl, vl = (rand(step.kv_rows, b, step.kv_heads, d).requires_grad_() for _ in range(2))  # K/V as delivered
+    do = rand(step.q_rows, b, step.heads, d)
+    baselines = {}
+    for name, n in (("fused", s_eq), ("fused_per_rank", s_rank)):
+        baselines[name] = (rand(b, h, n, d).requires_grad_(), rand(b, hk, n, d).requires_grad_(),
+                           rand(b, hk, n, d).requires_grad_(), rand(b, h, n, d), n)
+
+    def rank_step_call(backward):
+        out, _ = RingAttention.apply(ql, kl, vl, step.plan)
         if backward:
             out.backward(do)
 
-    def fused(backward):
+    def fused(name, backward):
+        qe, ke, ve, doe, _ = baselines[name]
         out = F.scaled_dot_product_attention(qe, ke, ve, is_causal=True, enable_gqa=h != hk)
         if backward:
             out.backward(doe)
 
+    sent = transfer_bytes(comm, world, shape.seq_len, h, hk, d, inner)
     for label, backward, factor in (("fwd", False, 1.0), ("fwd_bwd", True, 3.5)):
-        flops = 4 * b * h * d * pairs * factor
-        fused_flops = 4 * b * h * d * s_eq * (s_eq + 1) // 2 * factor
-        pair = {"ours": lambda backward=backward: rank_step(backward),
-                "fused": lambda backward=backward: fused(backward)}
-        t = _interleaved_seconds(pair, device, reps)
-        row[label] = {"ours_s": t["ours"], "fused_s": t["fused"],
-                      "ours_tflops": flops / statistics.median(t["ours"]) / 1e12,
-                      "fused_tflops": fused_flops / statistics.median(t["fused"]) / 1e12,
-                      "efficiency": statistics.median(flops / a / (fused_flops / f)
-                                                      for a, f in zip(t["ours"], t["fused"])),
-                      "ours_peak_bytes": _peak_bytes(pair["ours"], device),
-                      "fused_peak_bytes": _peak_bytes(pair["fused"], device)}
-        if row[label]["fused_peak_bytes"]:
-            row[label]["memory_ratio"] = row[label]["ours_peak_bytes"] / row[label]["fused_peak_bytes"]
-        print(f"  P={world} {label}: {row[label]['ours_tflops']:.3g} vs fused {row[label]['fused_tflops']:.3g} "
-              f"TFLOP/s, efficiency {row[label]['efficiency']:.2f} ({kernel.name})", flush=True)
+        flops = 4 * b * step.heads * d * pairs * factor
+        calls = {"ours": lambda backward=backward: rank_step_call(backward),
+                 "fused": lambda backward=backward: fused("fused", backward),
+                 "fused_per_rank": lambda backward=backward: fused("fused_per_rank", backward)}
+        t = _interleaved_seconds(calls, device, reps)
+        res = {"ours_s": t["ours"], "ours_tflops": flops / statistics.median(t["ours"]) / 1e12}
+        for name in ("fused", "fused_per_rank"):
+            n = baselines[name][-1]
+            base_flops = 4 * b * h * d * n * (n + 1) // 2 * factor
+            res[f"{name}_s"] = t[name]
+            res[f"{name}_tflops"] = base_flops / statistics.median(t[name]) / 1e12
+            ratio = statistics.median(flops / a / (base_flops / f) for a, f in zip(t["ours"], t[name]))
+            res["efficiency" if name == "fused" else "efficiency_vs_per_rank"] = ratio
+        nbytes = sent["forward"] if label == "fwd" else sent["forward"] + sent["backward"]
+        res["bytes_sent"] = nbytes
+        res["modelled_transfer_s"] = {link: nbytes / (rate * 1e9) for link, rate in LINKS_GBPS.items()}
+        res["ours_peak_bytes"] = _peak_bytes(calls["ours"], device)
+        res["fused_peak_bytes"] = _peak_bytes(calls["fused"], device)
+        if res["fused_peak_bytes"]:
+            res["memory_ratio"] = res["ours_peak_bytes"] / res["fused_peak_bytes"]
+        row[label] = res
+        print(f"  P={world} {comm:15} {label:8}: {res['ours_tflops']:5.0f} TFLOP/s, {res['efficiency']:.2f} of fused "
+              f"({res['fused_tflops']:.0f}), {res['efficiency_vs_per_rank']:.2f} of fused at S/P "
+              f"({res['fused_per_rank_tflops']:.0f}); {step.calls} calls; transfers "
+              f"{nbytes / 2**20:.0f} MiB = {res['modelled_transfer_s']['nvlink'] * 1e3:.2f} ms NVLink, "
+              f"{res['modelled_transfer_s']['network'] * 1e3:.2f} ms network", flush=True)

@@ -20,7 +20,7 @@ from ..kernels import Dropout, Kernel, accum_dtype, finite_lse_for_backward
 from ..merge import add_sink_, merge_, sink_grad
 from ..schedule import BlockTask
 from .. import trace
-from .rotation import Rotation, split_kv
+from .rotation import Rotation
 
 
 def first_writes(tasks: Sequence[Sequence[BlockTask]]) -> tuple[tuple[bool, ...], ...]:
@@ -84,7 +84,12 @@ def _bhsd(x: torch.Tensor) -> torch.Tensor:
 
 
 def _sbhd(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return _contiguous(x.permute(2, 0, 1, 3).to(dtype))
+    """``x [b, h, s, d]`` as a new ``[s, b, h, d]``-contiguous tensor of ``dtype``: one copy kernel (the
+    transpose and the cast together)."""
+    b, h, s, d = x.shape
+    out = x.new_empty((s, b, h, d), dtype=dtype)
+    _copy_(_bhsd(out), x)
+    return out
 
 
 # Rows are taken with ``narrow`` and copied with the aten op: Python indexing, ``Tensor.copy_`` and
@@ -107,36 +112,59 @@ def _accumulator(like: torch.Tensor, shape: tuple, dtype: torch.dtype, fill: flo
     return like.new_empty(shape, dtype=dtype) if covered else like.new_full(shape, fill, dtype=dtype)
 
 
-def _add_dkv_(dkv: torch.Tensor, span: tuple[int, int], gk: torch.Tensor, gv: torch.Tensor) -> None:
-    """Add a block's dK and dV into rows ``span`` of a step's ``[b, h_kv, n, dqk + dv]`` accumulator.
+def _adopt_lse(l: torch.Tensor, rows: int, dtype: torch.dtype) -> bool:
+    """Whether a first block's ``lse`` can serve as the accumulator itself (no copy): it covers every row,
+    is in the accumulator dtype and is packed (a fused op's fresh output)."""
+    return l.shape[-1] == rows and l.dtype == dtype and l.is_contiguous()
 
-    A function, so no view of the accumulator outlives the step: the rotation frees or sends it on."""
-    dk, dv = split_kv(_rows(dkv, span), gk.shape[-1])
-    dk.add_(gk)
-    dv.add_(gv)
+
+class _BackwardLse:
+    """The final ``lse`` as each block's backward reads it: ``-inf`` made ``+inf`` (fully masked rows get
+    zero probabilities, never NaN) and packed, one kernel per distinct query span (a fused op's backward
+    wants its ``lse`` rows contiguous; a narrowed ``[b, h, s]`` is not)."""
+
+    def __init__(self, lse: torch.Tensor):
+        self.lse, self.spans = lse, {}
+
+    def rows(self, span: tuple[int, int]) -> torch.Tensor:
+        if span not in self.spans:
+            self.spans[span] = finite_lse_for_backward(self.lse.narrow(2, span[0], span[1] - span[0]))
+        return self.spans[span]
 
 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan,
                  sink: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``q [sq, b, h, dqk]``, ``k [sk, b, h_kv, dqk]``, ``v [sk, b, h_kv, dv]`` -> ``out [sq, b, h, dv]``
     (q's dtype) and ``lse [b, h, sq]`` (accumulator dtype). ``sink [h]``: a per-head attention sink
-    (softmax offset), merged once into the final result (``merge.add_sink_``)."""
+    (softmax offset), merged once into the final result (``merge.add_sink_``).
+
+    Work outside the attention calls: a first write copies a block's ``out`` into the fp32 accumulator
+    (its ``lse`` is adopted as the accumulator when it covers every row), every later block is one
+    fused merge, and the result is one copy into ``[s, b, h, dv]``."""
     qb = _bhsd(q)
     acc = accum_dtype(q.dtype)
     b, h, sq, _ = qb.shape
     out = _accumulator(qb, (b, h, sq, v.shape[-1]), acc, 0.0, plan.covered)
-    lse = _accumulator(qb, (b, h, sq), acc, float("-inf"), plan.covered)
+    lse: Optional[torch.Tensor] = None
     for step, kb, vb in plan.rotation.blocks(_bhsd(k), _bhsd(v)):
         t0 = trace.now()
         for i, t in enumerate(plan.tasks[step]):
             o, l = plan.kernel.forward(_rows(qb, t.q), _rows(kb, t.kv), _rows(vb, t.kv), t.mask, plan.scale,
                                        plan.dropout(step, i))
+            if lse is None:
+                lse = l if plan.first[step][i] and _adopt_lse(l, sq, acc) else \
+                    _accumulator(qb, (b, h, sq), acc, float("-inf"), plan.covered)
+                if lse is l:
+                    _copy_(out, o)
+                    continue
             if plan.first[step][i]:
                 _copy_(_rows(out, t.q), o)
                 _copy_(lse.narrow(2, t.q[0], t.q[1] - t.q[0]), l)
             else:
                 merge_(_rows(out, t.q), lse.narrow(2, t.q[0], t.q[1] - t.q[0]), o, l)
         trace.record("forward_compute", step, t0)
+    if lse is None:  # no task at all (every row masked): out was filled with 0
+        lse = qb.new_full((b, h, sq), float("-inf"), dtype=acc)
     if sink is not None:
         add_sink_(out, lse, sink)
     return _sbhd(out, q.dtype), lse
@@ -147,30 +175,33 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     """The gradients ``dq, dk, dv`` (the inputs' dtypes) and ``dsink`` (``sink``'s dtype, or None) from the
     final ``out [sq, b, h, dv]`` and ``lse [b, h, sq]`` of ``ring_forward``: every block is recomputed and
     its dK/dV travel home through the rotation. With a sink, ``out``/``lse`` already include it, so each
-    block's probabilities are the sink-normalised ones and no block needs to know about it."""
+    block's probabilities are the sink-normalised ones and no block needs to know about it.
+
+    Work outside the attention calls: one kernel per distinct query span for the blocks' ``lse``, one
+    per block for dQ (a copy on a first write, else an add) and one per block for dK/dV (``Gradients.add``),
+    and one copy each for the ``[s, b, h, d]`` results."""
     dout = _contiguous(dout.to(q.dtype))
     qb, ob, dob = _bhsd(q), _bhsd(out), _bhsd(dout)
-    lse = finite_lse_for_backward(lse)
+    block_lse = _BackwardLse(lse)
     acc = accum_dtype(q.dtype)
     dq = _accumulator(qb, tuple(qb.shape), acc, 0.0, plan.covered)
     kb_all, vb_all = _bhsd(k), _bhsd(v)
     grads = plan.rotation.gradients(kb_all, vb_all, acc)
     for step, kb, vb in plan.rotation.blocks(kb_all, vb_all):
         t0 = trace.now()
-        dkv = grads.buffer(step)  # [b, h_kv, n, dqk + dv]: dK then dV
         for i, t in enumerate(plan.tasks[step]):
             gq, gk, gv = plan.kernel.backward(_rows(dob, t.q), _rows(qb, t.q), _rows(kb, t.kv), _rows(vb, t.kv),
-                                              _rows(ob, t.q), lse.narrow(2, t.q[0], t.q[1] - t.q[0]), t.mask,
-                                              plan.scale, plan.dropout(step, i))
+                                              _rows(ob, t.q), block_lse.rows(t.q), t.mask, plan.scale,
+                                              plan.dropout(step, i))
             if plan.first[step][i]:
                 _copy_(_rows(dq, t.q), gq)
             else:
                 _rows(dq, t.q).add_(gq)
-            _add_dkv_(dkv, t.kv, gk, gv)
+            grads.add(step, t.kv, gk, gv)
         trace.record("backward_compute", step, t0)
-        grads.done(step, dkv)
+        grads.done(step)
     dk, dv = grads.result()
-    dsink = None if sink is None else sink_grad(dob, ob, lse, sink).to(sink.dtype)
+    dsink = None if sink is None else sink_grad(dob, ob, finite_lse_for_backward(lse), sink).to(sink.dtype)
     return _sbhd(dq, q.dtype), _sbhd(dk, k.dtype), _sbhd(dv, v.dtype), dsink
 
 

@@ -22,7 +22,8 @@ from torch.distributed import ProcessGroup
 
 from ..comm.primitives import PeerExchange, PendingExchange
 from ..schedule import Schedule
-from .rotation import pack_kv, split_kv
+from ..merge import add_kv_
+from .rotation import pack_kv, rows_of, split_kv
 
 Rows = tuple[tuple[int, int], ...]
 
@@ -98,14 +99,24 @@ class HaloGradients:
 
     def __init__(self, rotation: HaloRotation, own: torch.Tensor, dqk: int):
         self.rotation, self.own, self.dqk = rotation, own, dqk
+        self.halo: dict[int, torch.Tensor] = {}  # step -> the dK/dV of the halo held then
         self.sent: list[PendingExchange] = []
 
-    def buffer(self, step: int) -> torch.Tensor:
-        return self.own if step == 0 else torch.zeros_like(self.own)
+    def add(self, step: int, rows: tuple[int, int], dk: torch.Tensor, dv: torch.Tensor) -> None:
+        if step == 0:
+            target = self.own
+        else:
+            if step not in self.halo:  # rows no task reads stay zero and are never sent
+                self.halo[step] = torch.zeros_like(self.own)
+            target = self.halo[step]
+        add_kv_(rows_of(target, rows), dk, dv)
 
-    def done(self, step: int, dkv: torch.Tensor) -> None:
+    def done(self, step: int) -> None:
         if step > 0:
             r = self.rotation
+            dkv = self.halo.pop(step, None)
+            if dkv is None:
+                dkv = torch.zeros_like(self.own)
             send = PeerExchange({r._src(step): _take(dkv, r.recv_rows[step])}, {}, r.group, "ring_dkv")
             self.sent.append(send.start(step))
 

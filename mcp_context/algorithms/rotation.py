@@ -11,9 +11,11 @@
   accumulated straight into slices of one buffer (the caller's all-gather reduce-scatters it).
 
 ``blocks(k, v)`` yields ``(step, k_block, v_block)`` with ``[b, h_kv, n, dqk]`` and ``[b, h_kv, n, dv]``
-blocks; ``gradients(k, v, dtype)`` gives the object that hands out each step's ``[b, h_kv, n, dqk + dv]``
-dK/dV accumulator (``buffer``: dK in the first ``dqk`` columns, dV after), takes it back (``done``) and
-returns the shard's ``(dk, dv)`` (``result``). K and V travel as one message the same way (``pack_kv``),
+blocks; ``gradients(k, v, dtype)`` gives the object that adds each block's dK/dV into the accumulator of
+the shard held at that step (``add``: one fused kernel, ``merge.add_kv_``, into a ``[b, h_kv, n, dqk + dv]``
+buffer, dK in the first ``dqk`` columns, dV after), is told when a step is done (``done``) and returns
+the shard's ``(dk, dv)`` (``result``). A ring adds straight into the partial sum that arrived from the
+previous member (no fresh buffer, fill or extra add per step). K and V travel as one message the same way (``pack_kv``),
 each keeping its own head dim (MLA's ``dv != dqk``), so the bytes sent are exactly K's plus V's.
 """
 from __future__ import annotations
@@ -24,20 +26,27 @@ import torch
 
 from ..comm.primitives import PeerExchange, PendingExchange, RingExchange
 from .. import trace
+from ..merge import add_kv_
 
 
 class Gradients(Protocol):
-    """Where a walk's dK/dV go: a buffer per step, handed back when the step is done, and the shard's
-    own ``(dk, dv)`` at the end."""
+    """Where a walk's dK/dV go: each block's are added into the accumulator of the shard held at its
+    step, the step is closed when its blocks are done, and the shard's own ``(dk, dv)`` come at the end."""
 
-    def buffer(self, step: int) -> torch.Tensor:
-        """The ``[b, h_kv, n, dqk + dv]`` accumulator for the shard held at ``step``."""
+    def add(self, step: int, rows: tuple[int, int], dk: torch.Tensor, dv: torch.Tensor) -> None:
+        """Add one block's ``dk [b, h_kv, r, dqk]``, ``dv [b, h_kv, r, dv]`` into rows ``rows`` of the
+        accumulator of the shard held at ``step``."""
 
-    def done(self, step: int, dkv: torch.Tensor) -> None:
-        """``step``'s accumulator is complete (send it on, or nothing when it is a view of the result)."""
+    def done(self, step: int) -> None:
+        """``step``'s blocks are all added (send the accumulator on, or nothing when it stays here)."""
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This member's shard's ``dk [b, h_kv, n, dqk]``, ``dv [b, h_kv, n, dv]``."""
+
+
+def rows_of(x: torch.Tensor, rows: tuple[int, int]) -> torch.Tensor:
+    """Rows ``rows`` (dim 2) of a ``[b, h, n, ...]`` tensor, as a view (``narrow``: see executor._rows)."""
+    return x.narrow(2, rows[0], rows[1] - rows[0])
 
 
 class Rotation(Protocol):
@@ -82,10 +91,11 @@ class RingRotation:
 
 
 class RingGradients:
-    """dK/dV of the shard held at each step: this member's part goes into a fresh buffer while the
-    previous member's sum is in flight, then the two are added and passed on; the last send of every
-    member lands each accumulator at its owner (the next member after a full walk; after a walk of
-    ``steps`` the member ``steps - 1`` back, sent there directly)."""
+    """dK/dV of the shard held at each step: at step 0 this member's part goes into a fresh buffer; at a
+    later step the previous member's partial sum for the shard held now has arrived (it was sent while
+    this member computed), and this member's blocks are added straight into it before it is passed on.
+    The last send of every member lands each accumulator at its owner (the next member after a full
+    walk; after a walk of ``steps`` the member ``steps - 1`` back, sent there directly)."""
 
     def __init__(self, exchange: RingExchange, shape: tuple, dqk: int, dtype: torch.dtype, device: torch.device,
                  steps: Optional[int] = None):
@@ -94,17 +104,25 @@ class RingGradients:
         self.pending: Optional[PendingExchange[torch.Tensor]] = None  # the ring's hop in flight
         self.cut_short: Optional[tuple[PendingExchange[dict[int, torch.Tensor]], int]] = None  # (hop home, from)
         self.home: Optional[torch.Tensor] = None  # a walk of one step: the own shard's dK/dV stays here
+        self.current: Optional[torch.Tensor] = None  # the accumulator of the shard held at this step
         self.step = -1
 
-    def buffer(self, step: int) -> torch.Tensor:
-        return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+    def _accumulator(self, step: int) -> torch.Tensor:
+        if self.current is None:
+            if self.pending is None:  # step 0: this member's own part starts the sum
+                self.current = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            else:
+                t0 = trace.now()
+                self.current = self.pending.wait()
+                self.pending = None
+                trace.record("dkv_wait", step, t0)
+        return self.current
 
-    def done(self, step: int, dkv: torch.Tensor) -> None:
-        if self.pending is not None:
-            t0 = trace.now()
-            received = self.pending.wait()
-            trace.record("dkv_wait", step, t0)
-            dkv = received.add_(dkv)
+    def add(self, step: int, rows: tuple[int, int], dk: torch.Tensor, dv: torch.Tensor) -> None:
+        add_kv_(rows_of(self._accumulator(step), rows), dk, dv)
+
+    def done(self, step: int) -> None:
+        dkv, self.current = self._accumulator(step), None
         self.step = step
         if step + 1 < self.steps or self.steps == len(self.exchange.peers):
             self.pending = self.exchange.start(dkv, step)
@@ -155,12 +173,12 @@ class LocalGradients:
     def __init__(self, rotation: LocalRotation, dkv: torch.Tensor, dqk: int):
         self.rotation, self.dkv, self.dqk = rotation, dkv, dqk
 
-    def buffer(self, step: int) -> torch.Tensor:
-        rows = self.rotation.rows(self.dkv.shape[2], step)
-        return self.dkv.narrow(2, rows.start, rows.stop - rows.start)
+    def add(self, step: int, rows: tuple[int, int], dk: torch.Tensor, dv: torch.Tensor) -> None:
+        shard = self.rotation.rows(self.dkv.shape[2], step)
+        add_kv_(rows_of(self.dkv, (shard.start + rows[0], shard.start + rows[1])), dk, dv)
 
-    def done(self, step: int, dkv: torch.Tensor) -> None:
-        """Nothing to do: ``buffer`` handed out a view of the shard's own accumulator."""
+    def done(self, step: int) -> None:
+        """Nothing to do: every block was added straight into the shard's own accumulator."""
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         return split_kv(self.dkv, self.dqk)

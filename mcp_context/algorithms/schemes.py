@@ -7,10 +7,10 @@ then move); this module turns a row into a ``Scheme``, with ``KV_MOVES`` buildin
 ``comm``        all-to-all over          ring over
 ==============  ======================  =====================================================
 p2p             (none)                  all CP ranks, KV passed point-to-point
-all_gather      (none)                  all CP ranks, KV all-gathered once (local rotation)
+all_gather      (none)                  all CP ranks, KV all-gathered once, in position order
 a2a             all CP ranks             a ring of one (local attention over the full sequence)
 a2a+p2p         level 0 (adjacent)       the product of the outer levels, point-to-point
-a2a+all_gather  level 0 (adjacent)       the product of the outer levels, KV all-gathered once
+a2a+all_gather  level 0 (adjacent)       the product of the outer levels, KV all-gathered once, in order
 ==============  ======================  =====================================================
 
 After the level-0 all-to-all a rank holds its group's tokens for ``h / P0`` heads; putting them in
@@ -40,7 +40,7 @@ from ..cp_rules import a2a_degree, comm_rule
 from ..kernels import Kernel
 from ..layouts import canonical_member_spans, layout_spans
 from ..masks import CAUSAL, FULL, Documents, Mask
-from ..schedule import Schedule, layout_schedule
+from ..schedule import BlockTask, Schedule, gathered_tasks, layout_schedule, position_pieces
 from .executor import RingAttention, RingPlan
 from .halo import HaloRotation, halo_fits
 from .rotation import LocalRotation, RingRotation, Rotation
@@ -62,8 +62,37 @@ def _member_pieces(layout: str, cp_size: int, seq_len: int, inner: int, member: 
     return forward, backward
 
 
-def _take(x: torch.Tensor, pieces) -> torch.Tensor:
-    return torch.cat([x[start:start + count] for start, count in pieces])
+def _cat_rows(x: torch.Tensor, pieces) -> torch.Tensor:
+    return torch.cat([x.narrow(0, start, count) for start, count in pieces])
+
+
+def _inverse(pieces) -> tuple[tuple[int, int], ...]:
+    """The pieces that undo ``pieces``: where each source run landed, in source order."""
+    landed, row = [], 0
+    for start, count in pieces:
+        landed.append((start, row, count))
+        row += count
+    return tuple((r, n) for _, r, n in sorted(landed))
+
+
+class _TakeRows(torch.autograd.Function):
+    """Rows of ``x [s, ...]`` reordered by ``(start, count)`` pieces (a permutation of whole runs): one
+    concatenation forward, one backward (autograd of slicing would add a zero-filled input-sized
+    gradient per piece)."""
+
+    @staticmethod
+    def forward(ctx, x, pieces):
+        ctx.pieces = pieces
+        return _cat_rows(x, pieces)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _cat_rows(grad, _inverse(ctx.pieces)), None
+
+
+def take_rows(x: torch.Tensor, pieces) -> torch.Tensor:
+    """``x``'s rows (dim 0) in the order of ``pieces``, which cover every row once; differentiable."""
+    return _TakeRows.apply(x, tuple(pieces))
 
 
 @dataclass(frozen=True)
@@ -97,49 +126,61 @@ class Scheme:
                 k, v = (x.repeat_interleave(self.kv_repeat, dim=2) for x in (k, v))
             q, k, v = (seq_to_heads(x, self.a2a_group) for x in (q, k, v))
             if self.pieces is not None:
-                q, k, v = (_take(x, self.pieces[0]) for x in (q, k, v))
+                q, k, v = (take_rows(x, self.pieces[0]) for x in (q, k, v))
         if self.gather is not None:
             k, v = self.gather(k), self.gather(v)
         out, lse = RingAttention.apply(q, k, v, plan, sink)
         lse = lse.permute(2, 0, 1)  # [s, b, h]
         if self.inner > 1:
             if self.pieces is not None:
-                out, lse = _take(out, self.pieces[1]), _take(lse, self.pieces[1])
+                out, lse = take_rows(out, self.pieces[1]), take_rows(lse, self.pieces[1])
             out = heads_to_seq(out, self.a2a_group)
             if return_lse:
                 lse = heads_to_seq(lse.unsqueeze(-1).contiguous(), self.a2a_group).squeeze(-1)
         return (out, lse) if return_lse else out
 
 
-def _ring_kv(groups: HCPGroups, schedule: Schedule, member: int, peers: list[int]
-             ) -> tuple[Rotation, Optional[Callable]]:
+Tasks = tuple[tuple[BlockTask, ...], ...]
+
+
+def _ring_kv(groups: HCPGroups, schedule: Schedule, member: int, peers: list[int], kernel_masks: frozenset
+             ) -> tuple[Rotation, Optional[Callable], Tasks]:
     """K/V passed point-to-point step by step (only the rows read, from their owner, when a window's or
     the documents' halo fits: ``HaloRotation``)."""
+    tasks = schedule.tasks[member]
     if schedule.ring_size == 1:
-        return LocalRotation(0, 1), None
+        return LocalRotation(0, 1), None, tasks
     if schedule.mask not in (FULL, CAUSAL) and halo_fits(schedule):  # a window, documents: only rows read
-        return HaloRotation(schedule, member, peers, groups.cp_group), None
+        return HaloRotation(schedule, member, peers, groups.cp_group), None, tasks
     size = schedule.ring_size
     busy = [t for t in range(size) if any(schedule.tasks[m][t] for m in range(size))]
     return RingRotation(RingExchange(peers, member, groups.cp_group, "ring_kv"),
                         RingExchange(peers, member, groups.cp_group, "ring_dkv"), size,
-                        steps=max(busy, default=0) + 1), None  # no member reads after the last busy step
+                        steps=max(busy, default=0) + 1), None, tasks  # no member reads after the last busy step
 
 
-def _gathered_kv(groups: HCPGroups, schedule: Schedule, member: int, peers: list[int]
-                 ) -> tuple[Rotation, Optional[Callable]]:
+def _gathered_kv(groups: HCPGroups, schedule: Schedule, member: int, peers: list[int], kernel_masks: frozenset
+                 ) -> tuple[Rotation, Optional[Callable], Tasks]:
     """K/V all-gathered once over the ring's members (a collective over the whole CP group; among the
-    outer members of a hierarchy, point-to-point), then every step is a local slice."""
+    outer members of a hierarchy, point-to-point) and put in position order, so each query run meets
+    its visible keys in one call (``schedule.gathered_tasks``); a strided layout keeps member order and
+    walks the gathered shards step by step."""
     if schedule.ring_size == 1:
-        return LocalRotation(0, 1), None
+        return LocalRotation(0, 1), None, schedule.tasks[member]
     if len(peers) == groups.cp_size:
-        return LocalRotation(member, len(peers)), functools.partial(gather_seq, group=groups.cp_group)
-    return LocalRotation(member, len(peers)), functools.partial(gather_seq_among, peers=peers, me=member,
-                                                                group=groups.cp_group)
+        gather = functools.partial(gather_seq, group=groups.cp_group)
+    else:
+        gather = functools.partial(gather_seq_among, peers=peers, me=member, group=groups.cp_group)
+    order = position_pieces(schedule)
+    if order is None:
+        return LocalRotation(member, len(peers)), gather, schedule.tasks[member]
+    return (LocalRotation(0, 1), lambda x: take_rows(gather(x), order),
+            gathered_tasks(schedule, member, kernel_masks))
 
 
 KV_MOVES = {"ring": _ring_kv, "gather": _gathered_kv}
-"""How K/V reach the ring's members, by ``CommRule.kv``: each builds the rotation (and a gather, if any)."""
+"""How K/V reach the ring's members, by ``CommRule.kv``: each builds the rotation, the gather (if any) and
+the member's tasks against what the rotation hands out."""
 
 
 def resolve_scheme(groups: HCPGroups, comm: str, layout: str, mask: Mask, s_local: int, kv_heads: int,
@@ -165,7 +206,7 @@ def resolve_scheme(groups: HCPGroups, comm: str, layout: str, mask: Mask, s_loca
         pieces = _member_pieces(layout, cp_size, seq_len, inner, member, documents)
     cp_ranks = groups.cp_global_ranks
     peers = [cp_ranks[cp_rank % inner + inner * m] for m in range(ring_size)]
-    rotation, gather = KV_MOVES[rule.kv](groups, schedule, member, peers)
-    plan = RingPlan.build(schedule.tasks[member], rotation, kernel, scale, s_local * inner, dropout_p)
+    rotation, gather, tasks = KV_MOVES[rule.kv](groups, schedule, member, peers, kernel.capabilities.masks)
+    plan = RingPlan.build(tasks, rotation, kernel, scale, s_local * inner, dropout_p)
     kv_repeat = inner // kv_heads if kv_heads < inner else 1
     return Scheme(cp_rank, inner, a2a_group, a2a_index, kv_repeat, pieces, gather, plan)

@@ -96,5 +96,6 @@ def accum_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def finite_lse_for_backward(lse: torch.Tensor) -> torch.Tensor:
-    """Turn ``-inf`` (fully masked rows) into ``+inf`` so ``exp(score - lse)`` is 0, never NaN."""
-    return lse.masked_fill(lse == float("-inf"), float("inf"))
+    """Turn ``-inf`` (fully masked rows) into ``+inf`` so ``exp(score - lse)`` is 0, never NaN (one
+    elementwise kernel; a NaN stays NaN)."""
+    return lse.nan_to_num(nan=float("nan"), posinf=float("inf"), neginf=float("inf"))

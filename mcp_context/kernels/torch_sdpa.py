@@ -37,10 +37,12 @@ torch, ``Tensor.contiguous()`` and indexing go through a device guard that does 
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
+from torch._guards import detect_fake_mode
 
 from ..masks import CAUSAL_BLOCK, block_mask
 from .base import Capabilities, Dropout, accum_dtype
@@ -106,9 +108,25 @@ def _flash_forward(q, k, v, causal, scale):
     return out, lse
 
 
+_ZEROS: dict = {}
+_FAKE_ZEROS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor made once per (shape, dtype, device) and shared by every backward call (the ops
+    only read their philox seed and offset; without dropout they are zero): no fill kernel per call.
+    Under a fake-tensor rehearsal the cache belongs to that fake mode, so no fake tensor outlives it."""
+    mode = detect_fake_mode()
+    cache = _ZEROS if mode is None else _FAKE_ZEROS.setdefault(mode, {})
+    key = (shape, dtype, device)
+    if key not in cache:
+        cache[key] = torch.zeros(shape, dtype=dtype, device=device)
+    return cache[key]
+
+
 def _flash_backward(dout, q, k, v, out, lse, causal, scale):
-    seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
-    offset = torch.zeros((), dtype=torch.uint64, device=q.device)
+    seed = _zeros((2,), torch.uint64, q.device)
+    offset = _zeros((), torch.uint64, q.device)
     return aten._scaled_dot_product_flash_attention_backward(
         dout, q, k, v, out, _packed(lse), None, None, q.shape[2], k.shape[2], 0.0, causal, seed, offset,
         scale=scale)
@@ -120,8 +138,7 @@ def _cudnn_forward(q, k, v, causal, scale):
 
 
 def _cudnn_backward(dout, q, k, v, out, lse, causal, scale):
-    seed = torch.zeros((), dtype=torch.int64, device=q.device)
-    offset = torch.zeros((), dtype=torch.int64, device=q.device)
+    seed = offset = _zeros((), torch.int64, q.device)
     return aten._scaled_dot_product_cudnn_attention_backward(
         dout, q, k, v, out, _packed(lse.unsqueeze(-1)), seed, offset, None, None, None, q.shape[2], k.shape[2],
         0.0, causal, scale=scale)
@@ -135,8 +152,7 @@ def _efficient_forward(q, k, v, causal, scale):
 def _efficient_backward(dout, q, k, v, out, lse, causal, scale):
     """``out`` and ``dout`` go in bshd-packed: the kernel reads them with a row stride of ``h * d``."""
     dout, out = _bshd_packed(dout), _bshd_packed(out)
-    seed = torch.zeros((), dtype=torch.int64, device=q.device)
-    offset = torch.zeros((), dtype=torch.int64, device=q.device)
+    seed = offset = _zeros((), torch.int64, q.device)
     dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
         dout, q, k, v, None, out, _packed(lse), seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
     return dq, dk, dv

@@ -1,0 +1,106 @@
+"""One CP rank's attention work for any scheme, on one device: what the benchmark times and the op
+counter counts.
+
+A GPU runs one rank (NCCL refuses two ranks per GPU), so a rank's step is run with every other rank's
+K/V laid out locally, the way ``resolve_scheme`` would hand them to the executor after communication:
+
+==============  ===============  =========================================================
+scheme          heads on a rank  K/V the executor reads
+==============  ===============  =========================================================
+p2p             h                every member's shard in member order, one per ring step
+all_gather      h                the whole sequence in position order, one step
+                                 (``schedule.gathered_tasks``: each query run in one call)
+a2a             h / P            the whole sequence (a ring of one)
+a2a+p2p         h / inner        the outer ring's shards in member order, one per step
+a2a+all_gather  h / inner        the whole sequence in position order, one step
+==============  ===============  =========================================================
+
+The collectives themselves, and the all-to-all's reorder of rows around them, are not run: their
+time is modelled from the bytes at stated link rates (``transfer_bytes``).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mcp_context.algorithms.executor import RingPlan  # noqa: E402
+from mcp_context.algorithms.rotation import LocalRotation  # noqa: E402
+from mcp_context.cp_rules import a2a_degree, comm_rule  # noqa: E402
+from mcp_context.kernels import Kernel  # noqa: E402
+from mcp_context.masks import Mask  # noqa: E402
+from mcp_context.schedule import gathered_tasks, layout_schedule, position_pieces  # noqa: E402
+
+SCHEMES = ("p2p", "all_gather", "a2a", "a2a+p2p", "a2a+all_gather")
+
+
+@dataclass(frozen=True)
+class RankStep:
+    """What one rank of ``comm`` runs: its plan, its heads, and the K/V rows the plan reads."""
+
+    comm: str
+    sizes: tuple[int, ...]
+    member: int
+    plan: RingPlan
+    heads: int
+    kv_heads: int
+    q_rows: int
+    kv_rows: int
+    useful_pairs: int
+    gathered: bool   # K/V in position order (all_gather kinds), else member order
+
+    @property
+    def calls(self) -> int:
+        """Attention calls of one forward (the backward makes as many)."""
+        return sum(len(step) for step in self.plan.tasks)
+
+
+def hierarchy(comm: str, cp: int, inner: int) -> tuple[int, ...]:
+    """The ``hierarchical_context_parallel_sizes`` a scheme runs with: flat for p2p/all_gather/a2a,
+    ``[inner, cp / inner]`` for the hierarchical kinds."""
+    return (inner, cp // inner) if comm_rule(comm).min_levels > 1 else (cp,)
+
+
+def rank_step(comm: str, cp: int, seq_len: int, mask: Mask, kernel: Kernel, heads: int, kv_heads: int,
+              head_dim: int, inner: int = 2, layout: str = "zigzag", rank: int = 0) -> RankStep:
+    """The plan CP rank ``rank`` executes for ``comm`` (``inner``: the all-to-all degree of the
+    hierarchical kinds), with the K/V of every other rank laid out locally."""
+    sizes = hierarchy(comm, cp, inner)
+    degree = a2a_degree(comm, sizes)
+    schedule = layout_schedule(layout, cp, seq_len, mask, degree, kernel.capabilities.masks)
+    member, ring = rank // degree, schedule.ring_size
+    rows = seq_len // ring
+    gathered = comm_rule(comm).kv == "gather" and ring > 1 and position_pieces(schedule) is not None
+    if gathered:
+        tasks, rotation = gathered_tasks(schedule, member, kernel.capabilities.masks), LocalRotation(0, 1)
+    else:
+        tasks, rotation = schedule.tasks[member], LocalRotation(member, ring)
+    plan = RingPlan.build(tasks, rotation, kernel, head_dim ** -0.5, rows)
+    return RankStep(comm, sizes, member, plan, heads // degree, max(1, kv_heads // degree), rows, seq_len,
+                    schedule.useful_pairs()[member], gathered)
+
+
+def transfer_bytes(comm: str, cp: int, seq_len: int, heads: int, kv_heads: int, head_dim: int,
+                   inner: int = 2, elem: int = 2) -> dict[str, float]:
+    """Bytes one rank sends per layer, forward and backward, by scheme (bf16 activations, fp32 dK/dV as
+    the ring sends them): the analytic figures of docs/performance.md's transfer model."""
+    n = seq_len // cp                      # tokens per rank
+    kv = 2 * n * kv_heads * head_dim * elem  # one rank's K and V
+    qo = n * heads * head_dim * elem         # one rank's Q (or out)
+    if comm in ("p2p", "all_gather"):
+        ring = (cp - 1) * kv
+        if comm == "all_gather":  # the backward reduce-scatters dK/dV in the inputs' dtype
+            return {"forward": ring, "backward": ring}
+        return {"forward": ring, "backward": ring + 2 * ring}  # the K/V again, and fp32 dK/dV partial sums
+    degree = cp if comm == "a2a" else inner
+    a2a = (degree - 1) / degree * (2 * qo + kv)  # q, out and k, v; per direction
+    if comm == "a2a":
+        return {"forward": a2a, "backward": a2a}
+    outer = cp // degree
+    ring = (outer - 1) * kv                  # after the a2a a member holds degree x the tokens, 1/degree heads
+    if comm == "a2a+all_gather":
+        return {"forward": a2a + ring, "backward": a2a + ring}
+    return {"forward": a2a + ring, "backward": a2a + 3 * ring}
+

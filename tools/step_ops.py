@@ -1,0 +1,190 @@
+#!/usr/bin/env python
+"""Count the work one rank's attention step does outside the attention calls, without a GPU.
+
+The CUDA path is rehearsed on fake CUDA tensors (``FakeTensorMode``: shapes, no numbers) with the cuDNN
+op, and every aten op the executor dispatches is recorded by a ``TorchDispatchMode``:
+
+- attention ops (``_scaled_dot_product_*``) are counted apart, as calls;
+- ops that launch no kernel are not counted: views (``narrow``, ``permute``, ``reshape`` of a view, ...)
+  and allocations (``empty``, ``empty_strided``);
+- a fused region (``merge.merge_``, ``merge.add_kv_``, compiled into one kernel each on a GPU) counts as
+  one op, whatever eager ops it runs here; its bytes are its operands' sizes (each read once, the
+  accumulator written once);
+- every other op counts as one kernel; its bytes are the tensors it reads plus the tensors it writes
+  (``copy_``/``fill_`` read only their source).
+
+What a GPU adds that this cannot see: the kernels inside the attention ops (cuDNN's dq conversion, for
+one) and the launches of the communication. The counts are the forward and the backward of
+``ring_forward``/``ring_backward`` for one rank (``tools/rank_step.py``), as tests/test_step_ops.py pins
+them per scheme, so a change that adds work to the hot path fails a test.
+
+    python tools/step_ops.py --seq-len 32768 --cp 8            # every scheme, Llama-3-8B heads
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterator
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_flatten  # noqa: E402
+
+from mcp_context import merge  # noqa: E402
+from mcp_context.algorithms.executor import ring_backward, ring_forward  # noqa: E402
+from mcp_context.kernels.torch_sdpa import FUSED_OPS, TorchKernel  # noqa: E402
+from mcp_context.masks import CAUSAL, Mask  # noqa: E402
+from tools.rank_step import SCHEMES, rank_step  # noqa: E402
+
+CUDA = torch.device("cuda")
+NO_KERNEL = frozenset({
+    "view", "_unsafe_view", "narrow", "slice", "permute", "transpose", "t", "unsqueeze", "squeeze", "expand",
+    "as_strided", "alias", "detach", "select", "unflatten", "split", "split_with_sizes", "unbind", "movedim",
+    "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh", "flip_view",
+})
+WRITE_ONLY_FIRST = frozenset({"copy_", "fill_", "zero_"})
+FUSED = ("merge_", "add_kv_")
+
+
+def _nbytes(x) -> int:
+    return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
+
+
+@dataclass
+class Tally:
+    """Ops outside attention (``ops``, by name in ``by_op``), their bytes, and attention calls."""
+
+    ops: int = 0
+    bytes: int = 0
+    attention_calls: int = 0
+    by_op: Counter = field(default_factory=Counter)
+
+    def add(self, name: str, nbytes: int) -> None:
+        self.ops += 1
+        self.bytes += nbytes
+        self.by_op[name] += 1
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.tally = Tally()
+        self.suspended = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.suspended:
+            return out
+        name = func.overloadpacket.__name__
+        if func.namespace == "prim":  # metadata queries (a tensor's device, sizes): no kernel
+            return out
+        if "scaled_dot_product" in name:
+            self.tally.attention_calls += 1
+        elif name not in NO_KERNEL and not (name == "view" or name.endswith("_view")):
+            inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+            reads = inputs[1:] if name in WRITE_ONLY_FIRST else inputs
+            written = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+            self.tally.add(name, sum(map(_nbytes, reads)) + sum(map(_nbytes, written)))
+        return out
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[_Counter]:
+    """Count ops (see the module docstring); each fused region counts once with its operands' bytes."""
+    counter = _Counter()
+    originals = {name: getattr(merge, f"_{name.rstrip('_')}") for name in FUSED}
+
+    def fused(name, region):
+        def run(*args):
+            # accumulator read and written, every other operand read once
+            counter.tally.add(name, sum(map(_nbytes, args)) + _nbytes(args[0]))
+            counter.suspended += 1
+            try:
+                region.eager(*args)
+            finally:
+                counter.suspended -= 1
+        return run
+
+    for name, region in originals.items():
+        setattr(merge, f"_{name.rstrip('_')}", fused(name, region))
+    try:
+        with counter:
+            yield counter
+    finally:
+        for name, region in originals.items():
+            setattr(merge, f"_{name.rstrip('_')}", region)
+
+
+@dataclass(frozen=True)
+class StepCount:
+    """One rank's step: the forward's and backward's tallies, and what the step's outputs weigh."""
+
+    comm: str
+    calls: int
+    forward: Tally
+    backward: Tally
+    output_bytes: int
+    """out + lse + dq + dk + dv of the rank (the dK/dV of every row its plan reads)."""
+
+    @property
+    def ops(self) -> int:
+        return self.forward.ops + self.backward.ops
+
+    @property
+    def bytes(self) -> int:
+        return self.forward.bytes + self.backward.bytes
+
+
+def count_step(comm: str, seq_len: int, cp: int, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
+               mask: Mask = CAUSAL, inner: int = 2, rank: int = 0, op: str = "cudnn") -> StepCount:
+    """Count rank ``rank``'s forward and backward of ``comm`` on fake CUDA bf16 tensors (batch 1)."""
+    kernel = TorchKernel(FUSED_OPS[op])
+    step = rank_step(comm, cp, seq_len, mask, kernel, heads, kv_heads, head_dim, inner, rank=rank)
+    dtype = torch.bfloat16
+    with FakeTensorMode():
+        def empty(*shape):
+            return torch.empty(*shape, device=CUDA, dtype=dtype)
+
+        q, dout = empty(step.q_rows, 1, step.heads, head_dim), empty(step.q_rows, 1, step.heads, head_dim)
+        k, v = empty(step.kv_rows, 1, step.kv_heads, head_dim), empty(step.kv_rows, 1, step.kv_heads, head_dim)
+        ring_backward(dout, q, k, v, *ring_forward(q, k, v, step.plan), step.plan)  # warm: per-process constants
+        with counting() as fwd:
+            out, lse = ring_forward(q, k, v, step.plan)
+        with counting() as bwd:
+            ring_backward(dout, q, k, v, out, lse, step.plan)
+        outputs = 2 * _nbytes(q) + _nbytes(lse) + 2 * _nbytes(k)  # out, dq; lse; dk, dv
+    return StepCount(comm, step.calls, fwd.tally, bwd.tally, outputs)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seq-len", type=int, default=32768)
+    ap.add_argument("--cp", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--inner", type=int, default=2, help="all-to-all degree of the hierarchical schemes")
+    ap.add_argument("--rank", type=int, default=0)
+    args = ap.parse_args(argv)
+    print(f"S={args.seq_len} P={args.cp} h={args.heads}/{args.kv_heads} d={args.head_dim}, rank {args.rank}, "
+          f"cuDNN, bf16 (fake CUDA tensors)")
+    print(f"{'scheme':16}{'calls':>6}{'ops fwd':>9}{'ops bwd':>9}{'ops':>6}{'MiB':>9}{'x outputs':>11}  ops by name")
+    for comm in SCHEMES:
+        c = count_step(comm, args.seq_len, args.cp, args.heads, args.kv_heads, args.head_dim, inner=args.inner,
+                       rank=args.rank)
+        names = ", ".join(f"{n} {k}" for n, k in (c.forward.by_op + c.backward.by_op).most_common())
+        print(f"{comm:16}{c.calls:>6}{c.forward.ops:>9}{c.backward.ops:>9}{c.ops:>6}{c.bytes / 2**20:>9.0f}"
+              f"{c.bytes / c.output_bytes:>11.1f}  {names}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
