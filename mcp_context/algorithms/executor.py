@@ -108,8 +108,15 @@ def _contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def _accumulator(like: torch.Tensor, shape: tuple, dtype: torch.dtype, fill: float, covered: bool) -> torch.Tensor:
-    """An accumulator of ``shape`` on ``like``'s device: uninitialised when every row gets a first write."""
-    return like.new_empty(shape, dtype=dtype) if covered else like.new_full(shape, fill, dtype=dtype)
+    """An accumulator of ``shape`` on ``like``'s device: uninitialised when every row gets a first write.
+
+    A ``[b, h, s, d]`` accumulator is stored token-major (``[s, b, h, d]``, viewed): the order of the
+    inputs and of the fused ops' outputs, so the merges, adds and the final copy stream through memory
+    in the same order as what they read (a transposed read or write ran the merge at a third of the
+    memory bandwidth on an H200)."""
+    stored = (shape[2], shape[0], shape[1], shape[3]) if len(shape) == 4 else shape
+    x = like.new_empty(stored, dtype=dtype) if covered else like.new_full(stored, fill, dtype=dtype)
+    return _bhsd(x) if len(shape) == 4 else x
 
 
 def _adopt_lse(l: torch.Tensor, rows: int, dtype: torch.dtype) -> bool:

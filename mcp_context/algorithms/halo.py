@@ -23,7 +23,7 @@ from torch.distributed import ProcessGroup
 from ..comm.primitives import PeerExchange, PendingExchange
 from ..schedule import Schedule
 from ..merge import add_kv_
-from .rotation import pack_kv, rows_of, split_kv
+from .rotation import bhsd, pack_kv, rows_of, split_kv
 
 Rows = tuple[tuple[int, int], ...]
 
@@ -74,7 +74,7 @@ class HaloRotation:
         return self.peers[(self.member + step) % self.ring_size]
 
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-        kv, dqk = pack_kv(k, v), k.shape[-1]  # [b, h_kv, n, dqk + dv]
+        kv, dqk = bhsd(pack_kv(k, v)), k.shape[-1]  # [b, h_kv, n, dqk + dv]
         pending: dict[int, PendingExchange] = {}
         for t in sorted(set(self.recv_rows) | set(self.send_rows)):
             sends = {self._dst(t): _take(kv, self.send_rows[t])} if t in self.send_rows else {}

@@ -59,13 +59,28 @@ class Rotation(Protocol):
         """The dK/dV accumulators of a backward walk, in ``dtype``."""
 
 
+def bhsd(x: torch.Tensor) -> torch.Tensor:
+    """``x [n, b, h, d]`` (token-major storage) viewed as ``[b, h, n, d]``, the order the kernels index."""
+    return x.permute(1, 2, 0, 3)
+
+
+def token_major_zeros(like: torch.Tensor, dims: int, dtype: torch.dtype) -> torch.Tensor:
+    """A zero ``[n, b, h, dims]`` buffer for the rows of ``like [b, h, n, ...]``: dK/dV accumulators and
+    messages are token-major, the storage order of the inputs and of the fused ops' gradients, so every
+    add and copy between them reads and writes memory in the same order."""
+    b, h, n = like.shape[:3]
+    return torch.zeros((n, b, h, dims), dtype=dtype, device=like.device)
+
+
 def pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """``k [b, h_kv, n, dqk]``, ``v [b, h_kv, n, dv]`` -> one ``[b, h_kv, n, dqk + dv]`` message."""
-    return torch.cat([k, v], dim=-1)
+    """``k [b, h_kv, n, dqk]``, ``v [b, h_kv, n, dv]`` (views of token-major storage) -> one contiguous
+    ``[n, b, h_kv, dqk + dv]`` message (view it with ``bhsd``)."""
+    return torch.cat([k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)], dim=-1)
 
 
 def split_kv(kv: torch.Tensor, dqk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views of K and V in a ``pack_kv`` message (or a dK/dV accumulator) whose keys have ``dqk`` columns."""
+    """Views of K and V in a ``[b, h_kv, n, dqk + dv]`` view of a ``pack_kv`` message (or of a dK/dV
+    accumulator) whose keys have ``dqk`` columns."""
     return kv.narrow(-1, 0, dqk), kv.narrow(-1, dqk, kv.shape[-1] - dqk)  # narrow: see executor._rows
 
 
@@ -79,15 +94,14 @@ class RingRotation:
         kv, dqk = pack_kv(k, v), k.shape[-1]  # one message per step
         for step in range(self.steps):
             pending = self.kv_exchange.start(kv, step) if step + 1 < self.steps else None
-            yield step, *split_kv(kv, dqk)
+            yield step, *split_kv(bhsd(kv), dqk)
             if pending is not None:
                 t0 = trace.now()
                 kv = pending.wait()
                 trace.record("kv_wait", step + 1, t0)
 
     def gradients(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> "RingGradients":
-        shape = tuple(k.shape[:-1]) + (k.shape[-1] + v.shape[-1],)
-        return RingGradients(self.dkv_exchange, shape, k.shape[-1], dtype, k.device, self.steps)
+        return RingGradients(self.dkv_exchange, k, k.shape[-1] + v.shape[-1], k.shape[-1], dtype, self.steps)
 
 
 class RingGradients:
@@ -97,20 +111,20 @@ class RingGradients:
     The last send of every member lands each accumulator at its owner (the next member after a full
     walk; after a walk of ``steps`` the member ``steps - 1`` back, sent there directly)."""
 
-    def __init__(self, exchange: RingExchange, shape: tuple, dqk: int, dtype: torch.dtype, device: torch.device,
+    def __init__(self, exchange: RingExchange, k: torch.Tensor, dims: int, dqk: int, dtype: torch.dtype,
                  steps: Optional[int] = None):
-        self.exchange, self.shape, self.dqk, self.dtype, self.device = exchange, shape, dqk, dtype, device
+        self.exchange, self.k, self.dims, self.dqk, self.dtype = exchange, k, dims, dqk, dtype
         self.steps = len(exchange.peers) if steps is None else steps
         self.pending: Optional[PendingExchange[torch.Tensor]] = None  # the ring's hop in flight
         self.cut_short: Optional[tuple[PendingExchange[dict[int, torch.Tensor]], int]] = None  # (hop home, from)
         self.home: Optional[torch.Tensor] = None  # a walk of one step: the own shard's dK/dV stays here
-        self.current: Optional[torch.Tensor] = None  # the accumulator of the shard held at this step
+        self.current: Optional[torch.Tensor] = None  # [n, b, h_kv, dqk + dv]: the shard held at this step
         self.step = -1
 
     def _accumulator(self, step: int) -> torch.Tensor:
         if self.current is None:
             if self.pending is None:  # step 0: this member's own part starts the sum
-                self.current = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+                self.current = token_major_zeros(self.k, self.dims, self.dtype)
             else:
                 t0 = trace.now()
                 self.current = self.pending.wait()
@@ -119,7 +133,7 @@ class RingGradients:
         return self.current
 
     def add(self, step: int, rows: tuple[int, int], dk: torch.Tensor, dv: torch.Tensor) -> None:
-        add_kv_(rows_of(self._accumulator(step), rows), dk, dv)
+        add_kv_(rows_of(bhsd(self._accumulator(step)), rows), dk, dv)
 
     def done(self, step: int) -> None:
         dkv, self.current = self._accumulator(step), None
@@ -136,7 +150,7 @@ class RingGradients:
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.home is not None:
-            return split_kv(self.home, self.dqk)
+            return split_kv(bhsd(self.home), self.dqk)
         t0 = trace.now()
         if self.cut_short is not None:
             pending, holder = self.cut_short
@@ -144,7 +158,7 @@ class RingGradients:
         else:
             received = self.pending.wait()
         trace.record("dkv_wait", self.step + 1, t0)
-        return split_kv(received, self.dqk)
+        return split_kv(bhsd(received), self.dqk)
 
 
 class LocalRotation:
@@ -165,8 +179,7 @@ class LocalRotation:
             yield step, k.narrow(2, rows.start, rows.stop - rows.start), v.narrow(2, rows.start, rows.stop - rows.start)
 
     def gradients(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> "LocalGradients":
-        shape = tuple(k.shape[:-1]) + (k.shape[-1] + v.shape[-1],)
-        return LocalGradients(self, k.new_zeros(shape, dtype=dtype), k.shape[-1])
+        return LocalGradients(self, bhsd(token_major_zeros(k, k.shape[-1] + v.shape[-1], dtype)), k.shape[-1])
 
 
 class LocalGradients:
