@@ -1,10 +1,21 @@
-"""Predicted attention time of one layer, from the schedule, the dry run's bytes and a machine profile.
+"""Predicted attention time of one layer, from the tasks the engine executes, the dry run's bytes and a
+machine profile calibrated on measured GPU rates.
 
 The model follows the engine step by step. Ranks move through the ring in lockstep, so a step costs
-the slowest member's compute (its tasks in the schedule, ``4*d`` FLOPs per visible pair and head
-forward, 2.5x that backward: the backward recomputes the scores) and the slowest rank's transfer.
-A transfer to a peer on the same node runs at the NVLink bandwidth, to another node at the network
-bandwidth; a collective whose peers are on both runs on both at once (the slower part counts).
+the slowest member's compute and the slowest rank's transfer. A member's compute at a step is the sum
+over its block tasks (the plan the dry run resolved: a ring's tasks per step, or an all-gather's few
+calls in one step) of
+
+- the attention call: its FLOPs (``4 d`` per visible pair and head forward, 3.5x that forward+backward)
+  at the rate the profile's tables give for the call's shape (causal squares by rows, full blocks by the
+  causal length of equal pairs, ``sqrt(2 * pairs)``, interpolated in log length), plus a fixed
+  per-call overhead;
+- the work around it (``task_bytes``): the merge or first copy of its output forward, the dQ and dK/dV
+  accumulation backward, at the profile's memory bandwidth;
+
+and once per layer the result copies and the dK/dV buffer's fill. A transfer to a peer on the same node
+runs at the NVLink bandwidth, to another node at the network bandwidth; a collective whose peers are on
+both runs on both at once (the slower part counts).
 
 - Forward: the all-to-all / all-gather is exposed; ring step ``t`` computes while the shard for
   step ``t+1`` travels: ``sum_t max(compute_t, transfer_t)`` with overlap, the plain sum without.
@@ -16,14 +27,68 @@ transfers (every ring transfer of a pass has the same size).
 """
 from __future__ import annotations
 
+import bisect
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..schedule import Schedule
+from ..algorithms.executor import first_writes
+from ..schedule import BlockTask
 from .dryrun import RankShape, RankTraffic
 from .profiles import MachineProfile
 
-BACKWARD_FLOP_FACTOR = 2.5  # QK^T, dP = dO V^T, dV, dQ, dK: five matmuls for forward's two
+FWD_BWD_FLOP_FACTOR = 3.5  # forward + backward FLOPs over forward's (the backward recomputes the scores)
+
+
+def _rate(table: Sequence[tuple[float, float, float]], length: float) -> tuple[float, float]:
+    """``(forward, forward+backward)`` TFLOP/s at ``length``: log-linear between the table's rows, the end
+    rows' figures beyond them."""
+    lengths = [r[0] for r in table]
+    i = bisect.bisect_left(lengths, length)
+    if i == 0:
+        return table[0][1], table[0][2]
+    if i == len(table):
+        return table[-1][1], table[-1][2]
+    (x0, f0, b0), (x1, f1, b1) = table[i - 1], table[i]
+    w = (math.log(length) - math.log(x0)) / (math.log(x1) - math.log(x0))
+    return f0 + w * (f1 - f0), b0 + w * (b1 - b0)
+
+
+def call_seconds(profile: MachineProfile, task: BlockTask, flops_per_pair: float) -> tuple[float, float]:
+    """``(forward, backward)`` seconds of one task's attention call."""
+    pairs = task.useful_pairs
+    if pairs == 0:
+        return 0.0, 0.0
+    table = profile.full_tflops if task.mask.kind == "full" else profile.causal_tflops
+    fwd_rate, both_rate = _rate(table, math.sqrt(2 * pairs))
+    flops = pairs * flops_per_pair
+    overhead = profile.call_overhead_us * 1e-6
+    fwd = flops / (fwd_rate * 1e12) + overhead
+    both = FWD_BWD_FLOP_FACTOR * flops / (both_rate * 1e12) + 2 * overhead
+    return fwd, both - fwd
+
+
+def task_bytes(task: BlockTask, first: bool, shape: RankShape, heads: int, kv_heads: int) -> tuple[int, int]:
+    """``(forward, backward)`` bytes the executor moves around one task's call: the output's first copy into
+    the fp32 accumulator (read the block, write fp32) or its merge (read and write fp32, read the block),
+    and backward the same for dQ, plus the fused dK/dV add (read and write fp32, read the block)."""
+    e = shape.dtype.itemsize
+    acc = 8 if e == 8 else 4
+    rows, keys = task.q[1] - task.q[0], task.kv[1] - task.kv[0]
+    per = (e + acc) if first else (e + 2 * acc)
+    forward = shape.batch * rows * heads * (shape.dv * per + 3 * acc)
+    backward = shape.batch * (rows * heads * shape.head_dim * per
+                              + keys * kv_heads * (shape.head_dim + shape.dv) * (e + 2 * acc))
+    return forward, backward
+
+
+def layer_bytes(shape: RankShape, heads: int, kv_heads: int, q_rows: int, kv_rows: int) -> int:
+    """Bytes of a layer's work outside the steps: the out, dQ, dK and dV result copies (read fp32, write
+    the input dtype) and the fill of the dK/dV buffer."""
+    e = shape.dtype.itemsize
+    acc = 8 if e == 8 else 4
+    kv = shape.batch * kv_rows * kv_heads * (shape.head_dim + shape.dv)
+    return shape.batch * q_rows * heads * (shape.dv + shape.head_dim) * (acc + e) + kv * (acc + e) + kv * acc
 
 
 @dataclass(frozen=True)
@@ -84,10 +149,23 @@ class Fabric:
         return round(intra), round(sum(ops.values()) - intra)
 
 
-def step_pairs(schedule: Schedule) -> list[int]:
-    """Visible pairs of the slowest member at each ring step (ranks move in lockstep)."""
-    return [max(sum(t.useful_pairs for t in schedule.tasks[m][step]) for m in range(schedule.ring_size))
-            for step in range(schedule.ring_size)]
+def step_compute(traffics: Sequence[RankTraffic], shape: RankShape, a2a_degree: int, profile: MachineProfile
+                 ) -> tuple[list[float], list[float]]:
+    """Forward and backward compute seconds of each step, the slowest rank's (ranks move in lockstep)."""
+    heads, kv_heads = shape.heads // a2a_degree, max(1, shape.kv_heads // a2a_degree)
+    flops_per_pair = 2 * (shape.head_dim + shape.dv) * shape.batch * heads  # QK^T and PV
+    bandwidth = profile.memory_bandwidth_gbps * 1e9
+    steps = len(traffics[0].tasks)
+    fwd, bwd = [0.0] * steps, [0.0] * steps
+    for tr in traffics:
+        for t, (tasks, firsts) in enumerate(zip(tr.tasks, first_writes(tr.tasks))):
+            f = b = 0.0
+            for task, first in zip(tasks, firsts):
+                cf, cb = call_seconds(profile, task, flops_per_pair)
+                bf, bb = task_bytes(task, first, shape, heads, kv_heads)
+                f, b = f + cf + bf / bandwidth, b + cb + bb / bandwidth
+            fwd[t], bwd[t] = max(fwd[t], f), max(bwd[t], b)
+    return fwd, bwd
 
 
 def _collective_seconds(fabric: Fabric, traffic: RankTraffic, ops: dict[str, int], calls: dict[str, int]) -> float:
@@ -95,15 +173,15 @@ def _collective_seconds(fabric: Fabric, traffic: RankTraffic, ops: dict[str, int
                for op, b in ops.items() if not op.startswith("ring_"))
 
 
-def predict(schedule: Schedule, shape: RankShape, a2a_degree: int, traffics: Sequence[RankTraffic],
-            fabric: Fabric) -> Prediction:
+def predict(shape: RankShape, a2a_degree: int, traffics: Sequence[RankTraffic], fabric: Fabric) -> Prediction:
     """Forward and backward time of one attention layer (slowest rank of ``traffics`` at every step)."""
     p = fabric.profile
-    flops_per_pair = 2 * (shape.head_dim + shape.dv) * shape.batch * shape.heads // a2a_degree  # QK^T and PV
-    pairs = step_pairs(schedule)
-    c_fwd = [n * flops_per_pair / (p.attention_tflops * 1e12) for n in pairs]
-    c_bwd = [n * flops_per_pair * BACKWARD_FLOP_FACTOR / (p.attention_bwd_tflops * 1e12) for n in pairs]
-    steps = len(pairs)
+    c_fwd, c_bwd = step_compute(traffics, shape, a2a_degree, p)
+    heads, kv_heads = shape.heads // a2a_degree, max(1, shape.kv_heads // a2a_degree)
+    extra = max(layer_bytes(shape, heads, kv_heads, tr.q_rows, tr.kv_rows) for tr in traffics) / (
+        p.memory_bandwidth_gbps * 1e9)
+    c_bwd[-1] += extra  # the result copies and the dK/dV fill, once per layer (counted with the backward)
+    steps = len(c_fwd)
 
     def ring_transfer(kv_fwd: bool, kv_bwd: bool, dkv: bool) -> float:
         """Slowest rank's time for one step's ring traffic of the given kinds."""

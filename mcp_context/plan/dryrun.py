@@ -72,6 +72,12 @@ class RankTraffic:
     """Bytes allocated by the layer that are still alive after forward (inputs included)."""
     peak_bytes: int = 0
     """Peak bytes allocated during forward and backward (inputs and output gradient included)."""
+    tasks: tuple = ()
+    """The block tasks this rank's executor runs, per step (``RingPlan.tasks``)."""
+    q_rows: int = 0
+    """Query rows the executor holds (the shard, times the all-to-all degree)."""
+    kv_rows: int = 0
+    """Key/value rows whose dK/dV the executor accumulates (the whole sequence after an all-gather)."""
 
 
 @contextlib.contextmanager
@@ -198,4 +204,7 @@ def dry_run_rank(comm: str, sizes: Sequence[int], layout: str, mask: Mask, shape
             peak = tracker.peak
     backward = dict(Counter(total) - Counter(forward))
     calls_backward = dict(Counter(calls) - Counter(calls_forward))
-    return RankTraffic(cp_rank, forward, backward, destinations, calls_forward, calls_backward, saved, peak)
+    q_rows = s_local * scheme.inner
+    kv_rows = shape.seq_len if scheme.gather is not None else q_rows
+    return RankTraffic(cp_rank, forward, backward, destinations, calls_forward, calls_backward, saved, peak,
+                       tuple(tuple(step) for step in scheme.plan.tasks), q_rows, kv_rows)

@@ -152,7 +152,7 @@ def evaluate(req: PlanRequest, cand: Candidate, ranks: Optional[list[int]] = Non
     return PlanRow(cand, dp, load_balance(schedule), masked_waste(schedule), schedule.ring_size,
                    steps_with_work(schedule), traffics[worst].forward,
                    traffics[worst].backward, *splits[worst],
-                   predict(schedule, shape, cand.a2a_degree, traffics, fabric),
+                   predict(shape, cand.a2a_degree, traffics, fabric),
                    max(tr.saved_bytes for tr in traffics), peak, activation, state,
                    activation + state <= req.profile.memory_gib * GIB, list(ranks))
 

@@ -2,7 +2,10 @@
 
 A profile is a small YAML file (shipped ones live in ``profiles/``: ``h100_nvlink_ib``,
 ``h200_nvlink_ib``); ``load_profile`` takes a shipped name or a path to an edited copy and refuses
-missing, unknown or non-positive fields by name. This module owns only the numbers; how they turn
+missing, unknown or non-positive fields by name. The attention rates are tables by block shape (short
+blocks run far below long ones: 98 against 585 TFLOP/s forward+backward at 1K and 16K rows on an H200),
+with a per-call overhead and the bandwidth of the step's other work, fitted to a measured rank step
+(``tools/calibrate_profile.py``); ``measured`` says where each figure comes from. This module owns only the numbers; how they turn
 into times is ``cost.py``.
 """
 from __future__ import annotations
@@ -26,9 +29,33 @@ class MachineProfile:
     inter_node_bandwidth_gbps: float
     intra_node_latency_us: float
     inter_node_latency_us: float
-    attention_tflops: float
-    attention_bwd_tflops: float
     memory_gib: float
+    causal_tflops: tuple[tuple[float, float, float], ...]
+    """The fused op on causal squares: ``(rows, forward TFLOP/s, forward+backward TFLOP/s)`` rows, by
+    rows (FLOPs: ``4 d`` per visible pair and head forward, 3.5x that forward+backward)."""
+    full_tflops: tuple[tuple[float, float, float], ...]
+    """The same for full blocks, by the causal length of equal pairs, ``sqrt(2 * pairs)``."""
+    call_overhead_us: float
+    """Fixed cost of one attention call beyond its FLOPs at the table's rate (fitted to a measured step)."""
+    memory_bandwidth_gbps: float
+    """Effective GB/s of the step's merges, accumulations and copies (fitted to a measured profile)."""
+    measured: str
+    """Where the figures come from: machine, software, command and date; what is not measured."""
+
+
+TABLES = ("causal_tflops", "full_tflops")
+
+
+def _table(path: Path, key: str, value: object) -> tuple[tuple[float, float, float], ...]:
+    """A rate table: at least one ``[length, forward TFLOP/s, forward+backward TFLOP/s]`` row, positive
+    numbers, lengths increasing."""
+    ok = isinstance(value, list) and value and all(
+        isinstance(r, list) and len(r) == 3 and all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+                                                    for x in r) for r in value)
+    if not ok or any(a[0] >= b[0] for a, b in zip(value, value[1:])):
+        raise ValueError(f"profile {path}: {key}={value!r} must be a list of [length, fwd TFLOP/s, fwd+bwd TFLOP/s] "
+                         f"rows of positive numbers with increasing lengths, e.g. [[4096, 448, 453], [16384, 645, 585]]")
+    return tuple(tuple(float(x) for x in r) for r in value)
 
 
 def shipped_profiles() -> list[str]:
@@ -51,7 +78,10 @@ def load_profile(name_or_path: str) -> MachineProfile:
         raise ValueError(f"profile {path}: unknown fields {unknown}, missing fields {missing}; "
                          f"a profile has exactly {', '.join(fields)}")
     for key, value in data.items():
-        if key != "name" and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+        if key in TABLES:
+            data[key] = _table(path, key, value)
+        elif key not in ("name", "measured") and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                                  or value <= 0):
             raise ValueError(f"profile {path}: {key}={value!r} must be a positive number")
     if not isinstance(data["gpus_per_node"], int):
         raise ValueError(f"profile {path}: gpus_per_node={data['gpus_per_node']!r} must be an integer")

@@ -1,0 +1,109 @@
+#!/usr/bin/env python
+"""Fit a planner profile's per-call overhead and step bandwidth to measured GPU figures, and show how
+well the calibrated model predicts every measured rank step.
+
+Inputs are what ``tools/kernel_rates.py`` and ``tools/bench_attention.py --device-schemes ...`` write on
+a GPU: the fused op's rates by block shape (the profile's ``causal_tflops`` / ``full_tflops`` tables),
+one profiled fwd+bwd per scheme (GPU time outside the attention kernels), and each scheme's measured
+rank step. The fit:
+
+- ``memory_bandwidth_gbps``: the bytes the step moves outside attention (``plan.cost.task_bytes`` and
+  ``layer_bytes`` over the tasks the engine runs) over the profiled GPU time outside attention, the
+  median over the profiled steps;
+- ``call_overhead_us``: what the measured steps take beyond their calls at the tables' rates and their
+  bytes at that bandwidth, per attention call (forward and backward each count one), the median over
+  the measured steps at ``--fit-world-size``.
+
+Then every measured step is predicted with the fitted profile and printed beside its measurement.
+
+    python tools/calibrate_profile.py --profile h200_nvlink_ib --rates docs/gpu/h200_run1_rates.jsonl \\
+        --bench docs/gpu/h200_run1_bench.json
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from mcp_context.kernels.torch_sdpa import FUSED_OPS, TorchKernel  # noqa: E402
+from mcp_context.masks import CAUSAL  # noqa: E402
+from mcp_context.plan.cost import layer_bytes, step_compute  # noqa: E402
+from mcp_context.plan.dryrun import RankShape, RankTraffic  # noqa: E402
+from mcp_context.plan.profiles import MachineProfile, load_profile  # noqa: E402
+from tools.rank_step import rank_step  # noqa: E402
+
+
+def _lines(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def predicted_step(profile: MachineProfile, comm: str, seq_len: int, cp: int, heads: int, kv_heads: int,
+                   head_dim: int) -> tuple[float, int, int]:
+    """``(seconds, calls, bytes)`` of one rank's fwd+bwd of ``comm`` (rank 0, batch 1, bf16), compute only."""
+    step = rank_step(comm, cp, seq_len, CAUSAL, TorchKernel(FUSED_OPS["cudnn"]), heads, kv_heads, head_dim)
+    shape = RankShape(seq_len, 1, step.heads, step.kv_heads, head_dim, torch.bfloat16)
+    traffic = RankTraffic(0, {}, {}, tasks=tuple(step.plan.tasks), q_rows=step.q_rows, kv_rows=step.kv_rows)
+    fwd, bwd = step_compute([traffic], shape, 1, profile)
+    extra = layer_bytes(shape, step.heads, step.kv_heads, step.q_rows, step.kv_rows)
+    return sum(fwd) + sum(bwd) + extra / (profile.memory_bandwidth_gbps * 1e9), step.calls, extra
+
+
+def _moved_bytes(profile: MachineProfile, comm: str, seq_len: int, cp: int, heads: int, kv_heads: int,
+                 head_dim: int) -> float:
+    """Bytes outside attention of one step: the time at 1 GB/s and no call overhead, in seconds = GB."""
+    unit = dataclasses.replace(profile, memory_bandwidth_gbps=1.0, call_overhead_us=1e-9,
+                               causal_tflops=((1.0, 1e12, 1e12),), full_tflops=((1.0, 1e12, 1e12),))
+    return predicted_step(unit, comm, seq_len, cp, heads, kv_heads, head_dim)[0] * 1e9
+
+
+def calibrate(profile: MachineProfile, rates: list[dict], bench: dict, fit_world: int = 8
+              ) -> tuple[MachineProfile, list[dict]]:
+    heads, kv_heads, d = (bench["shape"][k] for k in ("heads", "kv_heads", "head_dim"))
+    profiled = [r for r in rates if r["part"] == "profile"]
+    bandwidth = statistics.median(_moved_bytes(profile, r["comm"], r["seq_len"], r["cp"], heads, kv_heads, d)
+                                  / (r["other_us"] * 1e-6) / 1e9 for r in profiled)
+    profile = dataclasses.replace(profile, memory_bandwidth_gbps=round(bandwidth), call_overhead_us=1e-9)
+    steps = [(dev["seq_len"], r) for dev in bench["device"] for r in dev["rank_schedule"] if "error" not in r]
+    over = []
+    for seq_len, r in steps:
+        if r["world_size"] == fit_world:
+            model, calls, _ = predicted_step(profile, r["comm"], seq_len, r["world_size"], heads, kv_heads, d)
+            over.append((statistics.median(r["fwd_bwd"]["ours_s"]) - model) / (2 * calls) * 1e6)
+    profile = dataclasses.replace(profile, call_overhead_us=round(max(statistics.median(over), 0.0), 1))
+    rows = []
+    for seq_len, r in steps:
+        model = predicted_step(profile, r["comm"], seq_len, r["world_size"], heads, kv_heads, d)[0]
+        measured = statistics.median(r["fwd_bwd"]["ours_s"])
+        rows.append({"seq_len": seq_len, "cp": r["world_size"], "comm": r["comm"], "measured_ms": measured * 1e3,
+                     "predicted_ms": model * 1e3, "error": model / measured - 1})
+    return profile, rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--profile", required=True, help="shipped profile name or YAML path (its tables are used)")
+    ap.add_argument("--rates", required=True, help="tools/kernel_rates.py's JSON lines (with 'profile' rows)")
+    ap.add_argument("--bench", required=True, help="tools/bench_attention.py's JSON (every scheme)")
+    ap.add_argument("--fit-world-size", type=int, default=8)
+    args = ap.parse_args(argv)
+    with open(args.bench) as f:
+        bench = json.load(f)
+    profile, rows = calibrate(load_profile(args.profile), _lines(args.rates), bench, args.fit_world_size)
+    print(f"memory_bandwidth_gbps: {profile.memory_bandwidth_gbps:.0f}\ncall_overhead_us: {profile.call_overhead_us}")
+    print(f"{'S':>7} {'P':>3} {'scheme':15} {'measured ms':>12} {'predicted ms':>13} {'error':>7}")
+    for r in rows:
+        print(f"{r['seq_len']:>7} {r['cp']:>3} {r['comm']:15} {r['measured_ms']:>12.2f} {r['predicted_ms']:>13.2f} "
+              f"{r['error']:>+7.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
