@@ -7,9 +7,10 @@ op, and every aten op the executor dispatches is recorded by a ``TorchDispatchMo
 - attention ops (``_scaled_dot_product_*``) are counted apart, as calls;
 - ops that launch no kernel are not counted: views (``narrow``, ``permute``, ``reshape`` of a view, ...)
   and allocations (``empty``, ``empty_strided``);
-- a fused region (``merge.merge_``, ``merge.add_kv_``, compiled into one kernel each on a GPU) counts as
-  one op, whatever eager ops it runs here; its bytes are its operands' sizes (each read once, the
-  accumulator written once);
+- a fused region (``merge.merge_``, ``merge.add_kv_``, compiled on a GPU) counts as the kernels the H200
+  profile shows it launching (``FUSED``: the merge is two, its output and its lse; the dK/dV add one),
+  whatever eager ops it runs here; its bytes are its operands' sizes (each read once, the accumulator
+  written once);
 - every other op counts as one kernel; its bytes are the tensors it reads plus the tensors it writes
   (``copy_``/``fill_`` read only their source).
 
@@ -50,7 +51,9 @@ NO_KERNEL = frozenset({
     "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh", "flip_view",
 })
 WRITE_ONLY_FIRST = frozenset({"copy_", "fill_", "zero_"})
-FUSED = ("merge_", "add_kv_")
+FUSED = {"merge_": 2, "add_kv_": 1}
+"""Kernels each compiled region launches on a GPU (torch.profiler on an H200, torch 2.11,
+docs/gpu/h200_run2_profile.jsonl: ``triton_poi_fused_..._mul`` + ``..._sub_1`` per merge, one per add)."""
 
 
 def _nbytes(x) -> int:
@@ -66,10 +69,10 @@ class Tally:
     attention_calls: int = 0
     by_op: Counter = field(default_factory=Counter)
 
-    def add(self, name: str, nbytes: int) -> None:
-        self.ops += 1
+    def add(self, name: str, nbytes: int, kernels: int = 1) -> None:
+        self.ops += kernels
         self.bytes += nbytes
-        self.by_op[name] += 1
+        self.by_op[name] += kernels
 
 
 class _Counter(TorchDispatchMode):
@@ -105,7 +108,7 @@ def counting() -> Iterator[_Counter]:
     def fused(name, region):
         def run(*args):
             # accumulator read and written, every other operand read once
-            counter.tally.add(name, sum(map(_nbytes, args)) + _nbytes(args[0]))
+            counter.tally.add(name, sum(map(_nbytes, args)) + _nbytes(args[0]), FUSED[name])
             counter.suspended += 1
             try:
                 region.eager(*args)
