@@ -3,7 +3,7 @@
 #   1. the kernel report (which fused op serves each dtype, and why the others do not)
 #   2. the GPU tests (tests/test_gpu.py, tests/test_kernels.py)
 #   3. a representative subset of the member-schedule cases (P = 4, 8, 16; ring and a2a+p2p; bf16, fp16)
-#   4. the benchmark at S = 32K and 128K, P = 8, Llama-3-8B heads (32/8, d = 128), bf16
+#   4. the benchmark at S = 32K and 128K, P = 8, every scheme, Llama-3-8B heads (32/8, d = 128), bf16
 #   5. a 30-step bf16 pretrain of the tiny recipe on one GPU (CP 1), then its first and last loss
 #
 # Usage: PYTHON=/path/to/python tools/gpu_checks.sh [RESULTS_DIR]   (or: make test-gpu PYTHON=...)
@@ -11,8 +11,8 @@
 # PYTHONPATH, so the package runs from this checkout and a megatron-core installed elsewhere (pip
 # --target) stays importable. Each step writes its log to RESULTS_DIR/<step>.log as it runs and one
 # line to RESULTS_DIR/summary.jsonl when it ends (rc 124: it hit its timeout). The timeouts add up to
-# 535 s, inside 9 minutes; the expected total on an H100 is about 5-6 minutes, an estimate from the
-# field notes' figures, not a measurement. The full member grid is its own command:
+# 535 s, inside 9 minutes. On an H200 (2026-11-26) the benchmark of every scheme at 32K and 128K, P = 8,
+# took about 50 s and the GPU tests with 13 member cases about 2 minutes. The full member grid is its own command:
 #   $PYTHON -m pytest -q tests/test_member_schedules.py -k on_cuda
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -50,7 +50,8 @@ step 3_member_schedules 90 "$PYTHON" -m pytest -q -rs tests/test_member_schedule
     "on_cuda and (P4-contiguous-ring-full-hkv1 or P8-zigzag-ring-causal-hkv8 or P8-striped-a2a+p2p-full-hkv2 \
 or P16-zigzag-ring-causal-hkv2)"
 step 4_benchmark 150 "$PYTHON" tools/bench_attention.py --no-cpu --device-bench cuda --heads 32 --kv-heads 8 \
-    --head-dim 128 --device-seq-lens 32768 131072 --world-sizes 8 --reps 3 --out "$RESULTS/bench" --tag gpu_checks
+    --head-dim 128 --device-seq-lens 32768 131072 --world-sizes 8 --reps 3 --out "$RESULTS/bench" --tag gpu_checks \
+    --device-schemes p2p all_gather a2a a2a+p2p a2a+all_gather
 step 5_pretrain_bf16 90 "$PYTHON" -m torch.distributed.run --nproc-per-node 1 -m mcp_context.pretrain \
     --recipe recipes/tiny_cpu.yaml --run-dir "$RESULTS/pretrain" --restart model.context_parallel_size=1 \
     model.hierarchical_context_parallel_sizes=null model.cp_comm_type=p2p model.bf16=true \

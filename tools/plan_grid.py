@@ -3,8 +3,10 @@
 model's figures: which scheme is fastest for one attention layer, communication included.
 
 For each model (attention heads only: Llama-3-8B's 32/8 and Llama-3-70B's 64/8, d = 128, TP 1) and each
-``(S, P)``, every valid zigzag candidate of CP size ``P`` (flat and hierarchical, every scheme) is dry-run
-and predicted (``plan.evaluate``) on ``P`` GPUs, 8 a node; the table lists the fastest, its predicted
+``(S, P)``, the zigzag candidates of CP size ``P`` that ``python -m mcp_context.plan`` would consider with
+two levels at most (every flat scheme; the hierarchical ones with an all-to-all over 2, 4 or 8 adjacent
+ranks, the sizes one node of 8 holds) are dry-run and predicted (``plan.evaluate``) on ``P`` GPUs, 8 a
+node; the table lists the fastest, its predicted
 forward+backward ms, its compute alone, its efficiency against one fused call of equal useful FLOPs at
 the profile's rate (the benchmark's baseline, predicted), and the runner-up per family. Memory is not
 ranked here (``python -m mcp_context.plan`` does that for a whole model).
@@ -52,8 +54,8 @@ def grid(profile_name: str, seq_lens, cps, models) -> list[dict]:
         model = MODELS[name]
         req = PlanRequest(model, seq_len, cp, profile)
         valid, _ = enumerate_candidates([cp], seq_len, model.num_attention_heads, model.num_query_groups)
-        results = sorted(((evaluate(req, c).prediction, c) for c in valid if c.layout == "zigzag"),
-                         key=lambda x: x[0].total_s)
+        chosen = [c for c in valid if c.layout == "zigzag" and len(c.sizes) <= 2 and c.sizes[0] in (cp, 2, 4, 8)]
+        results = sorted(((evaluate(req, c).prediction, c) for c in chosen), key=lambda x: x[0].total_s)
         best, cand = results[0]
         fused = fused_equal_flops_s(profile, seq_len, cp, model.num_attention_heads, model.kv_channels)
         by_comm = {}
