@@ -62,3 +62,54 @@ def test_attention_flops_sum_to_the_causal_total(layout):
     assert sum(flops) == 4 * head_dim * batch * heads * seq * (seq + 1) // 2
     if layout == "zigzag":
         assert len(set(flops)) == 1
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("cp,inner", [(2, 1), (4, 1), (8, 1), (8, 2), (16, 4)])
+@pytest.mark.parametrize("mask", ["causal", "full", "window"])
+def test_gathered_tasks_cover_every_visible_pair_once_in_a_few_calls(layout, cp, inner, mask):
+    """An all-gather member's plan against the whole sequence in position order covers exactly the pairs it
+    sees, and a causal zigzag shard needs at most 4 calls (a full block and a causal square per chunk) for
+    any ring size, where the ring makes one per step."""
+    from mcp_context.masks import attention_mask
+    from mcp_context.schedule import gathered_tasks, position_pieces
+
+    seq = 16 * cp
+    value = {"causal": CAUSAL, "full": FULL, "window": attention_mask(True, (5, 0))}[mask]
+    sch = layout_schedule(layout, cp, seq, value, inner)
+    order = position_pieces(sch)
+    gathered_rows = torch.cat([spans_positions(spans) for spans in sch.member_spans])
+    assert torch.equal(torch.cat([gathered_rows[a:a + n] for a, n in order]), torch.arange(seq))
+    k_pos = torch.arange(seq)
+    for m in range(sch.ring_size):
+        q_pos = spans_positions(sch.member_spans[m])
+        diff = k_pos[None, :] - q_pos[:, None]
+        visible = {"causal": diff <= 0, "full": torch.ones_like(diff, dtype=bool), "window": (diff <= 0) & (diff >= -5)}[mask]
+        covered = torch.zeros(visible.shape, dtype=torch.int)
+        (tasks,) = gathered_tasks(sch, m)
+        for t in tasks:
+            covered[t.q[0]:t.q[1], t.kv[0]:t.kv[1]] += t.mask.visible(t.q[1] - t.q[0], t.kv[1] - t.kv[0]).int()
+        assert torch.equal(covered, visible.int()), (m, tasks)
+        if mask == "causal" and layout == "zigzag":
+            assert len(tasks) <= 4, tasks
+
+
+def test_striped_shards_have_no_position_order_of_runs():
+    from mcp_context.schedule import position_pieces
+
+    assert position_pieces(layout_schedule("striped", 4, 64, CAUSAL)) is None
+
+
+def test_take_rows_reorders_runs_and_its_gradient_is_the_inverse_reorder():
+    """The all-to-all's and the all-gather's reorder: forward a concatenation of row runs, backward the
+    concatenation that puts them back (what slicing's autograd gives, without a zero-filled gradient per run)."""
+    from mcp_context.algorithms.schemes import take_rows
+
+    x = torch.randn(10, 2, 3, dtype=torch.float64, requires_grad=True)
+    pieces = [(6, 4), (0, 2), (2, 4)]
+    y = take_rows(x, pieces)
+    assert torch.equal(y, torch.cat([x[6:10], x[0:2], x[2:6]]))
+    g = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, x, g)
+    ref = torch.autograd.grad(torch.cat([x[6:10], x[0:2], x[2:6]]), x, g)[0]
+    assert torch.equal(dx, ref)
