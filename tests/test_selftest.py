@@ -266,3 +266,33 @@ def test_the_boundary_checks_catch_global_positions_and_per_rank_averages():
     per_rank_first = sum(float((l * m).sum() / m.sum().clamp(min=1)) for l, m in quarters) / 4
     problems, _ = boundaries.check_loss([(per_rank_first / 4, per_rank_first)] * 4, batch)
     assert len(problems) == 2, problems
+
+
+REFUSED = {
+    "heads-not-split-by-a2a": (["--heads", "5", "--kv-heads", "5", "--hcp-sizes", "2,2"], "--heads=5"),
+    "heads-not-divisible-by-kv": (["--heads", "8", "--kv-heads", "3"], "--heads 8 is not divisible by --kv-heads 3"),
+    "gqa-uneven": (["--heads", "6", "--kv-heads", "4"], "--kv-heads 4"),
+    "kv-heads-not-split-by-a2a": (["--heads", "12", "--kv-heads", "6", "--hcp-sizes", "4", "--comm", "a2a"],
+                                  "--kv-heads=6"),
+    "missing-recipe": (["--recipe", "/nonexistent.yaml"], "--recipe /nonexistent.yaml: no such file"),
+    "negative-hcp-sizes": (["--hcp-sizes", "-2,2"], "--hcp-sizes -2,2 must be positive"),
+    "zero-seq-len": (["--seq-len", "0"], "--seq-len 0 must be a positive integer"),
+    "balanced-unpacked": (["--layout", "balanced"], "--layout balanced"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED, ids=list(REFUSED))
+def test_flags_that_cannot_run_are_refused_up_front_naming_the_flag(case):
+    """Exit 2 and one line naming the flag and its value (and a fix: 'e.g.', 'choose', 'use', 'add'),
+    before any check runs."""
+    argv, named = REFUSED[case]
+    status, text = _run(["--simulate", *argv])
+    lines = text.strip().splitlines()
+    assert status == 2 and len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], text
+    assert any(fix in lines[0] for fix in ("e.g.", "choose", "use ", "add ")), text
+
+
+def test_a_negative_window_value_parses_after_the_flag():
+    """``--window -1,0`` (unbounded left) is a value, not a flag; here it is a plain causal mask."""
+    status, text = _run(["--simulate", "--window", "-1,0", "--seq-len", "32", "--dtype", "fp64", "--repeats", "1"])
+    _assert_all_pass(status, text)
