@@ -187,9 +187,9 @@ def test_table_on_stdout_progress_on_stderr_summary_last():
         status = main(["--simulate", "--seq-len", "32", "--dtype", "fp64", "--repeats", "1", "--plant", "wrong-scale",
                        "--device", "cpu"])
     assert status == 1
-    assert out.getvalue().strip().splitlines()[-1] == "selftest: 6 passed, 1 failed", out.getvalue()
+    assert out.getvalue().strip().splitlines()[-1] == "selftest: 7 passed, 1 failed", out.getvalue()
     assert "selftest: plan agreement: ok" in err.getvalue() and "attention[causal] fp64: FAIL" in err.getvalue()
-    assert "selftest: 6 passed" not in err.getvalue()
+    assert "selftest: 7 passed" not in err.getvalue()
 
 
 def test_the_module_entry_exits_with_mains_status():

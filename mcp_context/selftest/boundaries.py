@@ -7,6 +7,9 @@ megatron-core's ``get_batch_on_this_cp_rank`` and TE's thd partitioning), then:
 - ``unslice``: the shards put back with ``unshard_sequence`` give every tensor back exactly;
 - ``positions``: the gathered position ids restart at 0 at every document start and count up by one
   inside a document (packed), or are 0..S-1 (unpacked) — RoPE offsets right for every layout;
+- ``layout``: every rank's slice against a definition that is not the code under test
+  (``layout_truth``: megatron-core's ``get_batch_on_this_cp_rank`` and RoPE slicing, and each
+  layout's positions written out from its definition), for the batch's zigzag and the engine's layout;
 - ``loss``: the masked per-token loss averaged over the CP ranks (``masked_token_mean``) equals the
   full sequence's masked mean on every rank, and the ranks' backward shares add up to it.
 
@@ -21,7 +24,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..layouts import unshard_sequence
+from ..layouts import shard_index, unshard_sequence
 from .setup import Setup
 
 KEYS = ("tokens", "labels", "loss_mask", "position_ids")
@@ -105,6 +108,41 @@ def check_positions(setup: Setup, back: dict, packed: bool) -> list[str]:
         doc = pos[padded[d]:padded[d] + cu[d + 1] - cu[d]]
         if not torch.equal(doc, torch.arange(doc.numel())):
             problems.append(f"document {d} (rows {padded[d]}..): positions start at {int(doc[0])}, not a 0.. run")
+    return problems
+
+
+def check_layout(setup: Setup, batch: dict, slices: list[dict], packed: bool) -> list[str]:
+    """Every rank's slice (``slice_batch_for_cp``: zigzag, per document when packed) against megatron-core's
+    slicing and RoPE positions and the zigzag's definition, and the engine's layout (``setup.layout``)
+    against its definition; what differs, rank by rank."""
+    from .layout_truth import (balanced_problems, expected_positions, expected_rows, megatron_batch,
+                               megatron_rope_positions)
+
+    cp, seq = setup.cp_size, setup.seq_len
+    cu, padded = (list(setup.documents[0]), list(setup.documents[1])) if packed else (None, None)
+    where = " of every document" if packed else ""
+    problems = []
+    for rank, mine in enumerate(slices):
+        rows = expected_rows("zigzag", cp, rank, seq, padded)
+        chunks = f"zigzag chunks {rank} and {2 * cp - 1 - rank}{where}"
+        problems += [f"rank {rank}: its {key} are not {chunks}" for key in ("tokens", "labels", "loss_mask")
+                     if not torch.equal(mine[key], batch[key][:, rows])]
+        positions = mine["position_ids"][0].tolist()
+        if positions != expected_positions(rows, padded):
+            problems.append(f"rank {rank}: its position ids are not those of {chunks}")
+        if positions != megatron_rope_positions(seq, cp, rank, torch.device(setup.device), padded):
+            problems.append(f"rank {rank}: its position ids are not megatron-core's RoPE slice for CP rank {rank}")
+        if not packed:
+            theirs = megatron_batch({key: batch[key] for key in KEYS}, cp, rank)
+            problems += [f"rank {rank}: its {key} differ from megatron-core's get_batch_on_this_cp_rank"
+                         for key in KEYS if not torch.equal(mine[key], theirs[key])]
+    engine = [shard_index(seq, cp, r, setup.layout, cu, padded).tolist() for r in range(cp)]
+    if setup.layout == "balanced":
+        problems += [f"layout balanced: {p}" for p in balanced_problems(engine, seq)]
+    else:
+        problems += [f"rank {r}: layout {setup.layout} gives it rows {rows[:3]}..., not {want[:3]}... (the layout's "
+                     f"definition)" for r, rows in enumerate(engine)
+                     if rows != (want := expected_rows(setup.layout, cp, r, seq, padded))]
     return problems
 
 

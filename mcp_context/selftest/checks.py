@@ -233,13 +233,24 @@ def boundary_checks(setup: Setup, ranks: Ranks, group) -> list[CheckResult]:
         return CheckResult("boundaries.positions", not bad, "; ".join(bad) or
                            (f"restart at 0 in each of {n_docs} documents" if packed else "0..S-1 in order"))
 
+    def layout() -> CheckResult:
+        bad = boundaries.check_layout(setup, batch, slices, packed)
+        shown = "; ".join(bad[:3]) + (f"; and {len(bad) - 3} more" if len(bad) > 3 else "")
+        what = "per document, " if packed else "get_batch_on_this_cp_rank, "
+        return CheckResult("boundaries.layout", not bad, shown or
+                           f"{setup.cp_size} slices are megatron-core's ({what}RoPE) and zigzag's definition; "
+                           f"layout {setup.layout} " + ("keeps its promises (S/P rows each, every row once)"
+                                                        if setup.layout == "balanced" else "is its definition"),
+                           {"problems": bad})
+
     def loss() -> CheckResult:
         bad, figures = boundaries.check_loss(shares, batch)
         return CheckResult("boundaries.loss", not bad, "; ".join(bad) or
                            f"CP mean {figures['cp_loss']:.12f} = full {figures['full_loss']:.12f} "
                            f"(|diff| {figures['error']:.1e})", figures)
     return [ranks.from_rank0(fn, name) for fn, name in ((unslice, "boundaries.unslice"),
-                                                         (positions, "boundaries.positions"), (loss, "boundaries.loss"))]
+                                                         (positions, "boundaries.positions"), (layout, "boundaries.layout"),
+                                                         (loss, "boundaries.loss"))]
 
 
 def run_checks(setup: Setup, ranks: Ranks, simulate: bool, fault: Optional[str] = None, layer: bool = True
