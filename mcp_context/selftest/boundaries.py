@@ -14,7 +14,8 @@ megatron-core's ``get_batch_on_this_cp_rank`` and TE's thd partitioning), then:
   full sequence's masked mean on every rank, and the ranks' backward shares add up to it.
 
 Distributed, each rank slices with its real CP group and the loss all-reduces; ``--simulate`` plays
-each rank in turn in a fake one-process world (the loss then adds the members' masked sums itself).
+each rank in turn in a fake one-process world, and the loss runs on every member as threads of this
+process whose all-reduce is carried between them (``inprocess``).
 """
 from __future__ import annotations
 
@@ -172,14 +173,14 @@ def distributed_shares(mine: dict, group, device: torch.device) -> list[tuple[fl
 
 
 def simulated_shares(slices: list[dict]) -> list[tuple[float, float]]:
-    """Each member's ``masked_token_mean`` share of the CP mean (one process: the members' masked sums
-    are added here instead of all-reduced)."""
+    """Every member's ``masked_token_mean`` over a CP group of this process's threads (``inprocess``: its
+    all-reduce carried between them), as ``distributed_shares``."""
     from ..megatron.batch import masked_token_mean
+    from .inprocess import SimGroup, run_ranks
 
-    count = max(sum(float(s["loss_mask"].sum()) for s in slices), 1.0)
-    total = sum(float((s["per_token_loss"] * s["loss_mask"]).sum()) for s in slices) / count
-    shares = []
-    for s in slices:
-        local, _ = masked_token_mean(s["per_token_loss"], s["loss_mask"], None)
-        shares.append((float(local) * float(s["loss_mask"].sum()) / count, total))
-    return shares
+    group = SimGroup(range(len(slices)))
+
+    def member(rank: int) -> tuple[float, float]:
+        share, global_mean = masked_token_mean(slices[rank]["per_token_loss"], slices[rank]["loss_mask"], group)
+        return float(share), float(global_mean)
+    return run_ranks(len(slices), member)
