@@ -18,6 +18,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,13 +54,12 @@ def _run(argv: list[str]) -> tuple[int, str]:
 
 
 def _rows(text: str) -> dict[str, str]:
-    """``{check name: 'pass' | 'FAIL'}`` from the table."""
+    """``{check name: 'pass' | 'FAIL' | 'NOT RUN' | 'accepted'}`` from the table."""
     rows = {}
     for line in text.splitlines():
-        parts = line.split()
-        for verdict in ("pass", "FAIL"):
-            if verdict in parts[1:]:
-                rows[line[:line.index(f" {verdict} ")].strip()] = verdict
+        row = re.match(r"(\S.*?) {2,}(pass|FAIL|NOT RUN|accepted)( {2,}|$)", line)
+        if row:
+            rows[row.group(1)] = row.group(2)
     return rows
 
 
@@ -154,7 +154,8 @@ DISTRIBUTED = {
     "cp4-p2p-sinks-window-packed": ["--comm", "p2p", "--seq-len", "128", "--dtype", "fp64", "--head-dim", "16",
                                     "--softmax-type", "learnable", "--window", "15,0", "--window-attn-skip-freq", "2",
                                     "--packed"],
-    "cp4-p2p-mla": ["--comm", "p2p", "--seq-len", "64", "--dtype", "fp64", "--head-dim", "24", "--v-head-dim", "16"],
+    "cp4-p2p-mla": ["--comm", "p2p", "--seq-len", "64", "--dtype", "fp64", "--head-dim", "24", "--v-head-dim", "16",
+                    "--allow-unchecked"],
 }
 
 
@@ -162,11 +163,15 @@ DISTRIBUTED = {
 def test_passes_across_four_gloo_ranks(case):
     results = run_distributed(4, _distributed_main, DISTRIBUTED[case])
     assert [status for status, _ in results] == [0] * 4, results[0][1]
-    _assert_all_pass(*results[0])
-    assert "(trace, every rank)" in results[0][1]
-    layer_rows = {name: v for name, v in _rows(results[0][1]).items() if name.startswith("boundaries.layer[")}
-    if case != "cp4-p2p-mla":  # one dense layer per kind (windowed and full) against CP=1; MLA layers: not yet
-        assert layer_rows and set(layer_rows.values()) == {"pass"}
+    status, text = results[0]
+    if case == "cp4-p2p-mla":  # MLA layers: the layer check does not run, listed and accepted
+        assert status == 0 and text.strip().endswith("passed, 0 failed, 1 not run (accepted with --allow-unchecked)")
+        assert _rows(text)["boundaries.layer[causal+mla:24/16]"] == "accepted", text
+        return
+    _assert_all_pass(status, text)
+    assert "(trace, every rank)" in text
+    layer_rows = {name: v for name, v in _rows(text).items() if name.startswith("boundaries.layer[")}
+    assert layer_rows and set(layer_rows.values()) == {"pass"}  # one dense layer per kind against CP=1
 
 
 @pytest.mark.parametrize("fault,flags,caught_by", FAULT_CASES, ids=[f for f, _, _ in FAULT_CASES])
@@ -187,7 +192,7 @@ def test_table_on_stdout_progress_on_stderr_summary_last():
         status = main(["--simulate", "--seq-len", "32", "--dtype", "fp64", "--repeats", "1", "--plant", "wrong-scale",
                        "--device", "cpu"])
     assert status == 1
-    assert out.getvalue().strip().splitlines()[-1] == "selftest: 7 passed, 1 failed", out.getvalue()
+    assert out.getvalue().strip().splitlines()[-1] == "selftest: 7 passed, 2 failed", out.getvalue()
     assert "selftest: plan agreement: ok" in err.getvalue() and "attention[causal] fp64: FAIL" in err.getvalue()
     assert "selftest: 7 passed" not in err.getvalue()
 

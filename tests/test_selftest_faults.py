@@ -139,3 +139,18 @@ def test_the_plants_are_undone():
     assert layouts.layout_spans("zigzag", 4, 0, 64)[0].start == 0
     status, text = _run(["--simulate", *RUN])
     assert status == 0, text
+
+
+def _main_on_rank(rank: int, world: int, argv: list[str]) -> tuple[int, str]:
+    status, text = _run(argv)
+    return status, text if rank == 0 else ""
+
+
+def test_a_layer_the_check_cannot_build_fails_the_run_unless_accepted():
+    """MoE (tiny_mixtral_cpu) across 4 ranks: the layer row says it did not run and the exit status is 1;
+    with --allow-unchecked the same row is accepted and the status 0."""
+    refused, accepted = (run_distributed(4, _main_on_rank, RECIPE["tiny_mixtral_cpu"] + extra)[0]
+                         for extra in ([], ["--allow-unchecked"]))
+    assert refused[0] == 1 and _rows(refused[1])["boundaries.layer[causal]"] == "NOT RUN", refused[1]
+    assert "MoE layers" in refused[1] and refused[1].strip().endswith("passed, 0 failed, 1 not run"), refused[1]
+    assert accepted[0] == 0 and _rows(accepted[1])["boundaries.layer[causal]"] == "accepted", accepted[1]

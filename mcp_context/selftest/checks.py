@@ -292,11 +292,12 @@ def boundary_checks(setup: Setup, ranks: Ranks, group) -> list[CheckResult]:
                                                          (loss, "boundaries.loss"))]
 
 
-def run_checks(setup: Setup, ranks: Ranks, simulate: bool, fault: Optional[str] = None, layer: bool = True
-               ) -> list[CheckResult]:
+def run_checks(setup: Setup, ranks: Ranks, simulate: bool, fault: Optional[str] = None, layer: bool = True,
+               allow_unchecked: bool = False) -> list[CheckResult]:
     """Every check, in order (``layer``: the one-layer check too). Distributed, ``ranks`` spans the
     world (the CP ranks) and the CP groups are built only once the ranks agree on the plan (groups of
-    different sizes would hang)."""
+    different sizes would hang). A layer this model's check cannot build is a row that did not run,
+    which fails the run unless ``allow_unchecked``."""
     results = [agreement(setup, ranks, fault, simulate)]
     ranks.say(f"plan agreement: {'ok' if results[0].passed else 'FAILED'}")
     if not results[0].passed and not simulate:
@@ -343,20 +344,27 @@ def run_checks(setup: Setup, ranks: Ranks, simulate: bool, fault: Optional[str] 
                 results.append(CheckResult(f"boundaries.layer[{setup.kind_name(kind)}]", False, "not run: the "
                                            "transfers do not match (exchange); a real call would fail in the transport"))
                 continue
-            if not layer_checkable(setup):
-                ranks.say(f"boundaries.layer[{setup.kind_name(kind)}]: not run (MoE and MLA layers: see docs/selftest.md)")
+            why = unchecked_layer(setup)
+            if why is not None:
+                results.append(CheckResult(f"boundaries.layer[{setup.kind_name(kind)}]", allow_unchecked,
+                                           f"not run: {why}" + ("" if allow_unchecked else
+                                                                "; pass --allow-unchecked to accept that"), ran=False))
                 continue
             ranks.say(f"one layer {setup.kind_name(kind)} at CP {setup.cp_size} vs CP 1 ...")
             results.append(layer_check(setup, kind, ranks, groups, fault))
     return results
 
 
-def layer_checkable(setup: Setup) -> bool:
-    """Dense layers with one head dim: what ``layer.layer_parity`` builds (MoE needs expert-parallel groups,
-    MLA its own attention)."""
+def unchecked_layer(setup: Setup) -> Optional[str]:
+    """Why ``layer.layer_parity`` cannot build this model's layer (None: it can). It builds dense layers
+    with one head dim: MoE needs expert-parallel groups, MLA its own attention and RoPE."""
     m = setup.model
-    return setup.v_head_dim == setup.head_dim and not (m is not None and (
-        getattr(m, "num_moe_experts", None) or getattr(m, "multi_latent_attention", False)))
+    if m is not None and getattr(m, "num_moe_experts", None):
+        return "MoE layers (the layer check builds dense layers; the experts need expert-parallel groups)"
+    if (m is not None and getattr(m, "multi_latent_attention", False)) or setup.v_head_dim != setup.head_dim:
+        return "MLA layers (the layer check builds dense attention with one head dim)"
+    return None
+
 
 
 def layer_check(setup: Setup, kind: AttentionKind, ranks: Ranks, groups, fault: Optional[str] = None) -> CheckResult:

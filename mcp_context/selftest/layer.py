@@ -11,8 +11,9 @@ outputs, gathered and put back in order, and every parameter gradient summed ove
 (fp32: accumulation order only). No ``parallel_state`` is touched.
 
 One layer per attention kind: a windowed layer and a full one when ``window_attn_skip_freq`` mixes them.
-Dense layers only (``checks.layer_checkable``): an MoE layer needs expert-parallel groups and MLA its
-own attention module; the pretrain tests check those models whole against CP = 1.
+Dense layers only (``checks.unchecked_layer``): an MoE layer needs expert-parallel groups and MLA its
+own attention module; for those the check is a row that did not run (``--allow-unchecked`` accepts it),
+and the pretrain tests check those models whole against CP = 1.
 """
 from __future__ import annotations
 
