@@ -125,18 +125,20 @@ def check_layout(setup: Setup, batch: dict, slices: list[dict], packed: bool) ->
     problems = []
     for rank, mine in enumerate(slices):
         rows = expected_rows("zigzag", cp, rank, seq, padded)
-        chunks = f"zigzag chunks {rank} and {2 * cp - 1 - rank}{where}"
-        problems += [f"rank {rank}: its {key} are not {chunks}" for key in ("tokens", "labels", "loss_mask")
-                     if not torch.equal(mine[key], batch[key][:, rows])]
+        not_zigzag = [key for key in ("tokens", "labels", "loss_mask") if not torch.equal(mine[key], batch[key][:, rows])]
         positions = mine["position_ids"][0].tolist()
-        if positions != expected_positions(rows, padded):
-            problems.append(f"rank {rank}: its position ids are not those of {chunks}")
-        if positions != megatron_rope_positions(seq, cp, rank, torch.device(setup.device), padded):
-            problems.append(f"rank {rank}: its position ids are not megatron-core's RoPE slice for CP rank {rank}")
-        if not packed:
-            theirs = megatron_batch({key: batch[key] for key in KEYS}, cp, rank)
-            problems += [f"rank {rank}: its {key} differ from megatron-core's get_batch_on_this_cp_rank"
-                         for key in KEYS if not torch.equal(mine[key], theirs[key])]
+        not_zigzag += ["position_ids"] if positions != expected_positions(rows, padded) else []
+        if not_zigzag:
+            problems.append(f"rank {rank}: {', '.join(not_zigzag)} are not zigzag chunks {rank} and "
+                            f"{2 * cp - 1 - rank}{' of every document' if packed else ''}")
+        not_megatron = [] if packed else [key for key, theirs in megatron_batch(
+            {key: batch[key] for key in KEYS}, cp, rank).items() if not torch.equal(mine[key], theirs)]
+        not_megatron += ["RoPE positions"] if positions != megatron_rope_positions(
+            seq, cp, rank, torch.device(setup.device), padded) else []
+        if not_megatron:
+            problems.append(f"rank {rank}: {', '.join(not_megatron)} differ from megatron-core's slice for CP rank "
+                            f"{rank} (" + ("_get_thd_freqs_on_this_cp_rank per document" if packed else
+                                           "get_batch_on_this_cp_rank, get_pos_emb_on_this_cp_rank") + ")")
     engine = [shard_index(seq, cp, r, setup.layout, cu, padded).tolist() for r in range(cp)]
     if setup.layout == "balanced":
         problems += [f"layout balanced: {p}" for p in balanced_problems(engine, seq)]
