@@ -4,9 +4,11 @@ Passing (CPU, fp64 within 1e-10 * max(1, max|ref|), fp32 within 1e-5 * max(1, ma
 1.5 * sqrt(blocks) * max(one fused call's error, u * max|ref|)):
 - every recipe in recipes/ at its own CP layout, scaled down with --seq-len, with --simulate;
 - CP=8 [2, 2, 2] with --simulate for sinks, MLA head dims, windowed layers and packed documents;
-- CP=4 [2, 2] (the tiny recipe), CP=4 p2p with sinks, windowed and full layers and packed documents,
-  and CP=4 p2p with MLA head dims, across 4 gloo ranks, through the same ``main`` a torchrun launch
-  calls; with one dense transformer layer at CP=4 against CP=1 for each attention kind.
+- CP=4 [2, 2] (the tiny dense, MoE and MLA+MoE recipes), CP=4 p2p with sinks, windowed and full layers
+  and packed documents, and CP=4 p2p with MLA head dims from flags, across 4 gloo ranks, through the
+  same ``main`` a torchrun launch calls; with the model's transformer layer (dense, MoE, MLA) at CP=4
+  against CP=1 for each attention kind (MLA head dims from flags: no layer to build, accepted with
+  --allow-unchecked).
 Failing: each planted fault (data sliced in another layout, a wrong softmax scale on one rank, a
 dropped sink, another cu_seqlens on one rank) exits 1 naming the check that caught it, simulated and
 across ranks. The 4-rank cases run ``main`` in the gloo worker pool (a torchrun launch costs ~45 s on
@@ -154,6 +156,10 @@ DISTRIBUTED = {
     "cp4-p2p-sinks-window-packed": ["--comm", "p2p", "--seq-len", "128", "--dtype", "fp64", "--head-dim", "16",
                                     "--softmax-type", "learnable", "--window", "15,0", "--window-attn-skip-freq", "2",
                                     "--packed"],
+    "cp4-hcp-moe-recipe": ["--recipe", str(ROOT / "recipes" / "tiny_mixtral_cpu.yaml"), "--seq-len", "64", "--dtype",
+                           "fp64", "--repeats", "1"],
+    "cp4-hcp-mla-moe-recipe": ["--recipe", str(ROOT / "recipes" / "tiny_mla_cpu.yaml"), "--seq-len", "64",
+                               "--dtype", "fp64", "--repeats", "1"],
     "cp4-p2p-mla": ["--comm", "p2p", "--seq-len", "64", "--dtype", "fp64", "--head-dim", "24", "--v-head-dim", "16",
                     "--allow-unchecked"],
 }
@@ -164,14 +170,14 @@ def test_passes_across_four_gloo_ranks(case):
     results = run_distributed(4, _distributed_main, DISTRIBUTED[case])
     assert [status for status, _ in results] == [0] * 4, results[0][1]
     status, text = results[0]
-    if case == "cp4-p2p-mla":  # MLA layers: the layer check does not run, listed and accepted
+    if case == "cp4-p2p-mla":  # MLA head dims from flags: no MLA layer to build, listed and accepted
         assert status == 0 and text.strip().endswith("passed, 0 failed, 1 not run (accepted with --allow-unchecked)")
         assert _rows(text)["boundaries.layer[causal+mla:24/16]"] == "accepted", text
         return
     _assert_all_pass(status, text)
     assert "(trace, every rank)" in text
     layer_rows = {name: v for name, v in _rows(text).items() if name.startswith("boundaries.layer[")}
-    assert layer_rows and set(layer_rows.values()) == {"pass"}  # one dense layer per kind against CP=1
+    assert layer_rows and set(layer_rows.values()) == {"pass"}  # the model's layer per kind against CP=1
 
 
 @pytest.mark.parametrize("fault,flags,caught_by", FAULT_CASES, ids=[f for f, _, _ in FAULT_CASES])

@@ -128,8 +128,9 @@ def test_a_planted_fault_fails_across_four_gloo_ranks(case):
     if fault == "gather-order":  # a named failure before any engine call, not gloo's "Pair is not connected"
         assert "sends to itself" in text and "not run: the transfers do not match" in text, text
         assert "Gloo" not in text and "Pair" not in text, text
-    if case == "layout-swap-dense":  # the layer at CP 4 against CP 1 sees it too
-        assert _rows(text)["boundaries.layer[causal]"] == "FAIL", text
+    if fault == "layout-swap":  # the model's layer (dense, MoE, MLA) at CP 4 against CP 1 sees it too
+        layer = next(name for name in _rows(text) if name.startswith("boundaries.layer["))
+        assert _rows(text)[layer] == "FAIL", text
 
 
 def test_the_plants_are_undone():
@@ -147,10 +148,13 @@ def _main_on_rank(rank: int, world: int, argv: list[str]) -> tuple[int, str]:
 
 
 def test_a_layer_the_check_cannot_build_fails_the_run_unless_accepted():
-    """MoE (tiny_mixtral_cpu) across 4 ranks: the layer row says it did not run and the exit status is 1;
-    with --allow-unchecked the same row is accepted and the status 0."""
-    refused, accepted = (run_distributed(4, _main_on_rank, RECIPE["tiny_mixtral_cpu"] + extra)[0]
-                         for extra in ([], ["--allow-unchecked"]))
-    assert refused[0] == 1 and _rows(refused[1])["boundaries.layer[causal]"] == "NOT RUN", refused[1]
-    assert "MoE layers" in refused[1] and refused[1].strip().endswith("passed, 0 failed, 1 not run"), refused[1]
-    assert accepted[0] == 0 and _rows(accepted[1])["boundaries.layer[causal]"] == "accepted", accepted[1]
+    """MLA head dims from flags (no recipe to build the MLA layer from) across 4 ranks: the layer row
+    says it did not run and the exit status is 1; with --allow-unchecked the row is accepted, status 0."""
+    argv = ["--comm", "p2p", "--seq-len", "64", "--dtype", "fp64", "--repeats", "1", "--head-dim", "24",
+            "--v-head-dim", "16"]
+    refused, accepted = (run_distributed(4, _main_on_rank, argv + extra)[0] for extra in ([], ["--allow-unchecked"]))
+    row = "boundaries.layer[causal+mla:24/16]"
+    assert refused[0] == 1 and _rows(refused[1])[row] == "NOT RUN", refused[1]
+    assert "--v-head-dim without a recipe" in refused[1], refused[1]
+    assert refused[1].strip().endswith("passed, 0 failed, 1 not run"), refused[1]
+    assert accepted[0] == 0 and _rows(accepted[1])[row] == "accepted", accepted[1]

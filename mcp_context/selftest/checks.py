@@ -356,15 +356,12 @@ def run_checks(setup: Setup, ranks: Ranks, simulate: bool, fault: Optional[str] 
 
 
 def unchecked_layer(setup: Setup) -> Optional[str]:
-    """Why ``layer.layer_parity`` cannot build this model's layer (None: it can). It builds dense layers
-    with one head dim: MoE needs expert-parallel groups, MLA its own attention and RoPE."""
-    m = setup.model
-    if m is not None and getattr(m, "num_moe_experts", None):
-        return "MoE layers (the layer check builds dense layers; the experts need expert-parallel groups)"
-    if (m is not None and getattr(m, "multi_latent_attention", False)) or setup.v_head_dim != setup.head_dim:
-        return "MLA layers (the layer check builds dense attention with one head dim)"
+    """Why ``layer.layer_parity`` cannot build this model's layer (None: it can). It builds the recipe's
+    layer (dense, MoE, MLA) or, from attention flags, a dense layer with one head dim."""
+    if setup.model is None and setup.v_head_dim != setup.head_dim:
+        return ("--v-head-dim without a recipe (the layer check builds an MLA layer from a recipe's "
+                "multi_latent_attention; from flags, dense attention with one head dim)")
     return None
-
 
 
 def layer_check(setup: Setup, kind: AttentionKind, ranks: Ranks, groups, fault: Optional[str] = None) -> CheckResult:

@@ -79,6 +79,7 @@ def layer_parity(setup: Setup, kind: AttentionKind, groups: HCPGroups, recipe_mo
 
     import megatron_patches
     from ..megatron.specs import get_gpt_layer_hcp_spec
+    from ..recipes.schema import layer_spec_kwargs
 
     device = torch.device(setup.device)
     megatron_patches.apply_all(device=device)
@@ -89,12 +90,15 @@ def layer_parity(setup: Setup, kind: AttentionKind, groups: HCPGroups, recipe_mo
     m, config = model_config(setup, recipe_model, kind)
     one = dataclasses.replace(config, context_parallel_size=1, hierarchical_context_parallel_sizes=None,
                               cp_comm_type="p2p")
-    spec = get_gpt_layer_hcp_spec(normalization=m.normalization, qk_layernorm=getattr(m, "qk_layernorm", False))
+    spec = get_gpt_layer_hcp_spec(**{**layer_spec_kwargs(m), "use_te": False})
     torch.manual_seed(setup.seed)
-    reference = build_module(spec, config=one, layer_number=1,
-                             pg_collection=ProcessGroupCollection(tp=alone, pp=alone, cp=alone)).to(device)
+    experts = dict(ep=alone, expt_tp=alone, tp_ep=alone, expt_dp=alone)  # one rank: every expert here
+    reference = build_module(spec, config=one, layer_number=1, pg_collection=ProcessGroupCollection(
+        tp=alone, pp=alone, dp=alone, cp=alone, tp_cp=alone, dp_cp=alone, tp_dp_cp=alone, **experts)).to(device)
+    cp_group = groups.cp_group  # TP = DP = 1: every group that spans CP is the CP group
     layer = build_module(spec, config=config, layer_number=1, pg_collection=ProcessGroupCollection(
-        tp=alone, pp=alone, cp=groups.cp_group, **({"hcp": hcp} if hcp else {}))).to(device)
+        tp=alone, pp=alone, dp=alone, cp=cp_group, tp_cp=cp_group, dp_cp=cp_group, tp_dp_cp=cp_group, **experts,
+        **({"hcp": hcp} if hcp else {}))).to(device)
     layer.load_state_dict(reference.state_dict())
 
     gen = torch.Generator().manual_seed(setup.seed + 11)
@@ -117,6 +121,8 @@ def layer_parity(setup: Setup, kind: AttentionKind, groups: HCPGroups, recipe_mo
         emb_full = emb_cp = rope(longest, packed_seq=True)
     else:
         emb_full, emb_cp = rope(setup.seq_len, cp_group=alone), rope(setup.seq_len, cp_group=groups.cp_group)
+    if getattr(m, "multi_latent_attention", False):  # MLA applies its own RoPE (sliced for the CP rank itself)
+        emb_full = emb_cp = None
 
     x_full = x.to(device).requires_grad_()
     y_full, _ = reference(x_full, attention_mask=None, rotary_pos_emb=emb_full, packed_seq_params=params_full)
