@@ -85,8 +85,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
     run.add_argument("--skip-layer", action="store_true", help="skip the one-layer check (a large model's layer "
                      "on a CPU: two copies of its weights and gradients per rank)")
-    run.add_argument("--allow-unchecked", action="store_true", help="accept checks this model cannot run here "
-                     "(the one-layer check of MoE and MLA layers): listed as not run, the exit status 0 if the rest pass")
+    run.add_argument("--allow-unchecked", action="store_true", help="accept checks that cannot run here (the "
+                     "one-layer check of MLA head dims given by flags): listed as not run, exit 0 if the rest pass")
     run.add_argument("--plant", choices=sorted(FAULTS), help="TEST ONLY: plant a known CP bug so the self-test "
                      "must fail (tests/test_selftest.py); never on a real check")
     return ap

@@ -1,19 +1,20 @@
 """One transformer layer of the model (our spec) at this CP against the same layer at CP = 1.
 
-megatron-core's ``TransformerLayer`` built from ``get_gpt_layer_hcp_spec()`` with the recipe's
+megatron-core's ``TransformerLayer`` built from ``get_gpt_layer_hcp_spec(**layer_spec_kwargs(model))``
+(the recipe's structure: dense or MoE MLP, q/k norms, MLA; local modules) with the recipe's
 ``TransformerConfig`` (TP = PP = 1, fp32) twice from one set of weights: once over the CP ranks (its
-``pg_collection`` holds the CP group and one group per hierarchy level, as ``parallel_state`` would
-build them) and once over a one-rank group on the full sequence. Each rank feeds its zigzag slice of
-the same hidden states (per document when packed) with RoPE from megatron-core's ``RotaryEmbedding``
-(which slices the table for the CP rank itself), and the output gradient's slice. Compared: the
+``pg_collection`` holds the CP group, one group per hierarchy level as ``parallel_state`` would build
+them, and one-rank expert groups: every expert on every rank) and once over a one-rank group on the
+full sequence. Each rank feeds its zigzag slice of the same hidden states (per document when packed)
+with RoPE from megatron-core's ``RotaryEmbedding`` (which slices the table for the CP rank itself; MLA
+applies its own), and the output gradient's slice. Compared: the
 outputs, gathered and put back in order, and every parameter gradient summed over the CP ranks
 (what DDP's all-reduce over DP x CP does) against the CP = 1 layer's, within ``1e-5 * max(1, max|ref|)``
 (fp32: accumulation order only). No ``parallel_state`` is touched.
 
 One layer per attention kind: a windowed layer and a full one when ``window_attn_skip_freq`` mixes them.
-Dense layers only (``checks.unchecked_layer``): an MoE layer needs expert-parallel groups and MLA its
-own attention module; for those the check is a row that did not run (``--allow-unchecked`` accepts it),
-and the pretrain tests check those models whole against CP = 1.
+From attention flags alone a dense layer of their heads is built; MLA head dims from flags have no
+layer to build (``checks.unchecked_layer``): a row that did not run, accepted by ``--allow-unchecked``.
 """
 from __future__ import annotations
 
