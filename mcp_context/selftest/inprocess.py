@@ -239,7 +239,7 @@ def _patched(world: _World) -> dict[str, Callable]:
         raise RuntimeError("the in-process world builds no groups: pass SimGroup values")
 
     return {"get_rank": rank_of, "get_world_size": world_size, "get_process_group_ranks": lambda g: list(g.ranks),
-            "get_global_rank": lambda g, r: g.ranks[r], "get_backend": lambda group=None: "gloo",
+            "get_backend": lambda group=None: "gloo",
             "all_to_all_single": all_to_all_single, "all_gather_into_tensor": all_gather_into_tensor,
             "reduce_scatter_tensor": reduce_scatter_tensor, "all_reduce": all_reduce,
             "batch_isend_irecv": batch_isend_irecv, "P2POp": _P2POp, "isend": isend, "irecv": irecv,
