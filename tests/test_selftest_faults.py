@@ -12,7 +12,6 @@ worker). The gather fault must be a named failure before any engine call, not a 
 from __future__ import annotations
 
 import contextlib
-import functools
 import types
 from pathlib import Path
 from typing import Callable, Iterator
@@ -74,11 +73,8 @@ def _a2a_output_not_reordered(layout, cp_size, seq_len, inner, member, documents
     return None
 
 
-def _gather_peers_reversed(groups, schedule, member, peers):
-    if schedule.ring_size == 1:
-        return LocalRotation(0, 1), None  # noqa: F821
-    return LocalRotation(member, len(peers)), functools.partial(  # noqa: F821
-        gather_seq_among, peers=peers[::-1], me=member, group=groups.cp_group)  # noqa: F821
+def _gather_peers_reversed(groups, schedule, member, peers, *rest):
+    return _planted_original(groups, schedule, member, peers[::-1], *rest)  # noqa: F821
 
 
 FAULTS = {
