@@ -307,3 +307,35 @@ def test_a_negative_window_value_parses_after_the_flag():
     """``--window -1,0`` (unbounded left) is a value, not a flag; here it is a plain causal mask."""
     status, text = _run(["--simulate", "--window", "-1,0", "--seq-len", "32", "--dtype", "fp64", "--repeats", "1"])
     _assert_all_pass(status, text)
+
+
+LAYOUT_RUNS = {
+    "striped": ["--layout", "striped"], "contiguous": ["--layout", "contiguous"],
+    "striped-packed": ["--layout", "striped", "--packed"], "balanced-packed": ["--layout", "balanced", "--packed"],
+    "zigzag-packed": ["--packed"],
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUT_RUNS, ids=list(LAYOUT_RUNS))
+def test_every_layout_passes_simulated_held_to_its_definition(layout):
+    status, text = _run(["--simulate", "--comm", "p2p", "--cp-size", "4", "--seq-len", "64", "--dtype", "fp64",
+                         "--repeats", "1", "--head-dim", "16", *LAYOUT_RUNS[layout]])
+    _assert_all_pass(status, text)
+    assert _rows(text)["boundaries.layout"] == "pass" and _rows(text)["exchange[causal" + (
+        "+packed]" if "--packed" in LAYOUT_RUNS[layout] else "]")] == "pass", text
+
+
+def test_the_layout_definitions_are_the_written_out_rows_and_megatron_cores():
+    """``layout_truth`` against rows written out by hand (CP 2, S 8), and megatron-core's RoPE slice."""
+    from mcp_context.selftest.layout_truth import expected_positions, expected_rows, megatron_rope_positions
+
+    cpu = torch.device("cpu")
+    assert [expected_rows("zigzag", 2, r, 8) for r in (0, 1)] == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    assert [expected_rows("contiguous", 2, r, 8) for r in (0, 1)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [expected_rows("striped", 2, r, 8) for r in (0, 1)] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    padded = [0, 8, 12]  # two documents of 8 and 4 padded rows
+    assert [expected_rows("zigzag", 2, r, 12, padded) for r in (0, 1)] == [[0, 1, 6, 7, 8, 11], [2, 3, 4, 5, 9, 10]]
+    assert expected_positions([0, 1, 6, 7, 8, 11], padded) == [0, 1, 6, 7, 0, 3]
+    assert expected_rows("balanced", 2, 0, 12, padded) is None
+    assert [megatron_rope_positions(8, 2, r, cpu) for r in (0, 1)] == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    assert megatron_rope_positions(12, 2, 0, cpu, padded) == [0, 1, 6, 7, 0, 3]

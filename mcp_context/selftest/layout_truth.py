@@ -9,7 +9,7 @@ module holds the slicing to:
   and its thd RoPE slice ``_get_thd_freqs_on_this_cp_rank`` per document (packed);
 - each layout's positions written out here from its definition: ``zigzag`` chunks ``r`` and
   ``2P-1-r`` of ``2P`` (per padded document when packed), ``contiguous`` ``[r*S/P, (r+1)*S/P)``,
-  ``striped`` ``r, r+P, ...``. ``balanced`` is a placement search with no closed form: it is held to
+  ``striped`` ``r, r+P, ...`` (these two over the whole packed sequence, as the engine places them). ``balanced`` is a placement search with no closed form: it is held to
   what it promises (every rank ``S/P`` rows, together every row once, each piece in position order).
 
 Owns no collective: everything here runs on one process for every rank (model-independent, cheap, so
@@ -27,15 +27,16 @@ import torch.distributed as dist
 def expected_rows(layout: str, cp_size: int, cp_rank: int, seq_len: int,
                   padded: Optional[Sequence[int]] = None) -> Optional[list[int]]:
     """The rows of the full sequence rank ``cp_rank`` holds, in local order, by the layout's definition
-    (``padded``: a packed sequence's ``cu_seqlens_padded``); None for ``balanced`` (no closed form)."""
+    (``padded``: a packed sequence's ``cu_seqlens_padded``, which only the zigzag follows: per document);
+    None for ``balanced`` (no closed form)."""
     def zigzag(start: int, length: int) -> list[int]:
         c = length // (2 * cp_size)
         first, second = start + cp_rank * c, start + (2 * cp_size - 1 - cp_rank) * c
         return list(range(first, first + c)) + list(range(second, second + c))
 
-    if padded is not None:
-        if layout != "zigzag":
-            return None
+    if layout == "balanced":
+        return None
+    if padded is not None and layout == "zigzag":  # contiguous and striped ignore the documents
         return [row for a, b in zip(padded, padded[1:]) for row in zigzag(a, b - a)]
     if layout == "zigzag":
         return zigzag(0, seq_len)
