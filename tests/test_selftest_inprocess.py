@@ -70,7 +70,7 @@ def test_ranks_that_all_wait_are_stopped_at_once_naming_what_each_waits_for():
         dist.all_reduce(torch.zeros(1), group=WORLD)
 
     start = time.monotonic()
-    with pytest.raises(ExchangeError, match=r"every rank waits and none can go on: rank 1 waits for SimGroup"):
+    with pytest.raises(ExchangeError, match=r"every rank still running waits and none can go on: rank 1 waits for SimGroup"):
         run_ranks(4, rank_fn)
     assert time.monotonic() - start < 5.0
 

@@ -13,8 +13,8 @@ transport error or a hang (``ExchangeError``, raised on every rank alike):
   of their group;
 - a point-to-point transfer must not go to its sender, and the receiver's n-th receive from a rank
   must expect the shape and dtype of that rank's n-th send to it (the ordering gloo and NCCL keep);
-- when every rank waits and none can go on, the run stops naming what each waits for; a send never
-  received fails the run when the ranks are done.
+- when every rank still running waits and none can go on, the run stops naming what each waits for;
+  a send never received fails the run when the ranks are done.
 
 CPU tensors only: the autograd engine runs a CUDA graph's backward on one device thread for every
 rank, where the ranks' collectives would wait for each other. Not exercised: gloo and NCCL themselves.
@@ -113,7 +113,7 @@ class _World:
                     raise ExchangeError(self.broken)
                 stuck = [r for r in range(self.size) if r not in self.done]
                 if all(r in self.waiting and not self.waiting[r][1]() for r in stuck):
-                    self.break_run("every rank waits and none can go on: " + "; ".join(
+                    self.break_run("every rank still running waits and none can go on: " + "; ".join(
                         f"rank {r} waits for {self.waiting[r][0]}" for r in stuck))
                     raise ExchangeError(self.broken)
                 if not self.cond.wait(timeout=WAIT_S):
