@@ -4,9 +4,11 @@ Passing (CPU, fp64 within 1e-10 * max(1, max|ref|), fp32 within 1e-5 * max(1, ma
 1.5 * sqrt(blocks) * max(one fused call's error, u * max|ref|)):
 - every recipe in recipes/ at its own CP layout, scaled down with --seq-len, with --simulate;
 - CP=8 [2, 2, 2] with --simulate for sinks, MLA head dims, windowed layers and packed documents;
-- CP=4 [2, 2] (the tiny recipe), CP=4 p2p with sinks, windowed and full layers and packed documents,
-  and CP=4 p2p with MLA head dims, across 4 gloo ranks, through the same ``main`` a torchrun launch
-  calls; with one dense transformer layer at CP=4 against CP=1 for each attention kind.
+- CP=4 [2, 2] (the tiny dense, MoE and MLA+MoE recipes), CP=4 p2p with sinks, windowed and full layers
+  and packed documents, and CP=4 p2p with MLA head dims from flags, across 4 gloo ranks, through the
+  same ``main`` a torchrun launch calls; with the model's transformer layer (dense, MoE, MLA) at CP=4
+  against CP=1 for each attention kind (MLA head dims from flags: no layer to build, accepted with
+  --allow-unchecked).
 Failing: each planted fault (data sliced in another layout, a wrong softmax scale on one rank, a
 dropped sink, another cu_seqlens on one rank) exits 1 naming the check that caught it, simulated and
 across ranks. The 4-rank cases run ``main`` in the gloo worker pool (a torchrun launch costs ~45 s on
@@ -18,6 +20,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,13 +56,12 @@ def _run(argv: list[str]) -> tuple[int, str]:
 
 
 def _rows(text: str) -> dict[str, str]:
-    """``{check name: 'pass' | 'FAIL'}`` from the table."""
+    """``{check name: 'pass' | 'FAIL' | 'NOT RUN' | 'accepted'}`` from the table."""
     rows = {}
     for line in text.splitlines():
-        parts = line.split()
-        for verdict in ("pass", "FAIL"):
-            if verdict in parts[1:]:
-                rows[line[:line.index(f" {verdict} ")].strip()] = verdict
+        row = re.match(r"(\S.*?) {2,}(pass|FAIL|NOT RUN|accepted)( {2,}|$)", line)
+        if row:
+            rows[row.group(1)] = row.group(2)
     return rows
 
 
@@ -154,7 +156,12 @@ DISTRIBUTED = {
     "cp4-p2p-sinks-window-packed": ["--comm", "p2p", "--seq-len", "128", "--dtype", "fp64", "--head-dim", "16",
                                     "--softmax-type", "learnable", "--window", "15,0", "--window-attn-skip-freq", "2",
                                     "--packed"],
-    "cp4-p2p-mla": ["--comm", "p2p", "--seq-len", "64", "--dtype", "fp64", "--head-dim", "24", "--v-head-dim", "16"],
+    "cp4-hcp-moe-recipe": ["--recipe", str(ROOT / "recipes" / "tiny_mixtral_cpu.yaml"), "--seq-len", "64", "--dtype",
+                           "fp64", "--repeats", "1"],
+    "cp4-hcp-mla-moe-recipe": ["--recipe", str(ROOT / "recipes" / "tiny_mla_cpu.yaml"), "--seq-len", "64",
+                               "--dtype", "fp64", "--repeats", "1"],
+    "cp4-p2p-mla": ["--comm", "p2p", "--seq-len", "64", "--dtype", "fp64", "--head-dim", "24", "--v-head-dim", "16",
+                    "--allow-unchecked"],
 }
 
 
@@ -162,11 +169,15 @@ DISTRIBUTED = {
 def test_passes_across_four_gloo_ranks(case):
     results = run_distributed(4, _distributed_main, DISTRIBUTED[case])
     assert [status for status, _ in results] == [0] * 4, results[0][1]
-    _assert_all_pass(*results[0])
-    assert "(trace, every rank)" in results[0][1]
-    layer_rows = {name: v for name, v in _rows(results[0][1]).items() if name.startswith("boundaries.layer[")}
-    if case != "cp4-p2p-mla":  # one dense layer per kind (windowed and full) against CP=1; MLA layers: not yet
-        assert layer_rows and set(layer_rows.values()) == {"pass"}
+    status, text = results[0]
+    if case == "cp4-p2p-mla":  # MLA head dims from flags: no MLA layer to build, listed and accepted
+        assert status == 0 and text.strip().endswith("passed, 0 failed, 1 not run (accepted with --allow-unchecked)")
+        assert _rows(text)["boundaries.layer[causal+mla:24/16]"] == "accepted", text
+        return
+    _assert_all_pass(status, text)
+    assert "(trace, every rank)" in text
+    layer_rows = {name: v for name, v in _rows(text).items() if name.startswith("boundaries.layer[")}
+    assert layer_rows and set(layer_rows.values()) == {"pass"}  # the model's layer per kind against CP=1
 
 
 @pytest.mark.parametrize("fault,flags,caught_by", FAULT_CASES, ids=[f for f, _, _ in FAULT_CASES])
@@ -187,9 +198,9 @@ def test_table_on_stdout_progress_on_stderr_summary_last():
         status = main(["--simulate", "--seq-len", "32", "--dtype", "fp64", "--repeats", "1", "--plant", "wrong-scale",
                        "--device", "cpu"])
     assert status == 1
-    assert out.getvalue().strip().splitlines()[-1] == "selftest: 6 passed, 1 failed", out.getvalue()
+    assert out.getvalue().strip().splitlines()[-1] == "selftest: 7 passed, 2 failed", out.getvalue()
     assert "selftest: plan agreement: ok" in err.getvalue() and "attention[causal] fp64: FAIL" in err.getvalue()
-    assert "selftest: 6 passed" not in err.getvalue()
+    assert "selftest: 7 passed" not in err.getvalue()
 
 
 def test_the_module_entry_exits_with_mains_status():
@@ -266,3 +277,65 @@ def test_the_boundary_checks_catch_global_positions_and_per_rank_averages():
     per_rank_first = sum(float((l * m).sum() / m.sum().clamp(min=1)) for l, m in quarters) / 4
     problems, _ = boundaries.check_loss([(per_rank_first / 4, per_rank_first)] * 4, batch)
     assert len(problems) == 2, problems
+
+
+REFUSED = {
+    "heads-not-split-by-a2a": (["--heads", "5", "--kv-heads", "5", "--hcp-sizes", "2,2"], "--heads=5"),
+    "heads-not-divisible-by-kv": (["--heads", "8", "--kv-heads", "3"], "--heads 8 is not divisible by --kv-heads 3"),
+    "gqa-uneven": (["--heads", "6", "--kv-heads", "4"], "--kv-heads 4"),
+    "kv-heads-not-split-by-a2a": (["--heads", "12", "--kv-heads", "6", "--hcp-sizes", "4", "--comm", "a2a"],
+                                  "--kv-heads=6"),
+    "missing-recipe": (["--recipe", "/nonexistent.yaml"], "--recipe /nonexistent.yaml: no such file"),
+    "negative-hcp-sizes": (["--hcp-sizes", "-2,2"], "--hcp-sizes -2,2 must be positive"),
+    "zero-seq-len": (["--seq-len", "0"], "--seq-len 0 must be a positive integer"),
+    "balanced-unpacked": (["--layout", "balanced"], "--layout balanced"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED, ids=list(REFUSED))
+def test_flags_that_cannot_run_are_refused_up_front_naming_the_flag(case):
+    """Exit 2 and one line naming the flag and its value (and a fix: 'e.g.', 'choose', 'use', 'add'),
+    before any check runs."""
+    argv, named = REFUSED[case]
+    status, text = _run(["--simulate", *argv])
+    lines = text.strip().splitlines()
+    assert status == 2 and len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], text
+    assert any(fix in lines[0] for fix in ("e.g.", "choose", "use ", "add ")), text
+
+
+def test_a_negative_window_value_parses_after_the_flag():
+    """``--window -1,0`` (unbounded left) is a value, not a flag; here it is a plain causal mask."""
+    status, text = _run(["--simulate", "--window", "-1,0", "--seq-len", "32", "--dtype", "fp64", "--repeats", "1"])
+    _assert_all_pass(status, text)
+
+
+LAYOUT_RUNS = {
+    "striped": ["--layout", "striped"], "contiguous": ["--layout", "contiguous"],
+    "striped-packed": ["--layout", "striped", "--packed"], "balanced-packed": ["--layout", "balanced", "--packed"],
+    "zigzag-packed": ["--packed"],
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUT_RUNS, ids=list(LAYOUT_RUNS))
+def test_every_layout_passes_simulated_held_to_its_definition(layout):
+    status, text = _run(["--simulate", "--comm", "p2p", "--cp-size", "4", "--seq-len", "64", "--dtype", "fp64",
+                         "--repeats", "1", "--head-dim", "16", *LAYOUT_RUNS[layout]])
+    _assert_all_pass(status, text)
+    assert _rows(text)["boundaries.layout"] == "pass" and _rows(text)["exchange[causal" + (
+        "+packed]" if "--packed" in LAYOUT_RUNS[layout] else "]")] == "pass", text
+
+
+def test_the_layout_definitions_are_the_written_out_rows_and_megatron_cores():
+    """``layout_truth`` against rows written out by hand (CP 2, S 8), and megatron-core's RoPE slice."""
+    from mcp_context.selftest.layout_truth import expected_positions, expected_rows, megatron_rope_positions
+
+    cpu = torch.device("cpu")
+    assert [expected_rows("zigzag", 2, r, 8) for r in (0, 1)] == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    assert [expected_rows("contiguous", 2, r, 8) for r in (0, 1)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [expected_rows("striped", 2, r, 8) for r in (0, 1)] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    padded = [0, 8, 12]  # two documents of 8 and 4 padded rows
+    assert [expected_rows("zigzag", 2, r, 12, padded) for r in (0, 1)] == [[0, 1, 6, 7, 8, 11], [2, 3, 4, 5, 9, 10]]
+    assert expected_positions([0, 1, 6, 7, 8, 11], padded) == [0, 1, 6, 7, 0, 3]
+    assert expected_rows("balanced", 2, 0, 12, padded) is None
+    assert [megatron_rope_positions(8, 2, r, cpu) for r in (0, 1)] == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    assert megatron_rope_positions(12, 2, 0, cpu, padded) == [0, 1, 6, 7, 0, 3]

@@ -7,6 +7,9 @@ sequence; the model's boundaries (batch slicing, positions, loss); and the plan 
 kernel per dtype, bytes per rank, time per call). See ``docs/selftest.md``.
 
 Modules: ``setup`` (what is checked), ``reference`` (the fp64 reference), ``distributed`` (the engine
-across ranks), ``simulate`` (every member on one device), ``compare`` (errors and bars),
-``boundaries``, ``plan``, ``faults`` (test-only planted bugs), ``checks`` (running them), ``report``.
+across ranks), ``simulate`` (every member on one device), ``inprocess`` (every rank a thread, the
+transfers matched between them), ``exchange`` (the engine of every rank over ``inprocess``),
+``compare`` (errors and bars), ``boundaries``, ``layout_truth`` (the layouts' definitions and
+megatron-core's slicing), ``plan``, ``faults`` (test-only planted bugs), ``checks`` (running them),
+``report``.
 """

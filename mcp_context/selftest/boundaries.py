@@ -7,11 +7,15 @@ megatron-core's ``get_batch_on_this_cp_rank`` and TE's thd partitioning), then:
 - ``unslice``: the shards put back with ``unshard_sequence`` give every tensor back exactly;
 - ``positions``: the gathered position ids restart at 0 at every document start and count up by one
   inside a document (packed), or are 0..S-1 (unpacked) — RoPE offsets right for every layout;
+- ``layout``: every rank's slice against a definition that is not the code under test
+  (``layout_truth``: megatron-core's ``get_batch_on_this_cp_rank`` and RoPE slicing, and each
+  layout's positions written out from its definition), for the batch's zigzag and the engine's layout;
 - ``loss``: the masked per-token loss averaged over the CP ranks (``masked_token_mean``) equals the
   full sequence's masked mean on every rank, and the ranks' backward shares add up to it.
 
 Distributed, each rank slices with its real CP group and the loss all-reduces; ``--simulate`` plays
-each rank in turn in a fake one-process world (the loss then adds the members' masked sums itself).
+each rank in turn in a fake one-process world, and the loss runs on every member as threads of this
+process whose all-reduce is carried between them (``inprocess``).
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..layouts import unshard_sequence
+from ..layouts import shard_index, unshard_sequence
 from .setup import Setup
 
 KEYS = ("tokens", "labels", "loss_mask", "position_ids")
@@ -108,6 +112,43 @@ def check_positions(setup: Setup, back: dict, packed: bool) -> list[str]:
     return problems
 
 
+def check_layout(setup: Setup, batch: dict, slices: list[dict], packed: bool) -> list[str]:
+    """Every rank's slice (``slice_batch_for_cp``: zigzag, per document when packed) against megatron-core's
+    slicing and RoPE positions and the zigzag's definition, and the engine's layout (``setup.layout``)
+    against its definition; what differs, rank by rank."""
+    from .layout_truth import (balanced_problems, expected_positions, expected_rows, megatron_batch,
+                               megatron_rope_positions)
+
+    cp, seq = setup.cp_size, setup.seq_len
+    cu, padded = (list(setup.documents[0]), list(setup.documents[1])) if packed else (None, None)
+    where = " of every document" if packed else ""
+    problems = []
+    for rank, mine in enumerate(slices):
+        rows = expected_rows("zigzag", cp, rank, seq, padded)
+        not_zigzag = [key for key in ("tokens", "labels", "loss_mask") if not torch.equal(mine[key], batch[key][:, rows])]
+        positions = mine["position_ids"][0].tolist()
+        not_zigzag += ["position_ids"] if positions != expected_positions(rows, padded) else []
+        if not_zigzag:
+            problems.append(f"rank {rank}: {', '.join(not_zigzag)} are not zigzag chunks {rank} and "
+                            f"{2 * cp - 1 - rank}{' of every document' if packed else ''}")
+        not_megatron = [] if packed else [key for key, theirs in megatron_batch(
+            {key: batch[key] for key in KEYS}, cp, rank).items() if not torch.equal(mine[key], theirs)]
+        not_megatron += ["RoPE positions"] if positions != megatron_rope_positions(
+            seq, cp, rank, torch.device(setup.device), padded) else []
+        if not_megatron:
+            problems.append(f"rank {rank}: {', '.join(not_megatron)} differ from megatron-core's slice for CP rank "
+                            f"{rank} (" + ("_get_thd_freqs_on_this_cp_rank per document" if packed else
+                                           "get_batch_on_this_cp_rank, get_pos_emb_on_this_cp_rank") + ")")
+    engine = [shard_index(seq, cp, r, setup.layout, cu, padded).tolist() for r in range(cp)]
+    if setup.layout == "balanced":
+        problems += [f"layout balanced: {p}" for p in balanced_problems(engine, seq)]
+    else:
+        problems += [f"rank {r}: layout {setup.layout} gives it rows {rows[:3]}..., not {want[:3]}... (the layout's "
+                     f"definition)" for r, rows in enumerate(engine)
+                     if rows != (want := expected_rows(setup.layout, cp, r, seq, padded))]
+    return problems
+
+
 def check_loss(shares: list[tuple[float, float]], batch: dict) -> tuple[list[str], dict]:
     """Every rank's ``(loss_for_backward, global_mean)`` against the full sequence's masked mean."""
     loss, mask = batch["per_token_loss"], batch["loss_mask"].double()
@@ -134,14 +175,14 @@ def distributed_shares(mine: dict, group, device: torch.device) -> list[tuple[fl
 
 
 def simulated_shares(slices: list[dict]) -> list[tuple[float, float]]:
-    """Each member's ``masked_token_mean`` share of the CP mean (one process: the members' masked sums
-    are added here instead of all-reduced)."""
+    """Every member's ``masked_token_mean`` over a CP group of this process's threads (``inprocess``: its
+    all-reduce carried between them), as ``distributed_shares``."""
     from ..megatron.batch import masked_token_mean
+    from .inprocess import SimGroup, run_ranks
 
-    count = max(sum(float(s["loss_mask"].sum()) for s in slices), 1.0)
-    total = sum(float((s["per_token_loss"] * s["loss_mask"]).sum()) for s in slices) / count
-    shares = []
-    for s in slices:
-        local, _ = masked_token_mean(s["per_token_loss"], s["loss_mask"], None)
-        shares.append((float(local) * float(s["loss_mask"].sum()) / count, total))
-    return shares
+    group = SimGroup(range(len(slices)))
+
+    def member(rank: int) -> tuple[float, float]:
+        share, global_mean = masked_token_mean(slices[rank]["per_token_loss"], slices[rank]["loss_mask"], group)
+        return float(share), float(global_mean)
+    return run_ranks(len(slices), member)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import traceback
+import zlib
 from dataclasses import replace
 from typing import Callable, Optional
 
@@ -19,7 +20,9 @@ import torch.distributed as dist
 from ..kernels import get_kernel
 from . import boundaries, compare, plan
 from .distributed import EngineRun, median_ms
+from .exchange import engine_in_process, short_setup
 from .faults import FAULTY_RANK
+from .inprocess import ExchangeError
 from .reference import document_ids, random_inputs, reference_attention
 from .report import CheckResult
 from .setup import AttentionKind, Setup, perturbed_documents
@@ -123,10 +126,10 @@ def kernel_check(setup: Setup) -> list[CheckResult]:
     return results
 
 
-def _attention_figures(setup: Setup, kind: AttentionKind, dtype: torch.dtype, rounded: dict, full: dict
-                       ) -> CheckResult:
+def _attention_figures(setup: Setup, kind: AttentionKind, dtype: torch.dtype, rounded: dict, full: dict,
+                       name: Optional[str] = None) -> CheckResult:
     """Rank 0: the gathered result against the reference on the same rounded inputs."""
-    name = f"attention[{setup.kind_name(kind)}] {dtype_name(dtype)}"
+    name = name or f"attention[{setup.kind_name(kind)}] {dtype_name(dtype)}"
     documents = document_ids(setup.seq_len, *setup.documents) if kind.packed else None
     on_device = {n: None if x is None else x.to(setup.device) for n, x in rounded.items()}  # fp64 there
     reference = {n: x.cpu() for n, x in reference_attention(
@@ -149,6 +152,42 @@ def _attention_figures(setup: Setup, kind: AttentionKind, dtype: torch.dtype, ro
                  f"(worst {worst}: {figures[worst]['error']:.1e} <= {figures[worst]['bound']:.1e})")
     bad = compare.failures(figures)
     return CheckResult(name, not bad, "; ".join(bad) if bad else shown, {"outputs": figures})
+
+
+def exchange_check(setup: Setup, kind: AttentionKind, ranks: Ranks, fault: Optional[str]) -> CheckResult:
+    """Every CP rank's engine as threads of this process (``exchange``: fp64, CPU, a short sequence): every
+    transfer matched on both ends, and the gathered result against the fp64 reference. Distributed, each
+    rank works this out itself and the ranks compare what they will send (a digest of every call and
+    send) before any engine call; ``figures["transfers"]`` is False where transfers do not match (a real
+    call would fail in the transport or hang)."""
+    name = f"exchange[{setup.kind_name(kind)}]"
+    short = short_setup(setup)
+    log: list = []
+
+    def run() -> CheckResult:
+        data = _rounded(random_inputs(short.seq_len, short.batch, short.heads, short.kv_heads, short.head_dim,
+                                      short.v_head_dim, short.seed, kind.softmax_type), torch.float64)
+        try:
+            full = engine_in_process(short, kind, data, fault, log)
+        except ExchangeError as err:
+            return CheckResult(name, False, f"transfers do not match: {err}", {"transfers": False})
+        result = _attention_figures(short, kind, torch.float64, data, full, name)
+        where = f"{short.cp_size} ranks as threads, S={short.seq_len} fp64: {len(log)} calls and sends matched"
+        return replace(result, summary=f"{where}; {result.summary}", figures={**result.figures, "transfers": True})
+
+    result = _guarded(run, name)
+    if ranks.group is None:
+        return result
+    every = ranks.gather((result, zlib.crc32(repr(log).encode())))
+    failed = next((r for r, (res, _) in enumerate(every) if not res.passed), None)
+    if failed is not None:
+        res = every[failed][0]
+        return res if failed == 0 else replace(res, summary=f"rank {failed}: {res.summary}")
+    differ = [r for r, (_, digest) in enumerate(every) if digest != every[0][1]]
+    if differ:
+        return CheckResult(name, False, f"ranks {differ} work out other transfers than rank 0 (their code or "
+                           f"configuration differs): nothing is sent", {"transfers": False})
+    return replace(result, summary=result.summary + f"; the same on all {ranks.size} ranks")
 
 
 def attention_check(setup: Setup, kind: AttentionKind, dtype: torch.dtype, data: dict, ranks: Ranks,
@@ -233,20 +272,32 @@ def boundary_checks(setup: Setup, ranks: Ranks, group) -> list[CheckResult]:
         return CheckResult("boundaries.positions", not bad, "; ".join(bad) or
                            (f"restart at 0 in each of {n_docs} documents" if packed else "0..S-1 in order"))
 
+    def layout() -> CheckResult:
+        bad = boundaries.check_layout(setup, batch, slices, packed)
+        shown = "; ".join(bad[:3]) + (f"; and {len(bad) - 3} more" if len(bad) > 3 else "")
+        what = "per document, " if packed else "get_batch_on_this_cp_rank, "
+        return CheckResult("boundaries.layout", not bad, shown or
+                           f"{setup.cp_size} slices are megatron-core's ({what}RoPE) and zigzag's definition; "
+                           f"layout {setup.layout} " + ("keeps its promises (S/P rows each, every row once)"
+                                                        if setup.layout == "balanced" else "is its definition"),
+                           {"problems": bad})
+
     def loss() -> CheckResult:
         bad, figures = boundaries.check_loss(shares, batch)
         return CheckResult("boundaries.loss", not bad, "; ".join(bad) or
                            f"CP mean {figures['cp_loss']:.12f} = full {figures['full_loss']:.12f} "
                            f"(|diff| {figures['error']:.1e})", figures)
     return [ranks.from_rank0(fn, name) for fn, name in ((unslice, "boundaries.unslice"),
-                                                         (positions, "boundaries.positions"), (loss, "boundaries.loss"))]
+                                                         (positions, "boundaries.positions"), (layout, "boundaries.layout"),
+                                                         (loss, "boundaries.loss"))]
 
 
-def run_checks(setup: Setup, ranks: Ranks, simulate: bool, fault: Optional[str] = None, layer: bool = True
-               ) -> list[CheckResult]:
+def run_checks(setup: Setup, ranks: Ranks, simulate: bool, fault: Optional[str] = None, layer: bool = True,
+               allow_unchecked: bool = False) -> list[CheckResult]:
     """Every check, in order (``layer``: the one-layer check too). Distributed, ``ranks`` spans the
     world (the CP ranks) and the CP groups are built only once the ranks agree on the plan (groups of
-    different sizes would hang)."""
+    different sizes would hang). A layer this model's check cannot build is a row that did not run,
+    which fails the run unless ``allow_unchecked``."""
     results = [agreement(setup, ranks, fault, simulate)]
     ranks.say(f"plan agreement: {'ok' if results[0].passed else 'FAILED'}")
     if not results[0].passed and not simulate:
@@ -258,10 +309,20 @@ def run_checks(setup: Setup, ranks: Ranks, simulate: bool, fault: Optional[str] 
 
         groups = build_hcp_groups(list(setup.sizes))
     results += kernel_check(setup)
+    unmatched = set()  # kinds whose transfers do not match: no engine call of theirs runs
     for kind in setup.kinds:
         data = random_inputs(setup.seq_len, setup.batch, setup.heads, setup.kv_heads, setup.head_dim,
                              setup.v_head_dim, setup.seed, kind.softmax_type)
         first_run, seconds = None, None
+        ranks.say(f"exchange {setup.kind_name(kind)} (every rank in this process) ...")
+        exchanged = exchange_check(setup, kind, ranks, fault)
+        results.append(exchanged)
+        ranks.say(f"  {exchanged.name}: {'pass' if exchanged.passed else 'FAIL'}")
+        if not simulate and exchanged.figures.get("transfers") is False:
+            unmatched.add(kind)
+            results.append(CheckResult(f"attention[{setup.kind_name(kind)}]", False, f"not run: the transfers do "
+                                       f"not match ({exchanged.name}); a real call would fail in the transport"))
+            continue
         for i, dtype in enumerate(setup.dtypes):
             ranks.say(f"attention {setup.kind_name(kind)} {dtype_name(dtype)} ...")
             result, run, member_seconds = attention_check(setup, kind, dtype, data, ranks, groups, fault)
@@ -279,20 +340,28 @@ def run_checks(setup: Setup, ranks: Ranks, simulate: bool, fault: Optional[str] 
                                                   else "(--skip-layer)"))
     else:
         for kind in setup.kinds:
-            if not layer_checkable(setup):
-                ranks.say(f"boundaries.layer[{setup.kind_name(kind)}]: not run (MoE and MLA layers: see docs/selftest.md)")
+            if kind in unmatched:
+                results.append(CheckResult(f"boundaries.layer[{setup.kind_name(kind)}]", False, "not run: the "
+                                           "transfers do not match (exchange); a real call would fail in the transport"))
+                continue
+            why = unchecked_layer(setup)
+            if why is not None:
+                results.append(CheckResult(f"boundaries.layer[{setup.kind_name(kind)}]", allow_unchecked,
+                                           f"not run: {why}" + ("" if allow_unchecked else
+                                                                "; pass --allow-unchecked to accept that"), ran=False))
                 continue
             ranks.say(f"one layer {setup.kind_name(kind)} at CP {setup.cp_size} vs CP 1 ...")
             results.append(layer_check(setup, kind, ranks, groups, fault))
     return results
 
 
-def layer_checkable(setup: Setup) -> bool:
-    """Dense layers with one head dim: what ``layer.layer_parity`` builds (MoE needs expert-parallel groups,
-    MLA its own attention)."""
-    m = setup.model
-    return setup.v_head_dim == setup.head_dim and not (m is not None and (
-        getattr(m, "num_moe_experts", None) or getattr(m, "multi_latent_attention", False)))
+def unchecked_layer(setup: Setup) -> Optional[str]:
+    """Why ``layer.layer_parity`` cannot build this model's layer (None: it can). It builds the recipe's
+    layer (dense, MoE, MLA) or, from attention flags, a dense layer with one head dim."""
+    if setup.model is None and setup.v_head_dim != setup.head_dim:
+        return ("--v-head-dim without a recipe (the layer check builds an MLA layer from a recipe's "
+                "multi_latent_attention; from flags, dense attention with one head dim)")
+    return None
 
 
 def layer_check(setup: Setup, kind: AttentionKind, ranks: Ranks, groups, fault: Optional[str] = None) -> CheckResult:

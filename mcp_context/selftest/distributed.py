@@ -29,7 +29,7 @@ class EngineRun:
 
     def __init__(self, setup: Setup, kind: AttentionKind, dtype: torch.dtype, data: dict, groups: HCPGroups,
                  fault: Optional[str] = None):
-        self.setup, self.groups, self.dtype = setup, groups, dtype
+        self.setup, self.kind, self.groups, self.dtype = setup, kind, groups, dtype
         rank, cp = groups.cp_rank, groups.cp_size
         self.device = torch.device(setup.device)
         cu, padded = setup.documents if kind.packed else (None, None)
@@ -59,20 +59,13 @@ class EngineRun:
 
     def gathered(self, local: dict) -> dict:
         """Every rank's outputs in full-sequence order (fp64, CPU), the sinks' gradient summed."""
-        full = {}
-        group = self.groups.cp_group
+        every = [dict() for _ in range(self.groups.cp_size)]
         for name, x in local.items():
-            if name == "dsink":
-                total = x.clone()
-                dist.all_reduce(total, group=group)
-                full[name] = total.double().cpu()
-                continue
             parts = [torch.empty_like(x) for _ in range(self.groups.cp_size)]
-            dist.all_gather(parts, x.contiguous(), group=group)
-            cu = None if self.cu is None else self.cu.cpu()
-            padded = None if self.padded is None else self.padded.cpu()
-            full[name] = unshard_sequence([p.double().cpu() for p in parts], self.setup.layout, 0, cu, padded)
-        return full
+            dist.all_gather(parts, x.contiguous(), group=self.groups.cp_group)
+            for rank, part in enumerate(parts):
+                every[rank][name] = part
+        return in_order(every, self.setup, self.kind)
 
     def measure(self, repeats: int) -> tuple[dict[str, int], list[float]]:
         """Bytes this rank sent by operation in one forward+backward, and the seconds of ``repeats`` calls
@@ -91,6 +84,18 @@ class EngineRun:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         return sent, times
+
+
+def in_order(every: list[dict], setup: Setup, kind: AttentionKind) -> dict:
+    """Every rank's ``out, lse, dq, dk, dv`` (``every[r]``: CP rank r's) put back in full-sequence order
+    in the layout the engine was told (fp64, CPU); the sinks' gradient summed over the ranks (what
+    Megatron's gradient all-reduce does)."""
+    cu, padded = (torch.tensor(x, dtype=torch.int32) for x in setup.documents) if kind.packed else (None, None)
+    full = {}
+    for name in every[0]:
+        parts = [local[name].double().cpu() for local in every]
+        full[name] = sum(parts) if name == "dsink" else unshard_sequence(parts, setup.layout, 0, cu, padded)
+    return full
 
 
 def median_ms(times: list[float]) -> float:

@@ -1,18 +1,20 @@
 """One transformer layer of the model (our spec) at this CP against the same layer at CP = 1.
 
-megatron-core's ``TransformerLayer`` built from ``get_gpt_layer_hcp_spec()`` with the recipe's
+megatron-core's ``TransformerLayer`` built from ``get_gpt_layer_hcp_spec(**layer_spec_kwargs(model))``
+(the recipe's structure: dense or MoE MLP, q/k norms, MLA; local modules) with the recipe's
 ``TransformerConfig`` (TP = PP = 1, fp32) twice from one set of weights: once over the CP ranks (its
-``pg_collection`` holds the CP group and one group per hierarchy level, as ``parallel_state`` would
-build them) and once over a one-rank group on the full sequence. Each rank feeds its zigzag slice of
-the same hidden states (per document when packed) with RoPE from megatron-core's ``RotaryEmbedding``
-(which slices the table for the CP rank itself), and the output gradient's slice. Compared: the
+``pg_collection`` holds the CP group, one group per hierarchy level as ``parallel_state`` would build
+them, and one-rank expert groups: every expert on every rank) and once over a one-rank group on the
+full sequence. Each rank feeds its zigzag slice of the same hidden states (per document when packed)
+with RoPE from megatron-core's ``RotaryEmbedding`` (which slices the table for the CP rank itself; MLA
+applies its own), and the output gradient's slice. Compared: the
 outputs, gathered and put back in order, and every parameter gradient summed over the CP ranks
 (what DDP's all-reduce over DP x CP does) against the CP = 1 layer's, within ``1e-5 * max(1, max|ref|)``
 (fp32: accumulation order only). No ``parallel_state`` is touched.
 
 One layer per attention kind: a windowed layer and a full one when ``window_attn_skip_freq`` mixes them.
-Dense layers only (``checks.layer_checkable``): an MoE layer needs expert-parallel groups and MLA its
-own attention module; the pretrain tests check those models whole against CP = 1.
+From attention flags alone a dense layer of their heads is built; MLA head dims from flags have no
+layer to build (``checks.unchecked_layer``): a row that did not run, accepted by ``--allow-unchecked``.
 """
 from __future__ import annotations
 
@@ -78,6 +80,7 @@ def layer_parity(setup: Setup, kind: AttentionKind, groups: HCPGroups, recipe_mo
 
     import megatron_patches
     from ..megatron.specs import get_gpt_layer_hcp_spec
+    from ..recipes.schema import layer_spec_kwargs
 
     device = torch.device(setup.device)
     megatron_patches.apply_all(device=device)
@@ -88,12 +91,15 @@ def layer_parity(setup: Setup, kind: AttentionKind, groups: HCPGroups, recipe_mo
     m, config = model_config(setup, recipe_model, kind)
     one = dataclasses.replace(config, context_parallel_size=1, hierarchical_context_parallel_sizes=None,
                               cp_comm_type="p2p")
-    spec = get_gpt_layer_hcp_spec(normalization=m.normalization, qk_layernorm=getattr(m, "qk_layernorm", False))
+    spec = get_gpt_layer_hcp_spec(**{**layer_spec_kwargs(m), "use_te": False})
     torch.manual_seed(setup.seed)
-    reference = build_module(spec, config=one, layer_number=1,
-                             pg_collection=ProcessGroupCollection(tp=alone, pp=alone, cp=alone)).to(device)
+    experts = dict(ep=alone, expt_tp=alone, tp_ep=alone, expt_dp=alone)  # one rank: every expert here
+    reference = build_module(spec, config=one, layer_number=1, pg_collection=ProcessGroupCollection(
+        tp=alone, pp=alone, dp=alone, cp=alone, tp_cp=alone, dp_cp=alone, tp_dp_cp=alone, **experts)).to(device)
+    cp_group = groups.cp_group  # TP = DP = 1: every group that spans CP is the CP group
     layer = build_module(spec, config=config, layer_number=1, pg_collection=ProcessGroupCollection(
-        tp=alone, pp=alone, cp=groups.cp_group, **({"hcp": hcp} if hcp else {}))).to(device)
+        tp=alone, pp=alone, dp=alone, cp=cp_group, tp_cp=cp_group, dp_cp=cp_group, tp_dp_cp=cp_group, **experts,
+        **({"hcp": hcp} if hcp else {}))).to(device)
     layer.load_state_dict(reference.state_dict())
 
     gen = torch.Generator().manual_seed(setup.seed + 11)
@@ -116,6 +122,8 @@ def layer_parity(setup: Setup, kind: AttentionKind, groups: HCPGroups, recipe_mo
         emb_full = emb_cp = rope(longest, packed_seq=True)
     else:
         emb_full, emb_cp = rope(setup.seq_len, cp_group=alone), rope(setup.seq_len, cp_group=groups.cp_group)
+    if getattr(m, "multi_latent_attention", False):  # MLA applies its own RoPE (sliced for the CP rank itself)
+        emb_full = emb_cp = None
 
     x_full = x.to(device).requires_grad_()
     y_full, _ = reference(x_full, attention_mask=None, rotary_pos_emb=emb_full, packed_seq_params=params_full)
