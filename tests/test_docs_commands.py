@@ -4,8 +4,8 @@ The commands are read from the docs on each run, so an edited or added line is c
 reads. Each one is parsed by its own command-line parser with the same arguments (argparse stopped
 right after parsing: flags, values and choices as the CLI sees them); then
 
-- cheap ones run for real in this process, through their CLI's ``main``: ``recipes show / validate /
-  to-megatron-args``; data preparation of the bundled corpus (into a temporary cache); the planner, restricted with ``--cp-sizes`` to the smallest CP sizes (the
+- cheap ones run for real in this process, through their CLI's ``main``: ``recipes show / validate``,
+  ``megatron_lm`` (a recipe's Megatron-LM command); data preparation of the bundled corpus (into a temporary cache); the planner, restricted with ``--cp-sizes`` to the smallest CP sizes (the
   candidates of a full plan take minutes) and writing any ``--json`` under a temporary directory;
   ``--help`` of every converter sub-command used, which must list each flag the docs give it;
 - commands that train, benchmark for minutes, need a GPU or a downloaded model are checked without
@@ -144,7 +144,7 @@ def _check_python(argv: list[str], tmp_path: Path, world_size=None) -> None:
     main = _main_of(target, is_module)
     ns = _parsed(main, args)
     name = target.replace("/", ".").removesuffix(".py")
-    if name == "mcp_context.recipes":
+    if name in ("mcp_context.recipes", "mcp_context.megatron_lm"):
         status, out, err = _call(main, args)
         assert status == 0, err
         assert out.strip()

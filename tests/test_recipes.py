@@ -406,8 +406,10 @@ def test_cli_reports_bad_recipes_with_status_2(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("OK llama3_8b_128k_hcp: TP4 PP2 CP8 (a2a+p2p, levels [2, 4])")
     assert recipes_cli(["show", "-", "train.steps=30"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["train"]["steps"] == 30
-    assert recipes_cli(["to-megatron-args", str(RECIPES_DIR / "llama3_70b_1m_hcp.yaml"), "model.context_parallel_size=32",
-                        "model.hierarchical_context_parallel_sizes=[2,16]", "train.world_size=1024"]) == 0
+    from mcp_context.megatron_lm.__main__ import main as megatron_lm_cli
+
+    assert megatron_lm_cli([str(RECIPES_DIR / "llama3_70b_1m_hcp.yaml"), "model.context_parallel_size=32",
+                            "model.hierarchical_context_parallel_sizes=[2,16]", "train.world_size=1024"]) == 0
     out = capsys.readouterr().out
     assert "--context-parallel-size 32" in out and "--hierarchical-context-parallel-sizes 2 16" in out
     assert "--spec mcp_context.megatron.specs hcp_te_spec" in out and "--nnodes 128" in out
