@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import shlex
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -397,6 +399,19 @@ def test_megatron_args_parse_back_to_the_recipe(path):
     nproc = int(command.split("--nproc-per-node ")[1].split()[0])
     nnodes = int(command.split("--nnodes ")[1].split()[0]) if "--nnodes" in command else 1
     assert nproc * nnodes == t.world_size
+
+
+@pytest.mark.parametrize("argv", [["show", "-"], ["validate", "-"],
+                                  ["validate", str(RECIPES_DIR / "llama3_8b_128k_hcp.yaml"), "--world-size", "64"]])
+def test_recipe_show_and_validate_import_neither_megatron_core_nor_torch(argv):
+    """Importing megatron-core takes seconds (4.7 s of a 9 s run, seen); these commands need neither it
+    nor torch, so they answer in a fraction of a second. Run in a fresh interpreter: this one has both."""
+    script = ("import sys\nfrom mcp_context.recipes.__main__ import main\nstatus = main(sys.argv[1:])\n"
+              "print(sorted({m.split('.')[0] for m in sys.modules} & {'megatron', 'torch'}))\nsys.exit(status)")
+    done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=120,
+                          cwd=RECIPES_DIR.parent)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]", done.stdout[-500:]
 
 
 def test_cli_reports_bad_recipes_with_status_2(tmp_path, capsys):
