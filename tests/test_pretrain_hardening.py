@@ -181,6 +181,20 @@ def test_planted_pickle_in_common_pt_and_in_a_byte_object_is_refused_without_run
     assert target.is_dir()
 
 
+def test_a_longer_run_on_a_finished_one_is_refused_by_the_launch_check_in_one_line(finished_run, data_dir, capsys):
+    """``make train`` runs ``--check-launch`` before torchrun: a changed ``train.steps`` on a finished run
+    ends there, status 2 and one error line (under torchrun the same refusal comes with the launcher's
+    traceback); the unchanged run passes the check (it would resume and say there is nothing to do)."""
+    from mcp_context.pretrain.cli import main
+
+    args = ["--check-launch", "1", "--recipe", str(REPO / "recipes" / "tiny_cpu.yaml"), "--run-dir", str(finished_run),
+            "train.device=cpu", *ONE_RANK, "checkpoint.save_interval=1", f"data.cache_dir={data_dir}"]
+    assert main(args + ["train.steps=3"]) == 0, capsys.readouterr().err
+    assert main(args + ["train.steps=4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: cannot resume from ") and "train.steps" in err, err
+
+
 def test_checkpoints_without_latest_refuse_to_start(run):
     run_dir, cfg = run
     (run_dir / "checkpoints" / "latest").unlink()
