@@ -28,11 +28,16 @@ test-gpu:
 	PYTHON=$(PYTHON) bash tools/gpu_checks.sh $(GPU_RESULTS)
 
 # The main job: a tiny Llama-style GPT on the bundled Shakespeare corpus, 4 CPU processes, CP=4 as a
-# hierarchy [2, 2] (all-to-all pairs, a ring of 2). A second run resumes from runs/tiny_cpu.
+# hierarchy [2, 2] (all-to-all pairs, a ring of 2). A second run resumes from $(RUN). A longer run is a
+# new run: make train STEPS=600 RUN=runs/tiny_cpu_600. The checks that need no process group run first,
+# in one process, so a refused run (e.g. a changed STEPS on a finished run) prints one error, no traceback.
+STEPS ?= 300
+RUN ?= runs/tiny_cpu
+TRAIN_ARGS = --recipe recipes/tiny_cpu.yaml --run-dir $(RUN) model.context_parallel_size=4 \
+	'model.hierarchical_context_parallel_sizes=[2,2]' model.cp_comm_type=a2a+p2p train.steps=$(STEPS)
 train: $(STAMP)
-	$(BIN)/torchrun --nproc-per-node 4 -m mcp_context.pretrain --recipe recipes/tiny_cpu.yaml \
-	    --run-dir runs/tiny_cpu model.context_parallel_size=4 \
-	    'model.hierarchical_context_parallel_sizes=[2,2]' model.cp_comm_type=a2a+p2p train.steps=300
+	$(BIN)/python -m mcp_context.pretrain --check-launch 4 $(TRAIN_ARGS)
+	$(BIN)/torchrun --nproc-per-node 4 -m mcp_context.pretrain $(TRAIN_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info

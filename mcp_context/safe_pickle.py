@@ -136,10 +136,12 @@ def mcore_load_strategies() -> tuple[Any, Any]:
                 sharded_state_dict)
             pyt_state_dict = mcore_to_pyt_state_dict(sharded_state_dict, True)
             reader = SafeFileSystemReader(checkpoint_dir)
+            # Read (and refuse) the metadata here: DCP itself catches a reader's error, and torch 2.11
+            # reports only "metadata is None" in its place.
+            self.cached_global_metadata = reader.read_metadata()
             planner = SafeLoadPlanner(shapes_validation_sharded_tensors=validated,
                                       allow_shape_mismatch_sharded_tensors=mismatch)
             checkpoint.load(pyt_state_dict, storage_reader=reader, planner=planner)
-            self.cached_global_metadata = reader.read_metadata()
             state = {k: _unwrap_pyt_sharded_tensor(v) for k, v in pyt_state_dict.items()}
             state = _replace_sharded_keys_with_state_dict_keys(state, flat_mapping, rename_mapping)
             _restore_dict_types(state, original)

@@ -34,8 +34,9 @@ import torch.multiprocessing as mp
 _POOLS: dict[int, "_Pool"] = {}
 # A worker whose native threads pass this is replaced after its case: gloo groups a case keeps (those
 # made with use_local_synchronization) hold threads that poll, and idle pools of a few hundred threads
-# per worker were seen to take a whole core from the tests that followed.
-MAX_WORKER_THREADS = 96
+# per worker were seen to take a whole core from the tests that followed. A plain worker's count grows
+# with the cores it may use (5 threads on 2 cores, 19 on 16), so the bound does too.
+MAX_WORKER_THREADS = 96 + len(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1))
 _GRACE_S = 10.0
 # gloo failing to connect a new group's ranks (a peer's socket closed while the mesh formed): the
 # machine's, not the case's; the case runs once more on a fresh pool.

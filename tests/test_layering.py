@@ -3,7 +3,9 @@
 The layers, bottom first, are the ones ``docs/design.md`` lists: dependency-free helpers, then the
 engine's stack (kernels, merge, layouts, schedule, comm, algorithms, engine and API), the Megatron
 integration, recipes, data, the entry points (Megatron-LM translation, pretrain, convert, plan), and
-on top the self-test (it reuses the planner's dry run). Every import is read from the source —
+on top the self-test (it reuses the planner's dry run). A package's command (its ``__main__``) stands
+on its package's floor: a command that composes packages above its own belongs on the entry points'
+floor (``python -m mcp_context.megatron_lm``). Every import is read from the source —
 top-level, inside functions and under ``TYPE_CHECKING`` alike, relative ones resolved — so a late
 import cannot hide an arrow that runs up.
 A module may import its own layer only inside its own package (``pretrain`` from ``pretrain``).
@@ -31,11 +33,9 @@ LAYERS = [
     ["megatron"],
     ["recipes"],
     ["data"],
-    ["megatron_lm", "pretrain", "convert", "plan"],
-    ["__main__"],  # the commands (python -m mcp_context.<package>): they compose the floors below
+    ["megatron_lm", "pretrain", "convert", "plan"],  # the entry points, and the commands composing packages
     ["selftest"],
 ]
-COMMANDS = LAYERS.index(["__main__"])
 
 
 def _module(path: Path) -> str:
@@ -44,10 +44,8 @@ def _module(path: Path) -> str:
 
 def _place(module: str) -> tuple[int, str]:
     """``(layer, top-level package)`` of an ``mcp_context`` module; a package's ``__main__`` (its command)
-    stands on the commands floor, or on its package's floor when that is higher."""
+    stands on its package's floor."""
     top = module.split(".")[1]
-    if module.endswith(".__main__"):
-        return max(COMMANDS, _place(module.removesuffix(".__main__"))[0]), top
     for i, names in enumerate(LAYERS):
         if top in names:
             return i, top
@@ -84,6 +82,13 @@ def test_no_module_imports_one_above_it(path):
         if other > layer or (other == layer and other_top != top):
             wrong.append(f"{imported} (layer {other}: {LAYERS[other]})")
     assert not wrong, f"{_module(path)} (layer {layer}) imports {wrong}"
+
+
+def test_a_command_stands_on_its_packages_floor():
+    """So the recipes' command cannot print Megatron-LM flags (that translation sits two floors up)."""
+    assert _place("mcp_context.recipes.__main__") == (LAYERS.index(["recipes"]), "recipes")
+    layer, _ = _place("mcp_context.recipes.__main__")
+    assert _place("mcp_context.megatron_lm")[0] > layer
 
 
 def test_the_design_doc_draws_the_floors_top_down_in_this_order():

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import shlex
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -399,6 +401,19 @@ def test_megatron_args_parse_back_to_the_recipe(path):
     assert nproc * nnodes == t.world_size
 
 
+@pytest.mark.parametrize("argv", [["show", "-"], ["validate", "-"],
+                                  ["validate", str(RECIPES_DIR / "llama3_8b_128k_hcp.yaml"), "--world-size", "64"]])
+def test_recipe_show_and_validate_import_neither_megatron_core_nor_torch(argv):
+    """Importing megatron-core takes seconds (4.7 s of a 9 s run, seen); these commands need neither it
+    nor torch, so they answer in a fraction of a second. Run in a fresh interpreter: this one has both."""
+    script = ("import sys\nfrom mcp_context.recipes.__main__ import main\nstatus = main(sys.argv[1:])\n"
+              "print(sorted({m.split('.')[0] for m in sys.modules} & {'megatron', 'torch'}))\nsys.exit(status)")
+    done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=120,
+                          cwd=RECIPES_DIR.parent)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]", done.stdout[-500:]
+
+
 def test_cli_reports_bad_recipes_with_status_2(tmp_path, capsys):
     assert recipes_cli(["validate", str(RECIPES_DIR / "tiny_cpu.yaml"), "model.seq_length=250"]) == 2
     assert "error: model.seq_length 250 is not divisible by 2*cp=8" in capsys.readouterr().err
@@ -406,8 +421,10 @@ def test_cli_reports_bad_recipes_with_status_2(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("OK llama3_8b_128k_hcp: TP4 PP2 CP8 (a2a+p2p, levels [2, 4])")
     assert recipes_cli(["show", "-", "train.steps=30"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["train"]["steps"] == 30
-    assert recipes_cli(["to-megatron-args", str(RECIPES_DIR / "llama3_70b_1m_hcp.yaml"), "model.context_parallel_size=32",
-                        "model.hierarchical_context_parallel_sizes=[2,16]", "train.world_size=1024"]) == 0
+    from mcp_context.megatron_lm.__main__ import main as megatron_lm_cli
+
+    assert megatron_lm_cli([str(RECIPES_DIR / "llama3_70b_1m_hcp.yaml"), "model.context_parallel_size=32",
+                            "model.hierarchical_context_parallel_sizes=[2,16]", "train.world_size=1024"]) == 0
     out = capsys.readouterr().out
     assert "--context-parallel-size 32" in out and "--hierarchical-context-parallel-sizes 2 16" in out
     assert "--spec mcp_context.megatron.specs hcp_te_spec" in out and "--nnodes 128" in out

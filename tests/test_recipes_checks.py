@@ -220,16 +220,20 @@ def test_recipe_name_accepts_plain_names():
 
 
 def _documented_recipe_commands() -> list[list[str]]:
+    """``[module, *args]`` of each line of docs/recipes.md's command-line block."""
     text = (REPO / "docs" / "recipes.md").read_text()
     block = text.split("## Command line", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     commands = []
     for line in block.strip().splitlines():
         argv = shlex.split(line, comments=True)
-        assert argv[:3] == ["python", "-m", "mcp_context.recipes"], line
-        commands.append([str(REPO / a) if a.endswith(".yaml") else a for a in argv[3:]])
+        assert argv[:2] == ["python", "-m"] and argv[2] in ("mcp_context.recipes", "mcp_context.megatron_lm"), line
+        commands.append(argv[2:3] + [str(REPO / a) if a.endswith(".yaml") else a for a in argv[3:]])
     return commands
 
 
-@pytest.mark.parametrize("argv", _documented_recipe_commands(), ids=lambda a: " ".join(a[:1] + a[2:]))
+@pytest.mark.parametrize("argv", _documented_recipe_commands(), ids=lambda a: " ".join(a[:2] + a[3:]))
 def test_documented_recipe_commands_run_as_written(argv, capsys):
-    assert recipes_cli(argv) == 0, capsys.readouterr().err
+    from mcp_context.megatron_lm.__main__ import main as megatron_lm_cli
+
+    main = {"mcp_context.recipes": recipes_cli, "mcp_context.megatron_lm": megatron_lm_cli}[argv[0]]
+    assert main(argv[1:]) == 0, capsys.readouterr().err

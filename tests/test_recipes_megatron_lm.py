@@ -1,4 +1,4 @@
-"""``to-megatron-args`` prints a command that runs as printed: a local-impl recipe turns off the
+"""``python -m mcp_context.megatron_lm`` prints a command that runs as printed: a local-impl recipe turns off the
 fusions that need Transformer Engine or apex, and a split Megatron-LM's dataset builder would loop
 on is refused (empty train/valid) or adjusted with a note (empty test). (That the Megatron-LM
 translation sits above ``data``, which sits above ``recipes``, is tests/test_layering.py's check.)
@@ -14,7 +14,7 @@ import pytest
 
 from mcp_context.megatron_lm import LOCAL_IMPL_FLAGS, format_megatron_command, megatron_split
 from mcp_context.recipes import RecipeError, load_recipe, validate_recipe
-from mcp_context.recipes.__main__ import main as recipes_cli
+from mcp_context.megatron_lm.__main__ import main as megatron_lm_cli
 from tests.test_recipes import _command_argv, _megatron_lm_parser
 
 REPO = Path(__file__).resolve().parent.parent
@@ -25,7 +25,7 @@ def _parsed(command: str):
 
 
 def test_local_recipe_command_runs_without_te_or_apex(capsys):
-    assert recipes_cli(["to-megatron-args", str(REPO / "recipes" / "tiny_cpu.yaml")]) == 0
+    assert megatron_lm_cli([str(REPO / "recipes" / "tiny_cpu.yaml")]) == 0
     command = capsys.readouterr().out
     a = _parsed(command)
     assert a.transformer_impl == "local" and a.spec == ["mcp_context.megatron.specs", "hcp_local_spec"]
@@ -51,7 +51,7 @@ def test_a_split_with_an_empty_train_or_valid_set_is_refused(split, name, capsys
     with pytest.raises(RecipeError, match=rf"data.split='{split}' leaves the {name} split of .* \(236 documents\) "
                                           rf"with no document, which megatron-core's dataset builder loops on forever"):
         megatron_split(cfg)
-    assert recipes_cli(["to-megatron-args", "-", f"data.split={split}"]) == 2
+    assert megatron_lm_cli(["-", f"data.split={split}"]) == 2
     assert f"error: data.split='{split}' leaves the {name} split" in capsys.readouterr().err
 
 

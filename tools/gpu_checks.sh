@@ -5,14 +5,17 @@
 #   3. a representative subset of the member-schedule cases (P = 4, 8, 16; ring and a2a+p2p; bf16, fp16)
 #   4. the benchmark at S = 32K and 128K, P = 8, every scheme, Llama-3-8B heads (32/8, d = 128), bf16
 #   5. a 30-step bf16 pretrain of the tiny recipe on one GPU (CP 1), then its first and last loss
+#   6. the whole suite as a GPU user's pytest runs it: the CPU tests with CUDA present (pytest -n, half
+#      the cores, when pytest-xdist is installed), up to 10 minutes
 #
 # Usage: PYTHON=/path/to/python tools/gpu_checks.sh [RESULTS_DIR]   (or: make test-gpu PYTHON=...)
 # PYTHON is the interpreter that holds CUDA torch (default python3). The repository is prepended to
 # PYTHONPATH, so the package runs from this checkout and a megatron-core installed elsewhere (pip
 # --target) stays importable. Each step writes its log to RESULTS_DIR/<step>.log as it runs and one
-# line to RESULTS_DIR/summary.jsonl when it ends (rc 124: it hit its timeout). The timeouts add up to
-# 535 s, inside 9 minutes. On an H200 (2026-11-26) the benchmark of every scheme at 32K and 128K, P = 8,
-# took about 50 s and the GPU tests with 13 member cases about 2 minutes. The full member grid is its own command:
+# line to RESULTS_DIR/summary.jsonl when it ends (rc 124: it hit its timeout). The timeouts of steps
+# 1-5 add up to 535 s, inside 9 minutes; step 6 has 600 s of its own. On an H200 (2026-11-26) the
+# benchmark of every scheme at 32K and 128K, P = 8, took about 50 s and the GPU tests with 13 member
+# cases about 2 minutes. The full member grid is its own command:
 #   $PYTHON -m pytest -q tests/test_member_schedules.py -k on_cuda
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -63,6 +66,11 @@ losses = [r['loss'] for r in map(json.loads, open(sys.argv[1])) if 'loss' in r]
 print(f'{len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}')
 sys.exit(0 if len(losses) == 30 and all(map(math.isfinite, losses)) and losses[-1] < losses[0] else 1)
 " "$RESULTS/pretrain/metrics.jsonl"
+
+workers=$(( $(nproc) / 2 ))
+xdist=$("$PYTHON" -c "import xdist" 2>/dev/null && [ "$workers" -gt 1 ] && echo "-n $workers")
+# shellcheck disable=SC2086  # $xdist is empty or two words
+step 6_cpu_suite_with_cuda 600 "$PYTHON" -m pytest -q -rfE -p no:cacheprovider $xdist tests
 
 echo "results: $RESULTS (summary.jsonl, one log per step, bench/bench_attention_p8_gpu_checks.jsonl)"
 exit $failed

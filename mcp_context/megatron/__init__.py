@@ -1,8 +1,34 @@
-"""Megatron-Core integration: core attention, layer specs, config validation, CP batches and loss."""
-from .batch import masked_token_mean, slice_batch_for_cp
-from .config import HCPConfigError, normalize_cp_comm_type, validate_cp_config
-from .core_attention import HCPDotProductAttention
-from .specs import get_gpt_layer_hcp_spec
+"""Megatron-Core integration: core attention, layer specs, config validation, CP batches and loss.
 
-__all__ = ["HCPConfigError", "HCPDotProductAttention", "get_gpt_layer_hcp_spec", "masked_token_mean",
-           "normalize_cp_comm_type", "slice_batch_for_cp", "validate_cp_config"]
+The names load on first use (PEP 562): ``mcp_context.megatron.config`` (the CP checks recipes run)
+imports without megatron-core, which takes seconds to import.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_HOME = {"masked_token_mean": ".batch", "slice_batch_for_cp": ".batch", "HCPConfigError": ".config",
+         "normalize_cp_comm_type": ".config", "validate_cp_config": ".config",
+         "HCPDotProductAttention": ".core_attention", "get_gpt_layer_hcp_spec": ".specs"}
+"""Public name -> the module that defines it."""
+__all__ = list(_HOME)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOME[name], __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:
+    from .batch import masked_token_mean, slice_batch_for_cp
+    from .config import HCPConfigError, normalize_cp_comm_type, validate_cp_config
+    from .core_attention import HCPDotProductAttention
+    from .specs import get_gpt_layer_hcp_spec

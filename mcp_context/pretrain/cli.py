@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 4 -m mcp_context.pretrain --recipe recipes/tiny_cpu.yaml \
         [--run-dir runs/my_run] [--resume-from CHECKPOINT | --restart] [section.key=value ...]
+    python -m mcp_context.pretrain --check-launch 4 ...the same arguments...
 
 (also ``tools/pretrain.py`` and the ``mcp-context-pretrain`` console script, each calling ``main``.)
 
@@ -10,7 +11,10 @@ A bad recipe, a launch that does not fit it, or a run directory that cannot be r
 the run, a malformed ``metrics.jsonl``, a corpus line that cannot be read) prints ``error: ...`` naming
 the key or file (and line) and the fix, and exits with status 2. A run that diverges (non-finite loss, gradient
 norm or weights) prints ``error: ...`` with the step and exits with status 1. At the end rank 0
-prints the first and last loss and where the metrics and the checkpoint are. Under torchrun each
+prints the first and last loss and where the metrics and the checkpoint are. ``--check-launch N``
+runs the checks that need no process group (the recipe at N ranks, the run directory's resume) in
+one process and exits 0 or 2: ``make train`` runs it before torchrun, whose own report of a rank's
+non-zero exit is a traceback of some 45 lines after the one error line. Under torchrun each
 rank dies with its launcher (``PR_SET_PDEATHSIG`` on Linux): torchrun starts ranks in sessions of
 their own, so killing torchrun alone would otherwise leave them training.
 """
@@ -50,6 +54,17 @@ def _error(message: str, status: int) -> int:
     return status
 
 
+def _check_resume(cfg, resume_from: str | None, restart: bool) -> int:
+    """The resume ``train`` would do (no process group): 0, or 2 with the error (e.g. a changed train.steps)."""
+    from mcp_context.pretrain.checkpoint import CheckpointError, checkpoint_to_resume
+
+    try:
+        checkpoint_to_resume(cfg, resume_from, restart)
+    except CheckpointError as err:
+        return _error(str(err), 2)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mcp_context.pretrain", description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default=None, help="recipe YAML (default: the embedded tiny CPU recipe)")
@@ -62,15 +77,20 @@ def main(argv: list[str] | None = None) -> int:
                             "the one 'latest' names, e.g. the newest intact one when the latest is damaged")
     start.add_argument("--restart", action="store_true",
                        help="start at step 0, deleting the run directory's checkpoints and metrics.jsonl")
+    parser.add_argument("--check-launch", type=int, default=None, metavar="N",
+                        help="check the recipe at N ranks and the run directory's resume in this one process, "
+                             "then exit (0: the launch would train; 2: the error)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
     args = parser.parse_args(argv)
     die_with_launcher()
     try:
         cfg = load_recipe(args.recipe, args.overrides)
         run_dir = resolve_run_dir(cfg, args.run_dir)
-        check_recipe_for_training(cfg, launched_world_size())
+        check_recipe_for_training(cfg, launched_world_size() if args.check_launch is None else args.check_launch)
     except (RecipeError, FileNotFoundError) as err:
         return _error(str(err), 2)
+    if args.check_launch is not None:
+        return _check_resume(cfg, args.resume_from, args.restart)
 
     from mcp_context.data import CorpusError
     from mcp_context.pretrain.checkpoint import CheckpointError

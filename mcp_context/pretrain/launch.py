@@ -58,7 +58,7 @@ def check_recipe_for_training(cfg: RecipeConfig, world_size: int) -> None:
         raise RecipeError(
             f"model.pipeline_model_parallel_size={m.pipeline_model_parallel_size}: mcp_context.pretrain runs "
             f"one pipeline stage; set it to 1, or train with Megatron-LM "
-            f"(python -m mcp_context.recipes to-megatron-args RECIPE prints the command)"
+            f"(python -m mcp_context.megatron_lm RECIPE prints the command)"
         )
     if cfg.logging.tensorboard_dir is not None or cfg.logging.wandb_project is not None:
         raise RecipeError(
@@ -77,7 +77,7 @@ def check_recipe_for_training(cfg: RecipeConfig, world_size: int) -> None:
         raise RecipeError(
             "model.params_dtype='float16' (fp16 mixed precision, Megatron-LM's --fp16): mcp_context.pretrain has no "
             "loss scaling, which fp16 needs; use model.bf16=true model.params_dtype=bfloat16, or train fp16 with "
-            "Megatron-LM (python -m mcp_context.recipes to-megatron-args RECIPE prints the command)")
+            "Megatron-LM (python -m mcp_context.megatron_lm RECIPE prints the command)")
     from mcp_context.pretrain.build import train_device
 
     if train_device(cfg).type == "cpu":  # train.device=cuda without CUDA raises here
