@@ -10,7 +10,8 @@ timeline records, when each ring step computed and how long each wait blocked.
 - ``record_timeline()`` (opt in): the executor and the ring rotation append ``Event(kind, step, t0,
   t1)`` (``time.perf_counter`` seconds): ``forward_compute`` / ``backward_compute`` for a step's block
   tasks, ``kv_wait`` / ``dkv_wait`` for the time a step blocked on a transfer posted before the
-  previous compute. Outside the context the hooks cost one ``is None`` check each. Not thread-safe
+  previous compute (in the backward a step's ``dkv_wait`` falls inside its compute, at its first
+  dK/dV add: the partial sum travels with the step's K/V message). Outside the context the hooks cost one ``is None`` check each. Not thread-safe
   (one recording per process at a time).
 
 Dependency-free: the comm layer, the algorithms, the planner and the benchmark all sit above it.

@@ -56,8 +56,8 @@ class NoWireExchange:
     def __init__(self, ring_size: int, member: int):
         self.peers, self.member, self.group, self.op = list(range(ring_size)), member, None, "rehearsal"
 
-    def start(self, send: torch.Tensor, step: int) -> _Received:
-        return _Received(torch.empty_like(send), send)
+    def start(self, send: torch.Tensor, step: int, recv=None, parts=None) -> _Received:
+        return _Received(torch.empty_like(send) if recv is None else recv, send)
 
 
 def rank_step_peak(seq_len: int, cp: int, rank: int, heads: int, kv_heads: int, head_dim: int,

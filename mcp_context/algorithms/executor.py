@@ -194,7 +194,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     dq = _accumulator(qb, tuple(qb.shape), acc, 0.0, plan.covered)
     kb_all, vb_all = _bhsd(k), _bhsd(v)
     grads = plan.rotation.gradients(kb_all, vb_all, acc)
-    for step, kb, vb in plan.rotation.blocks(kb_all, vb_all):
+    for step, kb, vb in grads.blocks(kb_all, vb_all):
         t0 = trace.now()
         for i, t in enumerate(plan.tasks[step]):
             gq, gk, gv = plan.kernel.backward(_rows(dob, t.q), _rows(qb, t.q), _rows(kb, t.kv), _rows(vb, t.kv),
@@ -207,6 +207,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
             grads.add(step, t.kv, gk, gv)
         trace.record("backward_compute", step, t0)
         grads.done(step)
+        del kb, vb  # the walk frees a shard's message once it is sent, not when the next one arrives
     dk, dv = grads.result()
     dsink = None if sink is None else sink_grad(dob, ob, finite_lse_for_backward(lse), sink).to(sink.dtype)
     return _sbhd(dq, q.dtype), _sbhd(dk, k.dtype), _sbhd(dv, v.dtype), dsink

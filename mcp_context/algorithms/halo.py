@@ -102,6 +102,9 @@ class HaloGradients:
         self.halo: dict[int, torch.Tensor] = {}  # step -> the dK/dV of the halo held then
         self.sent: list[PendingExchange] = []
 
+    def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        return self.rotation.blocks(k, v)
+
     def add(self, step: int, rows: tuple[int, int], dk: torch.Tensor, dv: torch.Tensor) -> None:
         if step == 0:
             target = self.own

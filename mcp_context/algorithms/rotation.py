@@ -30,8 +30,12 @@ from ..merge import add_kv_
 
 
 class Gradients(Protocol):
-    """Where a walk's dK/dV go: each block's are added into the accumulator of the shard held at its
-    step, the step is closed when its blocks are done, and the shard's own ``(dk, dv)`` come at the end."""
+    """The backward's walk: the blocks it visits (``blocks``, as the rotation's forward walk gives them),
+    each block's dK/dV added into the accumulator of the shard held at its step, the step closed when its
+    blocks are done, and the shard's own ``(dk, dv)`` at the end."""
+
+    def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """``(step, k_block, v_block)`` for every step of the backward walk."""
 
     def add(self, step: int, rows: tuple[int, int], dk: torch.Tensor, dv: torch.Tensor) -> None:
         """Add one block's ``dk [b, h_kv, r, dqk]``, ``dv [b, h_kv, r, dv]`` into rows ``rows`` of the
@@ -101,64 +105,113 @@ class RingRotation:
                 trace.record("kv_wait", step + 1, t0)
 
     def gradients(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> "RingGradients":
-        return RingGradients(self.dkv_exchange, k, k.shape[-1] + v.shape[-1], k.shape[-1], dtype, self.steps)
+        return RingGradients(self, k, k.shape[-1] + v.shape[-1], k.shape[-1], dtype)
+
+
+class _Message:
+    """One backward ring message: a shard's K/V (the inputs' dtype) and a dK/dV partial sum (fp32) in one
+    byte buffer, both ``[n, b, h_kv, dqk + dv]`` token-major. The dK/dV part is a suffix, so a step that
+    sends only dK/dV sends a contiguous piece of the same buffer."""
+
+    def __init__(self, like: torch.Tensor, dims: int, kv_dtype: torch.dtype, dkv_dtype: torch.dtype,
+                 with_kv: bool = True):
+        b, h, n = like.shape[:3]
+        shape = (n, b, h, dims)
+        self.kv_payload = n * b * h * dims * kv_dtype.itemsize if with_kv else 0
+        kv_bytes = -(-self.kv_payload // 16) * 16  # the dK/dV part starts aligned
+        dkv_bytes = n * b * h * dims * dkv_dtype.itemsize
+        self.buffer = torch.empty(kv_bytes + dkv_bytes, dtype=torch.uint8, device=like.device)
+        self.kv_bytes, self.dkv_bytes = kv_bytes, dkv_bytes
+        self.kv = self.buffer.narrow(0, 0, self.kv_payload).view(kv_dtype).view(shape) if with_kv else None
+        self.dkv = self.buffer.narrow(0, kv_bytes, dkv_bytes).view(dkv_dtype).view(shape)
+
+    def part(self, kv: bool) -> torch.Tensor:
+        """The bytes to send or receive: all of it, or only the dK/dV suffix."""
+        return self.buffer if kv else self.buffer.narrow(0, self.kv_bytes, self.dkv_bytes)
 
 
 class RingGradients:
-    """dK/dV of the shard held at each step: at step 0 this member's part goes into a fresh buffer; at a
-    later step the previous member's partial sum for the shard held now has arrived (it was sent while
-    this member computed), and this member's blocks are added straight into it before it is passed on.
-    The last send of every member lands each accumulator at its owner (the next member after a full
-    walk; after a walk of ``steps`` the member ``steps - 1`` back, sent there directly)."""
+    """The backward ring walk, K/V and dK/dV in one message per step (as TE's ring does).
 
-    def __init__(self, exchange: RingExchange, k: torch.Tensor, dims: int, dqk: int, dtype: torch.dtype,
-                 steps: Optional[int] = None):
-        self.exchange, self.k, self.dims, self.dqk, self.dtype = exchange, k, dims, dqk, dtype
-        self.steps = len(exchange.peers) if steps is None else steps
-        self.pending: Optional[PendingExchange[torch.Tensor]] = None  # the ring's hop in flight
-        self.cut_short: Optional[tuple[PendingExchange[dict[int, torch.Tensor]], int]] = None  # (hop home, from)
-        self.home: Optional[torch.Tensor] = None  # a walk of one step: the own shard's dK/dV stays here
-        self.current: Optional[torch.Tensor] = None  # [n, b, h_kv, dqk + dv]: the shard held at this step
-        self.step = -1
+    At step 0 a member sends its own K/V and receives the previous member's into a ``_Message`` whose
+    dK/dV part (zeroed) takes this member's step-0 blocks. At each later step it forwards the message it
+    received the step before, which holds exactly what the next member needs: the K/V it computes with at
+    its next step, and the partial dK/dV sum of the shard it holds now. The message received in turn
+    brings the partial sum of the shard held at this step (waited for at this step's first add, while the
+    step's first block computes) and the K/V of the next step, and this member's blocks are added straight
+    into it. The last step carries only dK/dV (no step follows); after the walk every accumulator goes to
+    its owner (the next member after a full walk; after a walk cut short at ``steps`` the member
+    ``steps - 1`` back, sent there directly). One transfer per step instead of a K/V and a dK/dV transfer,
+    and no copy: the received buffer is sent on as it is."""
 
-    def _accumulator(self, step: int) -> torch.Tensor:
-        if self.current is None:
-            if self.pending is None:  # step 0: this member's own part starts the sum
-                self.current = token_major_zeros(self.k, self.dims, self.dtype)
-            else:
-                t0 = trace.now()
-                self.current = self.pending.wait()
-                self.pending = None
-                trace.record("dkv_wait", step, t0)
-        return self.current
+    def __init__(self, rotation: RingRotation, k: torch.Tensor, dims: int, dqk: int, dtype: torch.dtype):
+        self.exchange, self.dkv_exchange = rotation.kv_exchange, rotation.dkv_exchange
+        self.k, self.dims, self.dqk, self.dtype = k, dims, dqk, dtype
+        self.ring_size, self.steps = rotation.ring_size, rotation.steps
+        self.current: Optional[_Message] = None  # received at this step: the partial sum of the shard held now
+        self.pending: Optional[PendingExchange[torch.Tensor]] = None  # the transfer of the step's message
+        self.waited = True
+        self.home: Optional[_Message] = None  # a walk of one step: the own shard's dK/dV stays here
+        self.final: Optional[tuple[PendingExchange, torch.Tensor]] = None
+
+    def _wait(self, step: int, kind: str) -> None:
+        if not self.waited:
+            t0 = trace.now()
+            self.pending.wait()
+            trace.record(kind, step, t0)
+            self.waited = True
+
+    def _post(self, step: int, send: torch.Tensor, recv: torch.Tensor, parts: dict[str, int]) -> None:
+        self.pending, self.waited = self.exchange.start(send, step, recv, parts), False
+
+    def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        dqk = k.shape[-1]
+        for step in range(self.steps):
+            if step > 0:  # the K/V of this step (and the partial sum of the last one); frees what was sent
+                self._wait(step, "kv_wait")
+            last = step + 1 == self.steps  # the last step's message carries no K/V (no step follows)
+            message = _Message(self.k, self.dims, k.dtype, self.dtype, with_kv=not last or step == 0)
+            if step == 0:
+                torch.ops.aten.fill_.Scalar(message.dkv, 0.0)  # this member's own part starts the sum
+                if self.steps == 1:
+                    self.home = message
+                else:  # own K/V out, the previous member's in (K/V only: no partial sum exists yet)
+                    own = pack_kv(k, v)
+                    self._post(0, own, message.kv, {"ring_kv": own.numel() * own.element_size()})
+                self.current = message
+                yield 0, k, v
+                continue
+            held = self.current
+            parts = {"ring_dkv": held.dkv_bytes} if last else {"ring_kv": held.kv_payload, "ring_dkv": held.dkv_bytes}
+            self._post(step, held.part(kv=not last), message.part(kv=not last), parts)
+            self.current = message  # held stays alive while it is sent and while its K/V is computed with
+            yield step, *split_kv(bhsd(held.kv), dqk)
 
     def add(self, step: int, rows: tuple[int, int], dk: torch.Tensor, dv: torch.Tensor) -> None:
-        add_kv_(rows_of(bhsd(self._accumulator(step)), rows), dk, dv)
+        if step > 0:
+            self._wait(step, "dkv_wait")  # the partial sum of the shard held at this step
+        add_kv_(rows_of(bhsd(self.current.dkv), rows), dk, dv)
 
     def done(self, step: int) -> None:
-        dkv, self.current = self._accumulator(step), None
-        self.step = step
-        if step + 1 < self.steps or self.steps == len(self.exchange.peers):
-            self.pending = self.exchange.start(dkv, step)
-        elif step == 0:
-            self.home = dkv
-        else:  # a walk cut short: the accumulator of the shard held now goes straight to its owner
-            ex, size = self.exchange, len(self.exchange.peers)
-            holder = ex.peers[(ex.member + step) % size]  # who holds this member's shard now
-            self.cut_short = (PeerExchange({ex.peers[(ex.member - step) % size]: dkv},
-                                           {holder: torch.empty_like(dkv)}, ex.group, ex.op).start(step), holder)
+        """Nothing to do: the step's message is sent on at the next step (or home by ``result``), whose
+        wait covers a step without blocks too."""
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.home is not None:
-            return split_kv(bhsd(self.home), self.dqk)
+            return split_kv(bhsd(self.home.dkv), self.dqk)
+        last = self.steps - 1
+        self._wait(last, "dkv_wait")
+        acc = self.current.dkv  # the shard held at the last step, complete: to its owner
         t0 = trace.now()
-        if self.cut_short is not None:
-            pending, holder = self.cut_short
-            received = pending.wait()[holder]
-        else:
-            received = self.pending.wait()
-        trace.record("dkv_wait", self.step + 1, t0)
-        return split_kv(bhsd(received), self.dqk)
+        if self.steps == self.ring_size:
+            got = self.dkv_exchange.start(acc, self.steps).wait()
+        else:  # a walk cut short: the shard held now goes straight to its owner, this member's comes from its holder
+            ex, size = self.dkv_exchange, self.ring_size
+            holder = ex.peers[(ex.member + last) % size]
+            got = PeerExchange({ex.peers[(ex.member - last) % size]: acc}, {holder: torch.empty_like(acc)},
+                               ex.group, ex.op).start(last).wait()[holder]
+        trace.record("dkv_wait", self.steps, t0)
+        return split_kv(bhsd(got), self.dqk)
 
 
 class LocalRotation:
@@ -185,6 +238,9 @@ class LocalRotation:
 class LocalGradients:
     def __init__(self, rotation: LocalRotation, dkv: torch.Tensor, dqk: int):
         self.rotation, self.dkv, self.dqk = rotation, dkv, dqk
+
+    def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        return self.rotation.blocks(k, v)
 
     def add(self, step: int, rows: tuple[int, int], dk: torch.Tensor, dv: torch.Tensor) -> None:
         shard = self.rotation.rows(self.dkv.shape[2], step)

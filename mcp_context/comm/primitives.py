@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Generic, Sequence, TypeVar, Union
+from typing import Generic, Optional, Sequence, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -45,11 +45,16 @@ class RingExchange:
         self.next = self.peers[(member + 1) % len(self.peers)]
         self.prev = self.peers[(member - 1) % len(self.peers)]
 
-    def start(self, send: torch.Tensor, step: int) -> "PendingExchange[torch.Tensor]":
-        recv = torch.empty_like(send)
+    def start(self, send: torch.Tensor, step: int, recv: Optional[torch.Tensor] = None,
+              parts: Optional[dict[str, int]] = None) -> "PendingExchange[torch.Tensor]":
+        """Send ``send`` to the next member and receive the previous member's into ``recv`` (a new tensor
+        like ``send`` by default). ``parts``: the message carries several operations' data (K/V and dK/dV
+        in one buffer): their bytes by operation name, recorded as such (default: all of it as ``op``)."""
+        recv = torch.empty_like(send) if recv is None else recv
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, self.next, self.group),
                                         dist.P2POp(dist.irecv, recv, self.prev, self.group)])
-        comm_stats.record(self.op, {self.next: _nbytes(send)})
+        for op, nbytes in (parts or {self.op: _nbytes(send)}).items():
+            comm_stats.record(op, {self.next: nbytes})
         return PendingExchange(works, recv, send, self, step)
 
     def describe(self, step: int) -> str:
