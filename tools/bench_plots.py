@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 import statistics
 
+from mcp_context.cp_rules import COMM_TYPES
+
 
 def plot(results: dict, out_dir: str, suffix: str) -> list[str]:
     import matplotlib
@@ -66,7 +68,7 @@ def plot(results: dict, out_dir: str, suffix: str) -> list[str]:
         ax.set_ylabel("TFLOP/s")
         ax.set_title(f"block kernels ({dev['dtype']}, causal block of {dev['block_len']})", fontsize=9)
         ax.legend(fontsize=8)
-        sched = [r for r in dev["rank_schedule"] if "error" not in r and r.get("comm", "p2p") == "p2p"]  # a row that ran out of memory has no times
+        sched = [r for r in dev["rank_schedule"] if "error" not in r and r.get("comm", COMM_TYPES[0]) == COMM_TYPES[0]]  # a row that ran out of memory has no times
         x = range(len(sched))
         for offset, (label, key) in zip((-0.3, -0.1, 0.1, 0.3), [("ours fwd", ("fwd", "ours_tflops")),
                                                                    ("fused fwd", ("fwd", "fused_tflops")),

@@ -85,22 +85,15 @@ def rank_step(comm: str, cp: int, seq_len: int, mask: Mask, kernel: Kernel, head
 def transfer_bytes(comm: str, cp: int, seq_len: int, heads: int, kv_heads: int, head_dim: int,
                    inner: int = 2, elem: int = 2) -> dict[str, float]:
     """Bytes one rank sends per layer, forward and backward, by scheme (bf16 activations, fp32 dK/dV as
-    the ring sends them): the analytic figures of docs/performance.md's transfer model."""
-    n = seq_len // cp                      # tokens per rank
-    kv = 2 * n * kv_heads * head_dim * elem  # one rank's K and V
+    the ring sends them): the all-to-all of q, k, v forward and of out backward (with its gradients),
+    then over the ring's members the K/V (a ring sends them forward, again backward, and the fp32 partial
+    dK/dV sums; a gather sends them once forward and reduce-scatters dK/dV in the inputs' dtype)."""
+    rule = comm_rule(comm)
+    degree = a2a_degree(comm, hierarchy(comm, cp, inner))
+    n = seq_len // cp                        # tokens per rank
+    kv = 2 * n * kv_heads * head_dim * elem  # one rank's K and V (after an all-to-all: as many bytes)
     qo = n * heads * head_dim * elem         # one rank's Q (or out)
-    if comm in ("p2p", "all_gather"):
-        ring = (cp - 1) * kv
-        if comm == "all_gather":  # the backward reduce-scatters dK/dV in the inputs' dtype
-            return {"forward": ring, "backward": ring}
-        return {"forward": ring, "backward": ring + 2 * ring}  # the K/V again, and fp32 dK/dV partial sums
-    degree = cp if comm == "a2a" else inner
-    a2a = (degree - 1) / degree * (2 * qo + kv)  # q, out and k, v; per direction
-    if comm == "a2a":
-        return {"forward": a2a, "backward": a2a}
-    outer = cp // degree
-    ring = (outer - 1) * kv                  # after the a2a a member holds degree x the tokens, 1/degree heads
-    if comm == "a2a+all_gather":
-        return {"forward": a2a + ring, "backward": a2a + ring}
-    return {"forward": a2a + ring, "backward": a2a + 3 * ring}
-
+    a2a = (degree - 1) / degree * (2 * qo + kv) if degree > 1 else 0.0  # q, out and k, v; per direction
+    ring = (cp // degree - 1) * kv
+    backward_ring = ring if rule.kv == "gather" else 3 * ring
+    return {"forward": a2a + ring, "backward": a2a + backward_ring}
