@@ -143,6 +143,22 @@ def _attention_flags(cfg: RecipeConfig) -> list[str]:
     return args
 
 
+YARN_FLAGS_SINCE = "Megatron-LM after core_v0.16.1 (its --position-embedding-type has no yarn)"
+"""Where the non-MLA YaRN flags exist: Megatron-LM's ``_apply_yarn_config_from_args`` (main, 2026) maps them
+to the ``yarn_*`` config attributes; core_v0.16.1's parser refuses ``--position-embedding-type yarn``."""
+
+
+def _yarn_flags(m) -> list[str]:
+    """A non-MLA model's YaRN, as Megatron-LM's flags (the unprefixed three are the ones MLA's YaRN uses)."""
+    args = ["--rotary-scaling-factor", str(m.yarn_rotary_scaling_factor),
+            "--yarn-original-max-position-embeddings", str(m.yarn_original_max_position_embeddings),
+            "--yarn-beta-fast", str(m.yarn_beta_fast), "--yarn-beta-slow", str(m.yarn_beta_slow),
+            "--mscale", str(m.yarn_mscale), "--mscale-all-dim", str(m.yarn_mscale_all_dim)]
+    args.append("--yarn-correction-range-round-to-int" if m.yarn_correction_range_round_to_int
+                else "--no-yarn-correction-range-round-to-int")
+    return args
+
+
 def _mlp_flags(cfg: RecipeConfig) -> list[str]:
     """The GLU's offset and clamp and the MoE fields, as Megatron-LM's flags."""
     m, args = cfg.model, []
@@ -194,7 +210,7 @@ def to_megatron_args(cfg: RecipeConfig) -> list[str]:
     add("--seq-length", m.seq_length)
     add("--max-position-embeddings", m.max_position_embeddings or m.seq_length)
     add("--position-embedding-type", m.position_embedding_type)
-    if m.position_embedding_type == "rope":
+    if m.position_embedding_type in ("rope", "yarn"):
         if not float(m.rotary_base).is_integer():
             raise RecipeError(f"model.rotary_base={m.rotary_base} has no Megatron-LM spelling (--rotary-base takes "
                               f"an integer); use a whole number")
@@ -203,6 +219,8 @@ def to_megatron_args(cfg: RecipeConfig) -> list[str]:
         if m.rope_scaling:
             add("--use-rope-scaling")
             add("--rope-scaling-factor", m.rope_scaling_factor)
+        if m.position_embedding_type == "yarn":
+            args.extend(_yarn_flags(m))
     add("--normalization", m.normalization)
     add("--norm-epsilon", m.layernorm_epsilon)
     args.extend(_activation_flags(cfg))
@@ -319,6 +337,8 @@ def comment_notes(cfg: RecipeConfig) -> list[str]:
     if cfg.data.seed != cfg.train.seed:
         notes.append(f"data.seed={cfg.data.seed}: our entry only: Megatron-LM orders the data with --seed "
                      f"{cfg.train.seed}, so the printed run sees its samples in another order")
+    if m.position_embedding_type == "yarn":
+        notes.append(f"model.position_embedding_type=yarn: the --yarn-* flags need {YARN_FLAGS_SINCE}")
     notes += [f"{key}: our entry only: {why}" for key, why in OUR_ENTRY_ONLY.items()]
     return notes
 

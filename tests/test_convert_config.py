@@ -183,7 +183,9 @@ def test_unsupported_architectures_are_refused_naming_the_field():
     base = {"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
             "num_hidden_layers": 1, "num_attention_heads": 2}
     cases = [({"model_type": "gemma"}, "model_type='gemma'"),
-             ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
+             ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_type='longrope'"),
+             ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+              "rope_parameters.original_max_position_embeddings=None"),
              ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0}}, "low_freq_factor"),
              ({"attention_bias": True}, "attention_bias=True"),
              ({"hidden_act": "gelu"}, "hidden_act='gelu'"),

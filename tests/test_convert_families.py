@@ -20,7 +20,7 @@ from mcp_context.convert.model_config import HFModel, hf_config_from_model, hf_m
 
 pytest.register_assert_rewrite("tests.convert_fixtures")  # also loaded as a plugin below: rewrite it first
 from tests._dist import run_distributed
-from tests.convert_fixtures import (cli_error, FAMILIES, LOGIT_ATOL, WINDOW, assert_same_tensors, build_hf_model,
+from tests.convert_fixtures import (cli_error, DEEPSEEK_V3_YARN, FAMILIES, LOGIT_ATOL, WINDOW, assert_same_tensors, build_hf_model,
                                     init_megatron, load_safetensors_dir, tokens)
 
 pytest.importorskip("transformers", reason="the HF side of conversion tests needs transformers")
@@ -124,6 +124,13 @@ def test_family_logits_match_hf_at_cp1_cp2_cp4(converted_families, name):
     reference = _hf_logits(hf_dir, token_ids)
     for tensor in SENSITIVE[name]:  # the q/k norms, routers and norms carry the answer: dropping one would fail
         assert (_hf_logits(hf_dir, token_ids, reset=tensor) - reference).abs().max() > 100 * LOGIT_ATOL, tensor
+    rope = json.loads((hf_dir / "config.json").read_text()).get("rope_parameters") or {}
+    if rope.get("rope_type") == "yarn":  # YaRN (its frequencies and attention factor) changes the answer
+        plain = {"rope_type": "default", "rope_theta": rope["rope_theta"]}
+        assert (_hf_logits(hf_dir, token_ids, rope_parameters=plain) - reference).abs().max() > 100 * LOGIT_ATOL
+    if name == "deepseek_v3":  # and so does mscale_all_dim, which transformers also puts in the softmax scale
+        assert (_hf_logits(hf_dir, token_ids, rope_parameters={**rope, "mscale_all_dim": 0.0}) -
+                reference).abs().max() > 100 * LOGIT_ATOL
     if name == "gpt_oss":  # the GLU's clamp is reached, and the window changes the answer
         assert (_hf_logits(hf_dir, token_ids, swiglu_limit=100.0) - reference).abs().max() > 100 * LOGIT_ATOL
         assert (_hf_logits(hf_dir, token_ids, layer_types=["full_attention"] * 2) - reference).abs().max() > \
@@ -216,12 +223,17 @@ def test_malformed_expert_checkpoints_are_refused_in_one_line(converted_families
     ("gpt_oss", {"attention_bias": False}, "attention_bias=False: gpt-oss's experts and router have biases"),
     ("gpt_oss", {"swiglu_alpha": 2.0}, "swiglu_alpha=2.0: megatron-core's quick_gelu hard-codes 1.702"),
     ("gpt_oss", {"rope_parameters": {"rope_type": "yarn", "factor": 32.0, "rope_theta": 150000.0}},
-     "rope_type='yarn'"),
+     "rope_parameters.original_max_position_embeddings=None: YaRN needs the pre-extension context length"),
+    ("gpt_oss", {"rope_parameters": {"rope_type": "yarn", "factor": 32.0, "rope_theta": 150000.0,
+                                     "original_max_position_embeddings": 4096, "attention_factor": 1.0}},
+     "rope_parameters.attention_factor=1.0: transformers scales cos/sin by 1"),
     ("deepseek_v3", {"first_k_dense_replace": 1}, "first_k_dense_replace=1: dense layers among MoE ones"),
     ("deepseek_v3", {"norm_topk_prob": False}, "norm_topk_prob=False: only norm_topk_prob=True"),
     ("deepseek_v3", {"topk_group": 2}, "topk_group=2: transformers scores a group by its top 2 experts"),
-    ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "factor": 40.0, "rope_theta": 10000.0}},
-     "rope_type='yarn': transformers' DeepSeek YaRN"),
+    ("deepseek_v3", {"rope_parameters": {**DEEPSEEK_V3_YARN, "truncate": False}},
+     "rope_parameters.truncate=False: megatron-core's MLA YaRN always rounds"),
+    ("deepseek_v3", {"rope_parameters": {**DEEPSEEK_V3_YARN, "mscale": 0.0}},
+     "rope_parameters.mscale=0.0: transformers scales cos/sin by 1.36889; megatron-core computes"),
 ])
 def test_malformed_family_configs_are_refused_naming_the_field(converted_families, tmp_path, capsys, name,
                                                                overrides, needle):

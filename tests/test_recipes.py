@@ -319,6 +319,12 @@ def _megatron_lm_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-rope-fusion", action="store_false", dest="apply_rope_fusion")
     p.add_argument("--no-persist-layer-norm", action="store_false", dest="persist_layer_norm")
     p.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion")
+    p.add_argument("--yarn-original-max-position-embeddings", type=int, default=None)  # after core_v0.16.1
+    p.add_argument("--yarn-beta-fast", type=float, default=None)
+    p.add_argument("--yarn-beta-slow", type=float, default=None)
+    p.add_argument("--yarn-correction-range-round-to-int", action="store_true", default=None)
+    p.add_argument("--no-yarn-correction-range-round-to-int", action="store_false",
+                   dest="yarn_correction_range_round_to_int")
     p.add_argument("--window-size", type=lambda x: tuple(int(i) for i in x.strip("()").split(",")), default=None)
     return p
 

@@ -107,6 +107,7 @@ def test_window_attn_skip_freq_prints_as_megatron_lms_flag(freq):
 
 MLA = ["model.multi_latent_attention=true", "model.num_query_groups=null", "model.qk_layernorm=true"]
 MOE = ["model.num_moe_experts=4"]
+YARN = ["model.position_embedding_type=yarn"]
 
 # dotted field -> (the parsed Megatron-LM argument it becomes, overrides that change it, the value it then has).
 # A field new to the schema fails test_every_recipe_field_has_a_verdict until it gets a row here or in OUR_ENTRY_ONLY.
@@ -128,6 +129,16 @@ PRINTED = {
     "model.rope_scaling": ("use_rope_scaling", ["model.rope_scaling=true"], True),
     "model.rope_scaling_factor": ("rope_scaling_factor", ["model.rope_scaling=true", "model.rope_scaling_factor=16.0"],
                                   16.0),
+    "model.yarn_rotary_scaling_factor": ("rotary_scaling_factor", YARN + ["model.yarn_rotary_scaling_factor=32.0"],
+                                         32.0),
+    "model.yarn_original_max_position_embeddings": ("yarn_original_max_position_embeddings", YARN + [
+        "model.yarn_original_max_position_embeddings=8192"], 8192),
+    "model.yarn_beta_fast": ("yarn_beta_fast", YARN + ["model.yarn_beta_fast=16.0"], 16.0),
+    "model.yarn_beta_slow": ("yarn_beta_slow", YARN + ["model.yarn_beta_slow=2.0"], 2.0),
+    "model.yarn_mscale": ("mscale", YARN + ["model.yarn_mscale=0.7"], 0.7),
+    "model.yarn_mscale_all_dim": ("mscale_all_dim", YARN + ["model.yarn_mscale_all_dim=1.0"], 1.0),
+    "model.yarn_correction_range_round_to_int": ("yarn_correction_range_round_to_int", YARN + [
+        "model.yarn_correction_range_round_to_int=false"], False),
     "model.share_embeddings_and_output_weights": ("untie_embeddings_and_output_weights",
                                                   ["model.share_embeddings_and_output_weights=true"], False),
     "model.normalization": ("normalization", ["model.normalization=LayerNorm"], "LayerNorm"),

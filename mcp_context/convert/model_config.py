@@ -115,26 +115,87 @@ def _positive_float(value: Any, field: str) -> float:
     return float(value)
 
 
-def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, Optional[float]]:
-    """(rope_theta, llama3 factor or None) from either the transformers-5 ``rope_parameters`` dict
-    or the older top-level ``rope_theta`` / ``rope_scaling`` fields."""
-    params = dict(cfg.get("rope_parameters") or {})
-    legacy = cfg.get("rope_scaling") or {}
-    params = {**legacy, **params}
-    theta = _positive_float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)), "rope_theta")
-    rope_type = params.get("rope_type", params.get("type", "default"))
+def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE parameters of either the transformers-5 ``rope_parameters`` dict or the older top-level
+    ``rope_theta`` / ``rope_scaling`` fields (``type`` spelled ``rope_type``)."""
+    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    params["rope_theta"] = _positive_float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)), "rope_theta")
+    return params
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature ``0.1 * mscale * ln(factor) + 1`` (1 for factor <= 1), as both sides
+    compute it (transformers' ``get_mscale``, megatron-core's ``_yarn_get_mscale``)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_from_hf(cfg: dict[str, Any], params: dict[str, Any], mla: bool) -> dict[str, Any]:
+    """transformers' YaRN (``_compute_yarn_parameters``) as megatron-core's: the inverse frequencies blend the
+    plain and the factor-scaled ones over the correction range of ``beta_fast`` / ``beta_slow`` rotations at
+    ``original_max_position_embeddings`` (rounded to whole dims unless ``truncate`` is false), and cos / sin are
+    scaled by the attention factor, ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` when both are
+    set, else ``mscale(factor)``. Without MLA these are the ``yarn_*`` fields (``GPTModel``'s YaRN); with MLA
+    (DeepSeek-V3) ``MLATransformerConfig``'s, whose softmax scale also takes ``mscale(factor, mscale_all_dim)^2``
+    as transformers' DeepSeek attention does. Settings the Megatron side would compute otherwise are refused."""
+    original = _positive_int(params, "original_max_position_embeddings") if \
+        params.get("original_max_position_embeddings") is not None else None
+    if original is None:
+        raise _refuse("rope_parameters.original_max_position_embeddings", None, "YaRN needs the pre-extension "
+                      "context length; set it in rope_parameters")
+    factor = params.get("factor")
+    if factor is None and not mla:  # transformers' rule; DeepSeek's attention scale reads factor itself
+        factor = _positive_int(cfg, "max_position_embeddings", default=4096) / original
+    factor = _positive_float(factor, "rope_parameters.factor")
+    beta_fast = _positive_float(params.get("beta_fast") or 32.0, "rope_parameters.beta_fast")
+    beta_slow = _positive_float(params.get("beta_slow") or 1.0, "rope_parameters.beta_slow")
+    truncate = params.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise _refuse("rope_parameters.truncate", truncate, "must be true or false")
+    mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    for name, value in (("mscale", mscale), ("mscale_all_dim", all_dim)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+            raise _refuse(f"rope_parameters.{name}", value, "must be a number >= 0")
+    ours = (float(mscale), float(all_dim)) if mscale and all_dim else (1.0, float(all_dim or 0.0) if mla else 0.0)
+    theirs = yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim) if mscale and all_dim else yarn_mscale(factor)
+    if params.get("attention_factor") is not None:
+        theirs = _positive_float(params["attention_factor"], "rope_parameters.attention_factor")
+    if not math.isclose(yarn_mscale(factor, ours[0]) / yarn_mscale(factor, ours[1]), theirs, rel_tol=1e-12):
+        field = "attention_factor" if params.get("attention_factor") is not None else "mscale"
+        raise _refuse(f"rope_parameters.{field}", params.get(field), f"transformers scales cos/sin by {theirs:.6g}; "
+                      f"megatron-core computes mscale(factor, mscale) / mscale(factor, mscale_all_dim) and cannot "
+                      f"give that from these fields (mscale={mscale!r}, mscale_all_dim={all_dim!r})")
+    if mla:
+        if not truncate:
+            raise _refuse("rope_parameters.truncate", truncate, "megatron-core's MLA YaRN always rounds the "
+                          "correction range to whole dims (truncate=true)")
+        return dict(rope_type="yarn", rotary_scaling_factor=factor, original_max_position_embeddings=original,
+                    beta_fast=beta_fast, beta_slow=beta_slow, mscale=ours[0], mscale_all_dim=ours[1])
+    return dict(position_embedding_type="yarn", yarn_rotary_scaling_factor=factor,
+                yarn_original_max_position_embeddings=original, yarn_beta_fast=beta_fast, yarn_beta_slow=beta_slow,
+                yarn_mscale=ours[0], yarn_mscale_all_dim=ours[1], yarn_correction_range_round_to_int=truncate)
+
+
+def _rope_from_hf(cfg: dict[str, Any], mla: bool = False) -> dict[str, Any]:
+    """The ``ModelConfig`` RoPE fields of a config: plain RoPE (``rotary_base``), Llama-3 scaling
+    (``rope_scaling``) or YaRN (``_yarn_from_hf``); MLA's without Llama-3 scaling (its attention applies RoPE)."""
+    params = _rope_parameters(cfg)
+    rope_type, theta = params["rope_type"], params["rope_theta"]
     if rope_type == "default":
-        return theta, None
-    if rope_type != "llama3":
+        return dict(rotary_base=theta, **({"rope_type": "rope"} if mla else {}))
+    if rope_type == "yarn":
+        return dict(rotary_base=theta, **_yarn_from_hf(cfg, params, mla))
+    if rope_type != "llama3" or mla:
         raise _refuse("rope_scaling.rope_type", rope_type,
-                      "megatron-core 0.16 GPTModel represents only plain RoPE and Llama-3 scaling "
-                      "('default' or 'llama3'); convert a model without this RoPE variant")
+                      "megatron-core 0.16 represents plain RoPE ('default'), Llama-3 scaling ('llama3', not with MLA) "
+                      "and YaRN ('yarn'); convert a model without this RoPE variant")
     for name, expected in MCORE_LLAMA3_ROPE_CONSTANTS.items():
         if params.get(name, expected) != expected:
             raise _refuse(f"rope_scaling.{name}", params[name],
                           f"megatron-core 0.16 hard-codes {name}={expected} for Llama-3 RoPE scaling "
                           f"(only 'factor' is configurable), so this model cannot be represented")
-    return theta, _positive_float(params.get("factor"), "rope_scaling.factor")
+    return dict(rotary_base=theta, rope_scaling=True,
+                rope_scaling_factor=_positive_float(params.get("factor"), "rope_scaling.factor"))
 
 
 def _flag(cfg: dict[str, Any], field: str, default: bool) -> bool:
@@ -233,7 +294,7 @@ def hf_model_from_config(cfg: dict[str, Any]) -> HFModel:
     head_dim = _positive_int(cfg, "head_dim", default=max(hidden // heads, 1))
     if model_type == "deepseek_v3":
         _check_deepseek(cfg)
-    theta, factor = _rope_from_hf(cfg)
+    rope = _rope_from_hf(cfg, mla=model_type == "deepseek_v3")
     tied = _flag(cfg, "tie_word_embeddings", False)
     max_positions = _positive_int(cfg, "max_position_embeddings", default=4096)
     num_layers = _positive_int(cfg, "num_hidden_layers")
@@ -243,8 +304,7 @@ def hf_model_from_config(cfg: dict[str, Any]) -> HFModel:
         ffn_hidden_size=_positive_int(cfg, "intermediate_size"), num_attention_heads=heads,
         num_query_groups=kv_heads, kv_channels=head_dim, seq_length=max_positions,
         max_position_embeddings=max_positions, vocab_size=_positive_int(cfg, "vocab_size"),
-        position_embedding_type="rope", rotary_base=theta, rotary_percent=1.0, rope_scaling=factor is not None,
-        rope_scaling_factor=factor if factor is not None else ModelConfig.rope_scaling_factor,
+        rotary_percent=1.0, **{"position_embedding_type": "rope", **rope},
         share_embeddings_and_output_weights=tied, normalization="RMSNorm",
         layernorm_epsilon=_positive_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
         gated_linear_unit=True, add_bias_linear=model_type == "gpt_oss", add_qkv_bias=model_type == "qwen2",
@@ -256,7 +316,7 @@ def hf_model_from_config(cfg: dict[str, Any]) -> HFModel:
         **(_moe_from_hf(cfg, model_type, num_layers) if model_type in MOE_TYPES else {}),
     )
     if model_type == "deepseek_v3":
-        shape = dataclasses.replace(shape, **_mla_from_hf(cfg, theta))
+        shape = dataclasses.replace(shape, **_mla_from_hf(cfg))
     return HFModel(model_type, shape)
 
 
@@ -266,11 +326,6 @@ def _check_deepseek(cfg: dict[str, Any]) -> None:
         raise _refuse("first_k_dense_replace", cfg.get("first_k_dense_replace", 3), "dense layers among MoE ones "
                       "(moe_layer_freq other than 1) cannot be built by the HCP layer specs; only every layer MoE "
                       "(first_k_dense_replace=0) is converted")
-    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
-    if params.get("rope_type", params.get("type", "default")) != "default":
-        raise _refuse("rope_parameters.rope_type", params.get("rope_type", params.get("type")),
-                      "transformers' DeepSeek YaRN (mscale_all_dim in the softmax scale) against MLA's own YaRN is "
-                      "not proven here; only plain RoPE DeepSeek-V3 is converted")
     if cfg.get("q_lora_rank", 1536) is None:
         raise _refuse("q_lora_rank", None, "a full query projection (q_proj) is not mapped; only the low-rank "
                       "query (q_a_proj, q_a_layernorm, q_b_proj) is")
@@ -281,15 +336,14 @@ def _check_deepseek(cfg: dict[str, Any]) -> None:
                           f"rope_interleave=true does)")
 
 
-def _mla_from_hf(cfg: dict[str, Any], theta: float) -> dict[str, Any]:
-    """DeepSeek-V3's attention as megatron-core's MLA (``MLATransformerConfig``'s fields) with plain RoPE."""
+def _mla_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3's attention as megatron-core's MLA (``MLATransformerConfig``'s fields; RoPE: ``_rope_from_hf``)."""
     return dict(multi_latent_attention=True, qk_layernorm=True, num_query_groups=None, kv_channels=None,
                 q_lora_rank=_positive_int(cfg, "q_lora_rank", default=1536),
                 kv_lora_rank=_positive_int(cfg, "kv_lora_rank", default=512),
                 qk_head_dim=_positive_int(cfg, "qk_nope_head_dim", default=128),
                 qk_pos_emb_head_dim=_positive_int(cfg, "qk_rope_head_dim", default=64),
-                v_head_dim=_positive_int(cfg, "v_head_dim", default=128), rope_type="rope", mscale=1.0,
-                mscale_all_dim=0.0, rotary_base=theta)
+                v_head_dim=_positive_int(cfg, "v_head_dim", default=128))
 
 
 def _deepseek_router(cfg: dict[str, Any], experts: int, topk: int) -> dict[str, Any]:
@@ -379,10 +433,11 @@ def hf_config_from_model(model: HFModel, torch_dtype: str = "float32") -> dict[s
         cfg["attention_bias"] = False
     if model.model_type == "deepseek_v3":
         cfg.update(_hf_deepseek_fields(m))
-    if model.model_type == "gpt_oss":  # its config's default RoPE is YaRN: spell plain RoPE out
-        del cfg["rope_theta"]
-        cfg.update(attention_bias=True, swiglu_limit=m.activation_func_clamp_value,
-                   rope_parameters={"rope_type": "default", "rope_theta": float(m.rotary_base)})
+    if model.model_type == "gpt_oss":
+        cfg.update(attention_bias=True, swiglu_limit=m.activation_func_clamp_value)
+    if m.position_embedding_type == "yarn" or model.model_type in ("gpt_oss", "deepseek_v3"):
+        del cfg["rope_theta"]  # spelled out in rope_parameters (gpt-oss's and DeepSeek's default RoPE is YaRN)
+        cfg["rope_parameters"] = _hf_rope_parameters(m)
     if model.model_type in MOE_TYPES and model.model_type != "deepseek_v3":
         cfg["num_local_experts"], cfg["num_experts_per_tok"] = m.num_moe_experts, m.moe_router_topk
         if model.model_type == "mixtral":
@@ -405,8 +460,24 @@ def _hf_deepseek_fields(m: ModelConfig) -> dict[str, Any]:
             "n_shared_experts": (m.moe_shared_expert_intermediate_size or 0) // m.moe_ffn_hidden_size,
             "first_k_dense_replace": 0, "n_group": groups, "topk_group": m.moe_router_group_topk or 1,
             "norm_topk_prob": True, "routed_scaling_factor": m.moe_router_topk_scaling_factor,
-            "attention_bias": False, "num_nextn_predict_layers": 0,
-            "rope_parameters": {"rope_type": "default", "rope_theta": float(m.rotary_base)}}
+            "attention_bias": False, "num_nextn_predict_layers": 0}
+
+
+def _hf_rope_parameters(m: ModelConfig) -> dict[str, Any]:
+    """transformers' ``rope_parameters`` of ``m``'s plain or YaRN RoPE (``_yarn_from_hf`` read backwards)."""
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": float(m.rotary_base)}
+    if m.position_embedding_type == "yarn":
+        params.update(rope_type="yarn", factor=m.yarn_rotary_scaling_factor,
+                      original_max_position_embeddings=m.yarn_original_max_position_embeddings,
+                      beta_fast=m.yarn_beta_fast, beta_slow=m.yarn_beta_slow,
+                      truncate=m.yarn_correction_range_round_to_int)
+        if m.yarn_mscale_all_dim:
+            params.update(mscale=m.yarn_mscale, mscale_all_dim=m.yarn_mscale_all_dim)
+    elif m.multi_latent_attention and m.rope_type == "yarn":
+        params.update(rope_type="yarn", factor=m.rotary_scaling_factor,
+                      original_max_position_embeddings=m.original_max_position_embeddings,
+                      beta_fast=m.beta_fast, beta_slow=m.beta_slow, mscale=m.mscale, mscale_all_dim=m.mscale_all_dim)
+    return params
 
 
 def _hf_window_fields(model: HFModel) -> dict[str, Any]:

@@ -26,8 +26,8 @@ from mcp_context.convert.hf_io import HFCheckpointReader, MissingTensorError
 from mcp_context.convert.mapping import hf_names_at, slots, tensor_maps
 from mcp_context.convert.mcore_io import McoreCheckpointReader
 from mcp_context.convert.model_config import HFModel
-from mcp_context.recipes.schema import (ModelConfig, gpt_model_kwargs, layer_spec_kwargs, transformer_config_class,
-                                        transformer_config_kwargs)
+from mcp_context.recipes.schema import (ModelConfig, gpt_model_kwargs, layer_spec_kwargs, set_yarn_attributes,
+                                        transformer_config_class, transformer_config_kwargs)
 
 
 DeviceLike = Union[str, torch.device]
@@ -124,6 +124,7 @@ def build_gpt_model(model: ModelConfig, layer_spec: Any = None, device: DeviceLi
                                              use_cpu_initialization=device.type != "cuda",
                                              perform_initialization=initialize,
                                              **{k: v for k, v in layout.items() if k not in shape_fields})
+    set_yarn_attributes(config, model)
     # megatron-core makes CUDA weights on the current device: make it the requested one for the build
     on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with on_device:
@@ -131,9 +132,11 @@ def build_gpt_model(model: ModelConfig, layer_spec: Any = None, device: DeviceLi
                        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
                        **gpt_model_kwargs(model, model.vocab_size))
     gpt.to(device)
-    for module in gpt.modules():  # RoPE's inv_freq is a plain attribute, which Module.to does not move
+    for module in gpt.modules():  # RoPE's frequencies are plain attributes, which Module.to does not move
         if isinstance(module, RotaryEmbedding):
-            module.inv_freq = module.inv_freq.to(device)
+            for name in ("inv_freq", "inv_freq_extra", "inv_freq_inter"):  # the last two: YaRN's
+                if hasattr(module, name):
+                    setattr(module, name, getattr(module, name).to(device))
     return gpt
 
 
