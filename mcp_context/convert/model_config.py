@@ -17,8 +17,10 @@ same one pretraining uses. It does not touch weights (``mapping``) or files (``h
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -85,7 +87,7 @@ def _legacy_record_to_hf_config(data: dict[str, Any]) -> dict[str, Any]:
     cfg = {names.get(k, k): v for k, v in data.items()
            if k not in ("rope_scaling_factor", "qkv_bias", "sliding_window")}
     if data.get("rope_scaling_factor") is not None:
-        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": data["rope_scaling_factor"]}
+        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": data["rope_scaling_factor"], **MCORE_LLAMA3_ROPE_CONSTANTS}
     if data.get("model_type") == "mistral":
         cfg["sliding_window"] = data.get("sliding_window")
     return cfg
@@ -262,13 +264,75 @@ def _window_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int,
     return [width - 1, 0], None if all(sliding) else [int(x) for x in sliding]
 
 
+def _as_transformers_reads(cfg: dict[str, Any]) -> tuple[dict[str, Any], Optional[str]]:
+    """``cfg`` with every field the installed transformers' config class holds, an absent one at the value that
+    class computes (``to_dict``: e.g. MixtralConfig's ``rms_norm_eps`` 1e-5 and ``sliding_window`` null), so a
+    default is the one transformers runs the model with. When transformers refuses the file: ``cfg`` over the
+    class's plain defaults and why, for the caller to raise after its own checks, which name the field first."""
+    try:
+        import transformers
+        from transformers import AutoConfig
+    except ImportError:
+        raise ValueError("reading config.json needs transformers (its config class decides every default the model "
+                         "computes with); pip install transformers") from None
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # its notes on odd values would break the one-line errors
+    try:
+        full = AutoConfig.for_model(**copy.deepcopy(cfg)).to_dict()  # it fills nested dicts in place
+    except Exception as err:  # strict dataclass validation raises several types
+        why = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        return ({**_defaults_without_refused_fields(cfg, AutoConfig), **cfg},
+                f"config.json is refused by transformers {transformers.__version__}: {why}")
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    return {**full, **cfg}, None
+
+
+# Fields transformers validates together; one refused is left out with the others of its group.
+_FIELD_GROUPS = (("rope_parameters", "rope_scaling", "rope_theta"), ("layer_types",))
+
+
+def _defaults_without_refused_fields(cfg: dict[str, Any], auto_config: Any) -> dict[str, Any]:
+    """The class's values for a file transformers refuses: built without the fields its errors name (or the
+    RoPE / ``layer_types`` groups, whose checks name none), those left unfilled; {} when that fails too."""
+    dropped: set[str] = set()
+    for _ in range(1 + len(cfg)):
+        try:
+            full = auto_config.for_model(**copy.deepcopy({k: v for k, v in cfg.items() if k not in dropped}))
+            return {k: v for k, v in full.to_dict().items() if k not in dropped}
+        except Exception as err:
+            named = re.search(r"field '(\w+)'", str(err))
+            groups = [(named.group(1),)] if named and named.group(1) in cfg else []
+            group = next((g for g in groups + list(_FIELD_GROUPS) if set(g) & set(cfg) - dropped), None)
+            if group is None:
+                return {}
+            dropped |= set(group)
+    return {}
+
+
+def _check_megatron_builds(model_type: str, shape: ModelConfig) -> None:
+    """Refuse a shape megatron-core's ``TransformerConfig`` rejects, now rather than when the model is built."""
+    import megatron.core
+
+    from mcp_context.recipes.schema import transformer_config_class, transformer_config_kwargs
+
+    try:
+        transformer_config_class(shape)(**transformer_config_kwargs(shape), use_cpu_initialization=True)
+    except (ValueError, AssertionError, NotImplementedError) as err:
+        raise UnsupportedArchitectureError(
+            f"config.json describes a {model_type} that megatron-core {megatron.core.__version__} cannot build "
+            f"({type(err).__name__}: {err}); nothing is converted") from None
+
+
 def hf_model_from_config(cfg: dict[str, Any]) -> HFModel:
-    """Validate a Hugging Face ``config.json`` dict and return its :class:`HFModel`."""
+    """Validate a Hugging Face ``config.json`` dict, read as the installed transformers reads it, and return its
+    :class:`HFModel`; a model megatron-core would not build is refused here."""
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise _refuse("model_type", model_type,
                       f"supported model types are {sorted(SUPPORTED_MODEL_TYPES)}; other architectures need "
                       f"their own converter")
+    cfg, refused_by_transformers = _as_transformers_reads(cfg)
     archs = cfg.get("architectures") or [SUPPORTED_MODEL_TYPES[model_type]]
     if archs != [SUPPORTED_MODEL_TYPES[model_type]]:
         raise _refuse("architectures", archs,
@@ -306,7 +370,7 @@ def hf_model_from_config(cfg: dict[str, Any]) -> HFModel:
         max_position_embeddings=max_positions, vocab_size=_positive_int(cfg, "vocab_size"),
         rotary_percent=1.0, **{"position_embedding_type": "rope", **rope},
         share_embeddings_and_output_weights=tied, normalization="RMSNorm",
-        layernorm_epsilon=_positive_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
+        layernorm_epsilon=_positive_float(cfg.get("rms_norm_eps"), "rms_norm_eps"),
         gated_linear_unit=True, add_bias_linear=model_type == "gpt_oss", add_qkv_bias=model_type == "qwen2",
         softmax_type="learnable" if model_type == "gpt_oss" else "vanilla",
         **(_gpt_oss_glu(cfg) if model_type == "gpt_oss" else {"activation_func": "silu"}),
@@ -317,6 +381,9 @@ def hf_model_from_config(cfg: dict[str, Any]) -> HFModel:
     )
     if model_type == "deepseek_v3":
         shape = dataclasses.replace(shape, **_mla_from_hf(cfg))
+    if refused_by_transformers:
+        raise ValueError(refused_by_transformers)
+    _check_megatron_builds(model_type, shape)
     return HFModel(model_type, shape)
 
 
@@ -410,6 +477,11 @@ def _moe_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int) -> dict[
                           "built by the HCP layer specs; only every layer MoE (mlp_only_layers=[], "
                           "decoder_sparse_step=1) is converted")
         ffn, pre_softmax = _positive_int(cfg, "moe_intermediate_size"), not _flag(cfg, "norm_topk_prob", False)
+    if topk == 1 and not pre_softmax:
+        raise _refuse("num_experts_per_tok", topk, "transformers weights the one chosen expert by 1 (its top-1 "
+                      "renormalised), which megatron-core's softmax router refuses to compute (\"use "
+                      "--moe-router-pre-softmax when topk is 1\", which would weight it by its probability instead); "
+                      "only num_experts_per_tok >= 2 is converted")
     return dict(num_moe_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=ffn, moe_layer_freq=1,
                 moe_router_score_function="softmax", moe_router_pre_softmax=pre_softmax)
 
