@@ -71,11 +71,18 @@ def build_hf_model(name: str) -> torch.nn.Module:
     with eager attention."""
     import transformers
 
-    config_cls, model_cls, extra = {**MODELS, **FAMILIES}[name]
-    config = getattr(transformers, config_cls)(**{**_COMMON, **extra})
+    config_cls, _, extra = {**MODELS, **FAMILIES}[name]
+    return seeded_hf_model(getattr(transformers, config_cls)(**{**_COMMON, **extra}))
+
+
+def seeded_hf_model(config) -> torch.nn.Module:
+    """transformers' causal LM of ``config`` with seeded O(1) weights (norms around 1, the router's expert bias
+    drawn too), in eval mode with eager attention."""
+    from transformers import AutoModelForCausalLM
+
     config._attn_implementation = "eager"
     torch.manual_seed(1234)
-    model = getattr(transformers, model_cls)(config).eval()
+    model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # O(1) weights so that logits are O(1) and every tensor matters
         for pname, p in model.named_parameters():
             p.copy_(torch.randn_like(p) * (0.1 if "norm" in pname else 0.15) + (1.0 if "norm" in pname else 0.0))

@@ -147,8 +147,7 @@ def _case_family_logits(rank, world_size, mcore_dir, arch, token_ids):
 
     from mcp_context import shard_sequence
     from mcp_context.convert.verify import load_mcore_model
-    from mcp_context.megatron.specs import get_gpt_layer_hcp_spec
-    from mcp_context.recipes.schema import layer_spec_kwargs
+    from mcp_context.recipes.schema import decoder_spec
 
     shape = HFModel.from_record(arch).shape
     out = []
@@ -156,7 +155,7 @@ def _case_family_logits(rank, world_size, mcore_dir, arch, token_ids):
         init_megatron(cp=cp, hierarchical_context_parallel_sizes=sizes)
         try:
             cp_rank = parallel_state.get_context_parallel_rank()
-            spec = get_gpt_layer_hcp_spec(**layer_spec_kwargs(shape))
+            spec = lambda config: decoder_spec(shape, config)  # our HCP layer spec, or block of per-layer specs
             model = load_mcore_model(mcore_dir, shape, spec, context_parallel_size=cp, cp_comm_type=comm,
                                      hierarchical_context_parallel_sizes=sizes)
             shard = dict(cp_size=cp, cp_rank=cp_rank, layout="zigzag", dim=1)
@@ -215,11 +214,14 @@ def test_malformed_expert_checkpoints_are_refused_in_one_line(converted_families
     ("qwen3", {"layer_types": ["sliding_attention"]}, "layer_types=['sliding_attention']: must list "
                                                       "'full_attention' or 'sliding_attention' for each of the "
                                                       "num_hidden_layers=2 layers"),
-    ("qwen3_moe", {"mlp_only_layers": [0]}, "mlp_only_layers=[0]: dense layers among MoE ones"),
+    ("qwen3_moe", {"mlp_only_layers": [0, 1]}, "mlp_only_layers=[0, 1]: leaves no MoE layer among the "
+                                                "num_hidden_layers=2"),
     ("qwen3_moe", {"norm_topk_prob": "yes"}, "norm_topk_prob='yes': must be true or false"),
     ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
     ("gpt_oss", {"layer_types": ["full_attention"] * 3}, "layer_types=['full_attention', 'full_attention', "
                                                          "'full_attention']: must list"),
+    ("gpt_oss", {"quantization_config": {"quant_method": "mxfp4"}}, "quantization_config={'quant_method': 'mxfp4'}: "
+                                                                    "quantized weights"),
     ("gpt_oss", {"attention_bias": False}, "attention_bias=False: gpt-oss's experts and router have biases"),
     ("gpt_oss", {"swiglu_alpha": 2.0}, "swiglu_alpha=2.0: megatron-core's quick_gelu hard-codes 1.702"),
     ("gpt_oss", {"rope_parameters": {"rope_type": "yarn", "factor": 32.0, "rope_theta": 150000.0}},
@@ -227,7 +229,7 @@ def test_malformed_expert_checkpoints_are_refused_in_one_line(converted_families
     ("gpt_oss", {"rope_parameters": {"rope_type": "yarn", "factor": 32.0, "rope_theta": 150000.0,
                                      "original_max_position_embeddings": 4096, "attention_factor": 1.0}},
      "rope_parameters.attention_factor=1.0: transformers scales cos/sin by 1"),
-    ("deepseek_v3", {"first_k_dense_replace": 1}, "first_k_dense_replace=1: dense layers among MoE ones"),
+    ("deepseek_v3", {"first_k_dense_replace": 2}, "first_k_dense_replace=2: leaves no MoE layer"),
     ("deepseek_v3", {"norm_topk_prob": False}, "norm_topk_prob=False: only norm_topk_prob=True"),
     ("deepseek_v3", {"topk_group": 2}, "topk_group=2: transformers scores a group by its top 2 experts"),
     ("deepseek_v3", {"rope_parameters": {**DEEPSEEK_V3_YARN, "truncate": False}},

@@ -7,6 +7,7 @@ no process group) with a message naming the key; the shipped recipes must valida
 from __future__ import annotations
 
 import argparse
+import ast
 import shlex
 import stat
 from pathlib import Path
@@ -304,7 +305,7 @@ def _megatron_lm_parser() -> argparse.ArgumentParser:
     p.add_argument("--moe-router-load-balancing-type", nargs="+", type=str, default="aux_loss",
                    choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"])
     p.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0)
-    p.add_argument("--moe-layer-freq", type=int, default=1)
+    p.add_argument("--moe-layer-freq", type=lambda x: ast.literal_eval(x) if "[" in x else int(x), default=1)
     for f in ints:
         p.add_argument(f, type=int)
     for f in floats:

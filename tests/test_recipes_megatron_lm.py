@@ -173,6 +173,7 @@ PRINTED = {
                                                   MOE + ["model.moe_shared_expert_intermediate_size=64"], 64),
     "model.moe_router_score_function": ("moe_router_score_function", MOE + ["model.moe_router_score_function=sigmoid"],
                                         "sigmoid"),
+    "model.moe_layer_freq": ("moe_layer_freq", MOE + ["model.moe_layer_freq=[0, 1]", "model.layer_spec=te"], [0, 1]),
     "model.moe_router_pre_softmax": ("moe_router_pre_softmax", MOE + ["model.moe_router_pre_softmax=true"], True),
     "model.moe_router_topk_scaling_factor": ("moe_router_topk_scaling_factor",
                                              MOE + ["model.moe_router_topk_scaling_factor=2.5"], 2.5),
@@ -272,7 +273,6 @@ REFUSED = {
     "model.original_max_position_embeddings": MLA + ["model.original_max_position_embeddings=8192"],
     "model.beta_fast": MLA + ["model.beta_fast=1.0"],  # Kimi K2's
     "model.beta_slow": MLA + ["model.beta_slow=2.0"],
-    "model.moe_layer_freq": MOE + ["model.moe_layer_freq=[0, 1]"],  # DeepSeek-V3's dense first layers
 }
 
 
@@ -378,3 +378,17 @@ def test_our_entry_refuses_fp16_which_it_cannot_loss_scale():
     with pytest.raises(RecipeError, match=r"model.params_dtype='float16' \(fp16 mixed precision, Megatron-LM's "
                                           r"--fp16\): mcp_context.pretrain has no loss scaling"):
         check_recipe_for_training(cfg, 4)
+
+
+def test_dense_layers_among_moe_ones_print_without_spec_or_are_refused_naming_why():
+    """Megatron-LM's --spec imports one object that cannot hold one layer spec per layer: a per-layer
+    ``moe_layer_freq`` prints without --spec (Megatron-LM's own block spec, TE's attention runs CP), with a
+    note; with the local layers and CP > 1, which Megatron-LM's local attention refuses, it is an error."""
+    cfg = load_recipe(None, MOE + ["model.moe_layer_freq=[0, 1]", "model.layer_spec=te"])
+    command = format_megatron_command(cfg)
+    a = _parsed(command)
+    assert a.spec is None and a.moe_layer_freq == [0, 1] and a.transformer_impl == "transformer_engine"
+    assert "# model.moe_layer_freq=[0,1]: dense layers among MoE ones need one layer spec per layer" in command
+    with pytest.raises(RecipeError, match=r"model.moe_layer_freq=\[0, 1\] with model.layer_spec='local' and "
+                                          r"model.context_parallel_size=4: .* set model.layer_spec=te"):
+        format_megatron_command(load_recipe(None, MOE + ["model.moe_layer_freq=[0, 1]"]))

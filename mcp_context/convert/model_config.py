@@ -332,6 +332,11 @@ def hf_model_from_config(cfg: dict[str, Any]) -> HFModel:
         raise _refuse("model_type", model_type,
                       f"supported model types are {sorted(SUPPORTED_MODEL_TYPES)}; other architectures need "
                       f"their own converter")
+    if cfg.get("quantization_config"):
+        method = cfg["quantization_config"].get("quant_method") if isinstance(cfg["quantization_config"], dict) else None
+        raise _refuse("quantization_config", {"quant_method": method}, "quantized weights (gpt-oss's MXFP4 experts, "
+                      "DeepSeek-V3's FP8 blocks) are not mapped; dequantize to bf16 first (e.g. load with transformers' "
+                      "dequantizing config and save_pretrained) and convert that")
     cfg, refused_by_transformers = _as_transformers_reads(cfg)
     archs = cfg.get("architectures") or [SUPPORTED_MODEL_TYPES[model_type]]
     if archs != [SUPPORTED_MODEL_TYPES[model_type]]:
@@ -389,10 +394,6 @@ def hf_model_from_config(cfg: dict[str, Any]) -> HFModel:
 
 def _check_deepseek(cfg: dict[str, Any]) -> None:
     """Refuse the DeepSeek-V3 settings this converter does not represent (or has not proven), by field."""
-    if cfg.get("first_k_dense_replace", 3) != 0:
-        raise _refuse("first_k_dense_replace", cfg.get("first_k_dense_replace", 3), "dense layers among MoE ones "
-                      "(moe_layer_freq other than 1) cannot be built by the HCP layer specs; only every layer MoE "
-                      "(first_k_dense_replace=0) is converted")
     if cfg.get("q_lora_rank", 1536) is None:
         raise _refuse("q_lora_rank", None, "a full query projection (q_proj) is not mapped; only the low-rank "
                       "query (q_a_proj, q_a_layernorm, q_b_proj) is")
@@ -427,7 +428,8 @@ def _deepseek_router(cfg: dict[str, Any], experts: int, topk: int) -> dict[str, 
                       f"its top num_experts_per_tok // topk_group = {topk // group_topk}; they agree only at 2")
     shared = _positive_int(cfg, "n_shared_experts", default=1) if cfg.get("n_shared_experts", 1) else 0
     width = _positive_int(cfg, "moe_intermediate_size", default=2048)
-    return dict(num_moe_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=width, moe_layer_freq=1,
+    return dict(num_moe_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=width,
+                moe_layer_freq=_moe_layer_freq(cfg, "deepseek_v3", _positive_int(cfg, "num_hidden_layers")),
                 moe_shared_expert_intermediate_size=shared * width or None, moe_router_score_function="sigmoid",
                 moe_router_pre_softmax=False, moe_router_enable_expert_bias=True,
                 moe_router_num_groups=groups if groups > 1 else None,
@@ -451,8 +453,8 @@ def _moe_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int) -> dict[
 
     Both score with a softmax. Mixtral renormalises the top-k scores, which is megatron-core's top-k on
     the logits then a softmax over them (``moe_router_pre_softmax=False``); Qwen3-MoE's ``norm_topk_prob``
-    picks between that and the softmax over all experts, kept unnormalised (``pre_softmax=True``). Every
-    layer is MoE (``moe_layer_freq=1``): dense layers among them are refused (the HCP specs cannot build them).
+    picks between that and the softmax over all experts, kept unnormalised (``pre_softmax=True``). Dense
+    layers among the MoE ones are ``moe_layer_freq`` (``_moe_layer_freq``)
     """
     # absent fields take transformers' defaults (MixtralConfig, Qwen3MoeConfig, whose num_experts is an alias)
     experts = _positive_int(cfg, "n_routed_experts", default=256) if model_type == "deepseek_v3" else \
@@ -471,19 +473,38 @@ def _moe_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int) -> dict[
                           "megatron-core equivalent (moe_input_jitter_eps jitters the input, not the logits); set 0")
         ffn, pre_softmax = _positive_int(cfg, "intermediate_size"), False
     else:
-        if cfg.get("mlp_only_layers") not in (None, []) or cfg.get("decoder_sparse_step", 1) != 1:
-            field = "mlp_only_layers" if cfg.get("mlp_only_layers") not in (None, []) else "decoder_sparse_step"
-            raise _refuse(field, cfg[field], "dense layers among MoE ones (moe_layer_freq other than 1) cannot be "
-                          "built by the HCP layer specs; only every layer MoE (mlp_only_layers=[], "
-                          "decoder_sparse_step=1) is converted")
         ffn, pre_softmax = _positive_int(cfg, "moe_intermediate_size"), not _flag(cfg, "norm_topk_prob", False)
     if topk == 1 and not pre_softmax:
         raise _refuse("num_experts_per_tok", topk, "transformers weights the one chosen expert by 1 (its top-1 "
                       "renormalised), which megatron-core's softmax router refuses to compute (\"use "
                       "--moe-router-pre-softmax when topk is 1\", which would weight it by its probability instead); "
                       "only num_experts_per_tok >= 2 is converted")
-    return dict(num_moe_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=ffn, moe_layer_freq=1,
+    return dict(num_moe_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=ffn,
+                moe_layer_freq=_moe_layer_freq(cfg, model_type, num_layers),
                 moe_router_score_function="softmax", moe_router_pre_softmax=pre_softmax)
+
+
+def _moe_layer_freq(cfg: dict[str, Any], model_type: str, num_layers: int) -> Any:
+    """Which layers are MoE, as megatron-core's ``moe_layer_freq``: 1 when all are, else one 0 (dense MLP of
+    ``intermediate_size``) or 1 per layer. DeepSeek-V3: the first ``first_k_dense_replace`` layers are dense;
+    Qwen3-MoE: layer i is MoE unless listed in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0``
+    (transformers' rules); Mixtral and gpt-oss: every layer."""
+    if model_type == "deepseek_v3":
+        first = cfg.get("first_k_dense_replace")
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise _refuse("first_k_dense_replace", first, "must be an integer >= 0")
+        pattern, field = [int(i >= first) for i in range(num_layers)], "first_k_dense_replace"
+    elif model_type == "qwen3_moe":
+        only, step = cfg.get("mlp_only_layers") or [], _positive_int(cfg, "decoder_sparse_step", default=1)
+        if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
+            raise _refuse("mlp_only_layers", only, "must be a list of layer indices")
+        pattern, field = [int(i not in only and (i + 1) % step == 0) for i in range(num_layers)], "mlp_only_layers"
+    else:
+        return 1
+    if not any(pattern):
+        raise _refuse(field, cfg.get(field), f"leaves no MoE layer among the num_hidden_layers={num_layers}; convert "
+                      f"it as the dense model it is (set the expert fields aside) or keep at least one MoE layer")
+    return 1 if all(pattern) else pattern
 
 
 def hf_config_from_model(model: HFModel, torch_dtype: str = "float32") -> dict[str, Any]:
@@ -516,7 +537,7 @@ def hf_config_from_model(model: HFModel, torch_dtype: str = "float32") -> dict[s
             cfg["router_jitter_noise"] = 0.0
         else:
             cfg.update(moe_intermediate_size=m.moe_ffn_hidden_size, norm_topk_prob=not m.moe_router_pre_softmax,
-                       decoder_sparse_step=1, mlp_only_layers=[])
+                       decoder_sparse_step=1, mlp_only_layers=[i for i in range(m.num_layers) if not _is_moe(m, i)])
     cfg.update(_hf_window_fields(model))
     return cfg
 
@@ -530,9 +551,24 @@ def _hf_deepseek_fields(m: ModelConfig) -> dict[str, Any]:
             "n_routed_experts": m.num_moe_experts, "num_experts_per_tok": m.moe_router_topk,
             "moe_intermediate_size": m.moe_ffn_hidden_size,
             "n_shared_experts": (m.moe_shared_expert_intermediate_size or 0) // m.moe_ffn_hidden_size,
-            "first_k_dense_replace": 0, "n_group": groups, "topk_group": m.moe_router_group_topk or 1,
+            "first_k_dense_replace": _first_dense_layers(m), "n_group": groups, "topk_group": m.moe_router_group_topk or 1,
             "norm_topk_prob": True, "routed_scaling_factor": m.moe_router_topk_scaling_factor,
             "attention_bias": False, "num_nextn_predict_layers": 0}
+
+
+def _is_moe(m: ModelConfig, layer: int) -> bool:
+    """Whether ``layer`` is MoE under ``m.moe_layer_freq`` (as megatron-core's block spec reads it)."""
+    freq = m.moe_layer_freq
+    return bool(freq[layer]) if isinstance(freq, list) else layer % freq == 0
+
+
+def _first_dense_layers(m: ModelConfig) -> int:
+    """DeepSeek-V3's ``first_k_dense_replace`` of ``m``: its dense layers must be the first ones."""
+    first = next(i for i in range(m.num_layers) if _is_moe(m, i))
+    if not all(_is_moe(m, i) for i in range(first, m.num_layers)):
+        raise ValueError(f"moe_layer_freq={m.moe_layer_freq!r} has dense layers after MoE ones, which a DeepSeek-V3 "
+                         f"config.json cannot express (first_k_dense_replace: the first k layers dense)")
+    return first
 
 
 def _hf_rope_parameters(m: ModelConfig) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from mcp_context.recipes import RecipeConfig, RecipeError
-from mcp_context.recipes.schema import (gpt_model_kwargs, layer_spec_kwargs, set_yarn_attributes,
+from mcp_context.recipes.schema import (decoder_spec, gpt_model_kwargs, set_yarn_attributes,
                                          transformer_config_class, transformer_config_kwargs)
 
 
@@ -102,8 +102,8 @@ def transformer_config(cfg: RecipeConfig, device: torch.device):
 
 
 def build_model(cfg: RecipeConfig, tokenizer_vocab_size: int, device: torch.device):
-    """The recipe's ``GPTModel`` with the HCP layer spec of its structure (MoE, q/k norms, MLA:
-    ``layer_spec_kwargs``), wrapped in megatron-core DDP.
+    """The recipe's ``GPTModel`` with the HCP spec of its structure (MoE, q/k norms, MLA, dense layers among
+    MoE ones: ``decoder_spec``), wrapped in megatron-core DDP.
 
     Initialisation depends only on ``train.seed`` and TP (weights are made whole, then split over TP),
     so runs at any CP size start from the same weights.
@@ -112,10 +112,8 @@ def build_model(cfg: RecipeConfig, tokenizer_vocab_size: int, device: torch.devi
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
 
-    from mcp_context.megatron.specs import get_gpt_layer_hcp_spec
-
-    spec = get_gpt_layer_hcp_spec(**layer_spec_kwargs(cfg.model))
     config = transformer_config(cfg, device)
+    spec = decoder_spec(cfg.model, config)
     model = GPTModel(config, spec, **gpt_model_kwargs(cfg.model, cfg.padded_vocab_size(tokenizer_vocab_size)))
     if device.type == "cuda":
         model.cuda(device)

@@ -490,16 +490,29 @@ def set_yarn_attributes(config: Any, model: ModelConfig) -> Any:
 
 def layer_spec_kwargs(model: ModelConfig) -> dict[str, Any]:
     """Keyword arguments for ``mcp_context.megatron.specs.get_gpt_layer_hcp_spec``: the layer structure
-    the model needs (MoE MLP, q/k norms, MLA), its norm and its linear layers. Our specs put one
+    the model needs (MoE MLP, q/k norms, MLA), its norm and its linear layers. A layer spec puts one
     structure in every layer, so ``moe_layer_freq`` other than 1 (dense layers among MoE ones) is a
-    ``RecipeError``."""
+    ``RecipeError``: that model takes the block spec (``decoder_spec``)."""
     if model.num_moe_experts is not None and model.moe_layer_freq != 1:
         raise RecipeError(
-            f"model.moe_layer_freq={model.moe_layer_freq!r}: the HCP layer specs (mcp_context.megatron.specs) put "
-            f"the MoE MLP in every layer, so dense layers among MoE ones cannot be built; set model.moe_layer_freq=1")
+            f"model.moe_layer_freq={model.moe_layer_freq!r}: a layer spec (get_gpt_layer_hcp_spec) puts the MoE "
+            f"MLP in every layer; dense layers among MoE ones take one spec per layer, "
+            f"get_gpt_decoder_block_hcp_spec(config) (mcp_context.recipes.schema.decoder_spec)")
     return dict(num_experts=model.num_moe_experts, qk_layernorm=model.qk_layernorm,
                 multi_latent_attention=model.multi_latent_attention, normalization=model.normalization,
                 use_te=model.layer_spec == "te")
+
+
+def decoder_spec(model: ModelConfig, config: Any) -> Any:
+    """The HCP spec ``GPTModel`` takes for ``model`` (``config``: its ``TransformerConfig``): one layer spec,
+    ``get_gpt_layer_hcp_spec(**layer_spec_kwargs(model))``, or, with dense layers among MoE ones
+    (``moe_layer_freq`` other than 1), the block of per-layer specs ``get_gpt_decoder_block_hcp_spec(config)``."""
+    from mcp_context.megatron.specs import get_gpt_decoder_block_hcp_spec, get_gpt_layer_hcp_spec
+
+    if model.num_moe_experts is not None and model.moe_layer_freq != 1:
+        return get_gpt_decoder_block_hcp_spec(config, use_te=model.layer_spec == "te",
+                                              normalization=model.normalization)
+    return get_gpt_layer_hcp_spec(**layer_spec_kwargs(model))
 
 
 def transformer_config_class(model: ModelConfig) -> type:
