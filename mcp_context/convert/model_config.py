@@ -2,9 +2,11 @@
 
 Families: dense Llama-style decoders (Llama, Mistral, Qwen2), Qwen3 (per-head q/k RMSNorm:
 ``qk_layernorm``) and the softmax-routed mixtures of experts Mixtral and Qwen3-MoE (megatron-core's
-local experts, ``num_moe_experts`` / ``moe_router_topk`` / ``moe_router_pre_softmax``), and gpt-oss
+local experts, ``num_moe_experts`` / ``moe_router_topk`` / ``moe_router_pre_softmax``), gpt-oss
 (learned sinks ``softmax_type='learnable'``, windows per ``layer_types``, biases on every linear, the
-clamped quick-GELU GLU with an offset).
+clamped quick-GELU GLU with an offset) and DeepSeek-V3 (MLA, sigmoid group routing); YaRN RoPE and dense
+layers among MoE ones (``moe_layer_freq`` lists) in any of them. ``config.json`` is read through the installed
+transformers' config class, so an absent field is the value transformers computes with.
 
 Owns :class:`HFModel` (a model's shape in megatron-core's names, plus ``model_type``, the one fact
 only the Hugging Face side needs), the reading of ``config.json`` into it with its validation against

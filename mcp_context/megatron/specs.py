@@ -13,6 +13,8 @@ local spec per layer structure in ``spec_facts.SPEC_VARIANTS`` (``hcp_local_spec
 ``hcp_moe_local_spec``, ``hcp_qknorm_moe_local_spec``, ``hcp_mla_local_spec``, ``hcp_mla_moe_local_spec``),
 each refusing at model build a config it does not represent; ``hcp_te_spec`` / ``hcp_te_attention_spec`` built at import when
 Transformer Engine is importable, else an ``UnavailableSpec`` whose use raises a clear error.
+Dense layers among MoE ones need one spec per layer, built from the config: ``get_gpt_decoder_block_hcp_spec``
+(no module-level name: ``--spec`` objects exist before the config).
 """
 from __future__ import annotations
 
