@@ -40,6 +40,8 @@ OUR_ENTRY_ONLY = {
     "data.tokenizer_vocab_size": "the size of the SentencePiece model the prepare step trains (--tokenizer-model)",
     "train.world_size": "the launcher's rank count (torchrun's nproc-per-node times nnodes, printed there)",
     "train.device": "Megatron-LM trains on CUDA only",
+    "checkpoint.pretrained": "Megatron-LM's --pretrained-checkpoint looks for its own latest_checkpointed_iteration.txt "
+                             "tracker, which a conversion does not write, and without it starts from random weights",
 }
 """Recipe fields with no ``pretrain_gpt.py`` flag, and why; printed in the command's comment block.
 Every other field is printed as the flag that means the same thing, or refused where no flag does

@@ -142,11 +142,10 @@ def _yarn_from_hf(cfg: dict[str, Any], params: dict[str, Any], mla: bool) -> dic
     set, else ``mscale(factor)``. Without MLA these are the ``yarn_*`` fields (``GPTModel``'s YaRN); with MLA
     (DeepSeek-V3) ``MLATransformerConfig``'s, whose softmax scale also takes ``mscale(factor, mscale_all_dim)^2``
     as transformers' DeepSeek attention does. Settings the Megatron side would compute otherwise are refused."""
-    original = _positive_int(params, "original_max_position_embeddings") if \
-        params.get("original_max_position_embeddings") is not None else None
-    if original is None:
+    if params.get("original_max_position_embeddings") is None:
         raise _refuse("rope_parameters.original_max_position_embeddings", None, "YaRN needs the pre-extension "
                       "context length; set it in rope_parameters")
+    original = _positive_int(params, "original_max_position_embeddings")
     factor = params.get("factor")
     if factor is None and not mla:  # transformers' rule; DeepSeek's attention scale reads factor itself
         factor = _positive_int(cfg, "max_position_embeddings", default=4096) / original

@@ -71,6 +71,14 @@ def check_recipe_for_training(cfg: RecipeConfig, world_size: int) -> None:
                 f"checkpoint.load={cfg.checkpoint.load!r} holds no '{LATEST_FILENAME}' file naming a checkpoint; "
                 f"give the checkpoints directory of a run (RUN_DIR/checkpoints), or null to start afresh"
             )
+    if cfg.checkpoint.pretrained is not None:
+        from mcp_context.pretrain.checkpoint import checkpoint_problem
+
+        problem = checkpoint_problem(cfg.checkpoint.pretrained, training=False)
+        if problem is not None:
+            raise RecipeError(f"checkpoint.pretrained={cfg.checkpoint.pretrained!r}: {problem}; give a megatron-core "
+                              f"checkpoint directory of this model (e.g. python -m mcp_context.convert hf-to-mcore's "
+                              f"--mcore), or null")
     if m.params_dtype == "float16":
         raise RecipeError(
             "model.params_dtype='float16' (fp16 mixed precision, Megatron-LM's --fp16): mcp_context.pretrain has no "

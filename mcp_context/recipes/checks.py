@@ -424,7 +424,7 @@ def _validate_ranges(cfg: RecipeConfig) -> None:
 def _validate_paths(cfg: RecipeConfig) -> None:
     """Directories the run writes or reads must not be files (the only file-system access here:
     a stat of each path and its parents)."""
-    for key in ("checkpoint.save", "checkpoint.load", "logging.tensorboard_dir"):
+    for key in ("checkpoint.save", "checkpoint.load", "checkpoint.pretrained", "logging.tensorboard_dir"):
         section, field_name = key.split(".")
         value = getattr(getattr(cfg, section), field_name)
         if value is None:

@@ -343,6 +343,10 @@ class CheckpointConfig:
     """Directory to save checkpoints in; None disables saving."""
     load: Optional[str] = None
     """Directory to resume from; None starts from scratch."""
+    pretrained: Optional[str] = None
+    """A megatron-core checkpoint of this model (e.g. ``python -m mcp_context.convert hf-to-mcore``'s output)
+    whose weights a run with nothing to resume starts from, at step 0 with a fresh optimizer (Megatron-LM's
+    --pretrained-checkpoint with --finetune); None: random initialisation."""
     save_interval: int = 25
     """Steps between checkpoints."""
 
