@@ -392,3 +392,16 @@ def test_dense_layers_among_moe_ones_print_without_spec_or_are_refused_naming_wh
     with pytest.raises(RecipeError, match=r"model.moe_layer_freq=\[0, 1\] with model.layer_spec='local' and "
                                           r"model.context_parallel_size=4: .* set model.layer_spec=te"):
         format_megatron_command(load_recipe(None, MOE + ["model.moe_layer_freq=[0, 1]"]))
+
+
+def test_a_yarn_recipe_prints_the_yarn_flags_and_says_which_megatron_lm_has_them():
+    """Non-MLA YaRN reaches Megatron-LM as --position-embedding-type yarn and the --yarn-* flags, which its
+    parser has after core_v0.16.1 only (core_v0.16.1 refuses yarn there): the comment block says so."""
+    cfg = load_recipe(None, YARN + ["model.yarn_rotary_scaling_factor=32.0",
+                                    "model.yarn_correction_range_round_to_int=false"])
+    validate_recipe(cfg)
+    command = format_megatron_command(cfg)
+    a = _parsed(command)
+    assert (a.position_embedding_type, a.rotary_scaling_factor, a.yarn_correction_range_round_to_int) == \
+        ("yarn", 32.0, False)
+    assert "# model.position_embedding_type=yarn: the --yarn-* flags need Megatron-LM after core_v0.16.1" in command
