@@ -66,3 +66,24 @@ def test_top1_routing_megatron_core_refuses_is_refused_at_conversion(converted_f
                     "--no-progress")
     assert "config.json field num_experts_per_tok=1: transformers weights the one chosen expert by 1" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_shape_megatron_core_rejects_is_refused_before_anything_is_written(converted_families, tmp_path, capsys,
+                                                                             monkeypatch):
+    """Whatever megatron-core's TransformerConfig raises for a converted shape (here made to raise for the
+    Qwen3 family) reaches the user at hf-to-mcore as one line naming megatron-core, with nothing written."""
+    from megatron.core.transformer import TransformerConfig
+
+    post_init = TransformerConfig.__post_init__
+
+    def refusing(self):
+        post_init(self)
+        if self.qk_layernorm:
+            raise ValueError("qk_layernorm is not supported here")
+
+    monkeypatch.setattr(TransformerConfig, "__post_init__", refusing)
+    err = cli_error(capsys, "hf-to-mcore", "--hf", str(converted_families["qwen3"][0]), "--mcore",
+                    str(tmp_path / "out"), "--no-progress")
+    assert "config.json describes a qwen3 that megatron-core 0.16.1 cannot build (ValueError: qk_layernorm is not " \
+           "supported here); nothing is converted" in err, err
+    assert not (tmp_path / "out").exists()
