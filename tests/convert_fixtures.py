@@ -39,17 +39,22 @@ WINDOW_MODELS = ("mistral_window", "qwen2_upper_window")
 # window on every layer, Qwen3-MoE (top-2 of 4 unnormalised, norm_topk_prob=false) with q/k norms and tied
 # embeddings, gpt-oss (learned sinks, biases everywhere, clamped GLU, a window on its first layer). Norms are
 # drawn around 1, so a dropped (reset) norm shows in the logits.
+# YaRN as released: gpt-oss's is GptOssConfig's default (factor 32, not truncated), DeepSeek-V3's and Qwen3's
+# long-context one are those of their published config.json files.
+DEEPSEEK_V3_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+                    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+QWEN3_YARN = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 32768}
 FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
-        rope_theta=1e6, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
+        rope_parameters=QWEN3_YARN, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
         rope_theta=1e6, sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         rope_theta=1e6, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=False,
         tie_word_embeddings=True)),
-    # plain RoPE (YaRN is refused: see docs/convert.md), a clamp low enough that O(1) activations reach it
+    # its default YaRN RoPE, a clamp low enough that O(1) activations reach it
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
-        rope_parameters={"rope_type": "default", "rope_theta": 150000.0}, num_local_experts=4, num_experts_per_tok=2,
+        num_local_experts=4, num_experts_per_tok=2,
         layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW, swiglu_limit=1.5)),
     # MLA (q and kv latents, interleaved RoPE dims), sigmoid top-2 of 8 among the best 1 of 2 groups with the
     # expert bias, one shared expert; every layer MoE (dense first layers are refused)
@@ -57,7 +62,7 @@ FAMILIES = {
         num_key_value_heads=4, head_dim=8, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
         first_k_dense_replace=0, n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5,
         q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+        rope_parameters=DEEPSEEK_V3_YARN)),
 }
 
 
@@ -66,11 +71,18 @@ def build_hf_model(name: str) -> torch.nn.Module:
     with eager attention."""
     import transformers
 
-    config_cls, model_cls, extra = {**MODELS, **FAMILIES}[name]
-    config = getattr(transformers, config_cls)(**{**_COMMON, **extra})
+    config_cls, _, extra = {**MODELS, **FAMILIES}[name]
+    return seeded_hf_model(getattr(transformers, config_cls)(**{**_COMMON, **extra}))
+
+
+def seeded_hf_model(config) -> torch.nn.Module:
+    """transformers' causal LM of ``config`` with seeded O(1) weights (norms around 1, the router's expert bias
+    drawn too), in eval mode with eager attention."""
+    from transformers import AutoModelForCausalLM
+
     config._attn_implementation = "eager"
     torch.manual_seed(1234)
-    model = getattr(transformers, model_cls)(config).eval()
+    model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # O(1) weights so that logits are O(1) and every tensor matters
         for pname, p in model.named_parameters():
             p.copy_(torch.randn_like(p) * (0.1 if "norm" in pname else 0.15) + (1.0 if "norm" in pname else 0.0))

@@ -183,28 +183,27 @@ def test_unsupported_architectures_are_refused_naming_the_field():
     base = {"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
             "num_hidden_layers": 1, "num_attention_heads": 2}
     cases = [({"model_type": "gemma"}, "model_type='gemma'"),
-             ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
+             ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_type='longrope'"),
              ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0}}, "low_freq_factor"),
              ({"attention_bias": True}, "attention_bias=True"),
              ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
              ({"num_key_value_heads": 3}, "num_key_value_heads=3"),
              ({"architectures": ["LlamaForSequenceClassification"]}, "architectures"),
-             ({"model_type": "qwen2", "layer_types": ["sliding_attention"]},
+             ({"model_type": "qwen2", "num_key_value_heads": 2, "layer_types": ["sliding_attention"]},
               "layer_types=['sliding_attention']: names sliding_attention layers but use_sliding_window is false"),
-             ({"model_type": "qwen2", "use_sliding_window": True, "layer_types": ["local"]},
+             ({"model_type": "qwen2", "num_key_value_heads": 2, "use_sliding_window": True, "layer_types": ["local"]},
               "layer_types=['local']: must list 'full_attention' or 'sliding_attention' for each of the "
               "num_hidden_layers=1 layers")]
     for override, needle in cases:
         with pytest.raises(UnsupportedArchitectureError, match=needle.replace("(", "\\(").replace("[", "\\[")):
             hf_model_from_config({**base, **override})
     for override, needle in (({"use_sliding_window": "yes"}, "use_sliding_window='yes': must be true or false"),
-                             ({"use_sliding_window": True, "max_window_layers": -1},
-                              "max_window_layers=-1: must be an integer >= 0"),
                              ({"use_sliding_window": True, "max_window_layers": 0, "sliding_window": 0},
                               "sliding_window=0: must be an integer >= 1")):
         with pytest.raises(ValueError, match=needle):
-            hf_model_from_config({**base, "model_type": "qwen2", **override})
+            hf_model_from_config({**base, "model_type": "qwen2", "num_key_value_heads": 2, **override})
     # transformers-5 style rope_parameters are read like the legacy fields
-    shape = hf_model_from_config({**base, "rope_parameters": {"rope_type": "llama3", "factor": 32.0,
-                                                              "rope_theta": 5e5}}).shape
+    shape = hf_model_from_config({**base, "rope_parameters": {"rope_type": "llama3", "factor": 32.0, "rope_theta": 5e5,
+                                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                              "original_max_position_embeddings": 8192}}).shape
     assert (shape.rotary_base, shape.rope_scaling, shape.rope_scaling_factor) == (5e5, True, 32.0)

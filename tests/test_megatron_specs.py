@@ -133,3 +133,36 @@ def test_fixed_specs_refuse_configs_they_do_not_build():
     messages = run_distributed(2, _misfit_messages, MISFITS)[0]
     for (name, _, pattern), message in zip(MISFITS, messages):
         assert re.search(pattern, message), f"{name}: {message}"
+
+
+def _block_structure(rank, world):
+    import megatron_patches
+    from megatron.core import parallel_state
+
+    from mcp_context.megatron import HCPConfigError
+    from tests.tiny_gpt import init_parallel, tiny_config, tiny_gpt
+
+    megatron_patches.apply_all(device="cpu")
+    init_parallel()
+    try:
+        config = tiny_config(**MOE, moe_layer_freq=[0, 1])
+        gpt = tiny_gpt(config, specs.get_gpt_decoder_block_hcp_spec(config))
+        layers = [(type(layer.mlp).__name__, type(layer.self_attention.core_attention).__name__)
+                  for layer in gpt.decoder.layers]
+        try:  # the block built for [0, 1] with a config that says [1, 0]
+            tiny_gpt(tiny_config(**MOE, moe_layer_freq=[1, 0]), specs.get_gpt_decoder_block_hcp_spec(config))
+            refusal = "built without an error"
+        except HCPConfigError as err:
+            refusal = str(err)
+        return layers, refusal
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_the_block_spec_builds_dense_layers_among_moe_ones_with_our_attention():
+    """get_gpt_decoder_block_hcp_spec: megatron-core's per-layer block (moe_layer_freq as a list), each layer with
+    the HCP core attention, which refuses a config whose pattern is not the block's."""
+    layers, refusal = run_distributed(1, _block_structure)[0]
+    assert layers == [("MLP", "HCPDotProductAttention"), ("MoELayer", "HCPDotProductAttention")]
+    assert re.search(r"moe_layer_freq=\[1, 0\], but layer spec get_gpt_decoder_block_hcp_spec\(config\) puts MoE "
+                     r"layers as moe_layer_freq=\[0, 1\]", refusal), refusal

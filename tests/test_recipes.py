@@ -7,6 +7,7 @@ no process group) with a message naming the key; the shipped recipes must valida
 from __future__ import annotations
 
 import argparse
+import ast
 import shlex
 import stat
 import subprocess
@@ -261,6 +262,7 @@ def test_every_megatron_model_the_package_builds_comes_from_the_one_translation(
                 builders.append((path.parent.name, built(node.func), spread))
     assert sorted(builders) == [
         ("convert", "GPTModel", ["gpt_model_kwargs"]), ("convert", "TransformerConfig", ["transformer_config_kwargs"]),
+        ("convert", "TransformerConfig", ["transformer_config_kwargs"]),  # model_config: refused before converting
         ("pretrain", "GPTModel", ["gpt_model_kwargs"]), ("pretrain", "TransformerConfig", ["transformer_config_kwargs"]),
         ("selftest", "TransformerConfig", ["transformer_config_kwargs"]),
     ]
@@ -305,7 +307,7 @@ def _megatron_lm_parser() -> argparse.ArgumentParser:
     p.add_argument("--moe-router-load-balancing-type", nargs="+", type=str, default="aux_loss",
                    choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"])
     p.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0)
-    p.add_argument("--moe-layer-freq", type=int, default=1)
+    p.add_argument("--moe-layer-freq", type=lambda x: ast.literal_eval(x) if "[" in x else int(x), default=1)
     for f in ints:
         p.add_argument(f, type=int)
     for f in floats:
@@ -321,6 +323,12 @@ def _megatron_lm_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-rope-fusion", action="store_false", dest="apply_rope_fusion")
     p.add_argument("--no-persist-layer-norm", action="store_false", dest="persist_layer_norm")
     p.add_argument("--no-gradient-accumulation-fusion", action="store_false", dest="gradient_accumulation_fusion")
+    p.add_argument("--yarn-original-max-position-embeddings", type=int, default=None)  # after core_v0.16.1
+    p.add_argument("--yarn-beta-fast", type=float, default=None)
+    p.add_argument("--yarn-beta-slow", type=float, default=None)
+    p.add_argument("--yarn-correction-range-round-to-int", action="store_true", default=None)
+    p.add_argument("--no-yarn-correction-range-round-to-int", action="store_false",
+                   dest="yarn_correction_range_round_to_int")
     p.add_argument("--window-size", type=lambda x: tuple(int(i) for i in x.strip("()").split(",")), default=None)
     return p
 

@@ -107,6 +107,7 @@ def test_window_attn_skip_freq_prints_as_megatron_lms_flag(freq):
 
 MLA = ["model.multi_latent_attention=true", "model.num_query_groups=null", "model.qk_layernorm=true"]
 MOE = ["model.num_moe_experts=4"]
+YARN = ["model.position_embedding_type=yarn"]
 
 # dotted field -> (the parsed Megatron-LM argument it becomes, overrides that change it, the value it then has).
 # A field new to the schema fails test_every_recipe_field_has_a_verdict until it gets a row here or in OUR_ENTRY_ONLY.
@@ -128,6 +129,16 @@ PRINTED = {
     "model.rope_scaling": ("use_rope_scaling", ["model.rope_scaling=true"], True),
     "model.rope_scaling_factor": ("rope_scaling_factor", ["model.rope_scaling=true", "model.rope_scaling_factor=16.0"],
                                   16.0),
+    "model.yarn_rotary_scaling_factor": ("rotary_scaling_factor", YARN + ["model.yarn_rotary_scaling_factor=32.0"],
+                                         32.0),
+    "model.yarn_original_max_position_embeddings": ("yarn_original_max_position_embeddings", YARN + [
+        "model.yarn_original_max_position_embeddings=8192"], 8192),
+    "model.yarn_beta_fast": ("yarn_beta_fast", YARN + ["model.yarn_beta_fast=16.0"], 16.0),
+    "model.yarn_beta_slow": ("yarn_beta_slow", YARN + ["model.yarn_beta_slow=2.0"], 2.0),
+    "model.yarn_mscale": ("mscale", YARN + ["model.yarn_mscale=0.7"], 0.7),
+    "model.yarn_mscale_all_dim": ("mscale_all_dim", YARN + ["model.yarn_mscale_all_dim=1.0"], 1.0),
+    "model.yarn_correction_range_round_to_int": ("yarn_correction_range_round_to_int", YARN + [
+        "model.yarn_correction_range_round_to_int=false"], False),
     "model.share_embeddings_and_output_weights": ("untie_embeddings_and_output_weights",
                                                   ["model.share_embeddings_and_output_weights=true"], False),
     "model.normalization": ("normalization", ["model.normalization=LayerNorm"], "LayerNorm"),
@@ -162,6 +173,7 @@ PRINTED = {
                                                   MOE + ["model.moe_shared_expert_intermediate_size=64"], 64),
     "model.moe_router_score_function": ("moe_router_score_function", MOE + ["model.moe_router_score_function=sigmoid"],
                                         "sigmoid"),
+    "model.moe_layer_freq": ("moe_layer_freq", MOE + ["model.moe_layer_freq=[0, 1]", "model.layer_spec=te"], [0, 1]),
     "model.moe_router_pre_softmax": ("moe_router_pre_softmax", MOE + ["model.moe_router_pre_softmax=true"], True),
     "model.moe_router_topk_scaling_factor": ("moe_router_topk_scaling_factor",
                                              MOE + ["model.moe_router_topk_scaling_factor=2.5"], 2.5),
@@ -261,7 +273,6 @@ REFUSED = {
     "model.original_max_position_embeddings": MLA + ["model.original_max_position_embeddings=8192"],
     "model.beta_fast": MLA + ["model.beta_fast=1.0"],  # Kimi K2's
     "model.beta_slow": MLA + ["model.beta_slow=2.0"],
-    "model.moe_layer_freq": MOE + ["model.moe_layer_freq=[0, 1]"],  # DeepSeek-V3's dense first layers
 }
 
 
@@ -367,3 +378,30 @@ def test_our_entry_refuses_fp16_which_it_cannot_loss_scale():
     with pytest.raises(RecipeError, match=r"model.params_dtype='float16' \(fp16 mixed precision, Megatron-LM's "
                                           r"--fp16\): mcp_context.pretrain has no loss scaling"):
         check_recipe_for_training(cfg, 4)
+
+
+def test_dense_layers_among_moe_ones_print_without_spec_or_are_refused_naming_why():
+    """Megatron-LM's --spec imports one object that cannot hold one layer spec per layer: a per-layer
+    ``moe_layer_freq`` prints without --spec (Megatron-LM's own block spec, TE's attention runs CP), with a
+    note; with the local layers and CP > 1, which Megatron-LM's local attention refuses, it is an error."""
+    cfg = load_recipe(None, MOE + ["model.moe_layer_freq=[0, 1]", "model.layer_spec=te"])
+    command = format_megatron_command(cfg)
+    a = _parsed(command)
+    assert a.spec is None and a.moe_layer_freq == [0, 1] and a.transformer_impl == "transformer_engine"
+    assert "# model.moe_layer_freq=[0,1]: dense layers among MoE ones need one layer spec per layer" in command
+    with pytest.raises(RecipeError, match=r"model.moe_layer_freq=\[0, 1\] with model.layer_spec='local' and "
+                                          r"model.context_parallel_size=4: .* set model.layer_spec=te"):
+        format_megatron_command(load_recipe(None, MOE + ["model.moe_layer_freq=[0, 1]"]))
+
+
+def test_a_yarn_recipe_prints_the_yarn_flags_and_says_which_megatron_lm_has_them():
+    """Non-MLA YaRN reaches Megatron-LM as --position-embedding-type yarn and the --yarn-* flags, which its
+    parser has after core_v0.16.1 only (core_v0.16.1 refuses yarn there): the comment block says so."""
+    cfg = load_recipe(None, YARN + ["model.yarn_rotary_scaling_factor=32.0",
+                                    "model.yarn_correction_range_round_to_int=false"])
+    validate_recipe(cfg)
+    command = format_megatron_command(cfg)
+    a = _parsed(command)
+    assert (a.position_embedding_type, a.rotary_scaling_factor, a.yarn_correction_range_round_to_int) == \
+        ("yarn", 32.0, False)
+    assert "# model.position_embedding_type=yarn: the --yarn-* flags need Megatron-LM after core_v0.16.1" in command

@@ -98,8 +98,12 @@ def _run(args: argparse.Namespace) -> int:
 
     show = False if getattr(args, "no_progress", False) else None
     if args.command == "hf-to-mcore":
+        from mcp_context.convert.hf_quirks import ignored_fields
+
         arch = converter.hf_to_mcore(args.hf, args.mcore, progress=show)
         print(f"wrote {args.mcore} ({arch.model_type}, {arch.shape.num_layers} layers)")
+        for quirk in ignored_fields(read_json_object(Path(args.hf) / "config.json", "a Hugging Face config.json")):
+            print(f"notice: converted as config.json says, but {quirk}", file=sys.stderr)
     elif args.command == "mcore-to-hf":
         config = read_json_object(args.hf_config, "a Hugging Face config.json") if args.hf_config else None
         arch = converter.mcore_to_hf(args.mcore, args.hf, max_shard_bytes=args.max_shard_size,
@@ -107,6 +111,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"wrote {args.hf} ({arch.model_type}, {arch.shape.num_layers} layers)")
     elif args.command == "verify":
         from mcp_context.convert.hf_io import HFCheckpointReader
+        from mcp_context.convert.hf_quirks import ignored_fields
         from mcp_context.convert.mcore_io import McoreCheckpointReader
         from mcp_context.convert.model_config import hf_model_from_config
         from mcp_context.convert.verify import (check_same_model, differing_tensors, max_logit_difference,
@@ -125,7 +130,8 @@ def _run(args: argparse.Namespace) -> int:
             why = (f"{len(differ)} tensor(s) differ between --hf and --mcore, e.g. {differ[:4]} (the first in "
                    f"checkpoint order: {differ[0]})" if differ else
                    "every tensor is identical on both sides, so the models compute differently")
-            print(f"verify: FAILED: {why}", file=sys.stderr)
+            quirks = ignored_fields(hf.config)  # the installed transformers' own departures from config.json
+            print(f"verify: FAILED: {why}" + "".join(f"; {q}" for q in quirks), file=sys.stderr)
             return 1
     else:
         import torch

@@ -101,8 +101,8 @@ class TensorMap:
     Hugging Face side has one tensor per expert; such a tensor is stored as ``[num_layers, experts, ...]``.
     Where the Hugging Face side holds all experts of a layer in one tensor (gpt-oss), the names have no
     ``{expert}``, one chunk is a whole layer's ``[experts, ...]`` and ``expert_shape`` gives one expert's
-    Megatron shape. ``layers`` names the layers a per-layer tensor exists on (None: all), e.g. the MoE
-    layers of a model whose other layers are dense.
+    Megatron shape. ``layers`` names the layers a per-layer tensor exists on (None: all); in a model whose
+    other layers are dense, every per-layer tensor is one ``TensorMap`` per layer (``layer``).
     """
 
     mcore_key: str
@@ -116,6 +116,9 @@ class TensorMap:
     layers: Optional[tuple[int, ...]] = None
     experts: int = 0
     expert_shape: Optional[tuple[int, ...]] = None
+    layer: Optional[int] = None
+    """A block with dense layers among MoE ones stores each layer under its own key (``decoder.layers.N.…``,
+    no layer axis; megatron-core's ``non_homogeneous_layers``): the one layer this tensor is, else None."""
 
     @property
     def mcore_shape(self) -> tuple[int, ...]:
@@ -126,6 +129,7 @@ class TensorMap:
         return (sum(s[0] for s in self.hf_shapes), *first[1:])
 
     def hf_names_for(self, layer: int | None, expert: int | None = None) -> list[str]:
+        layer = self.layer if self.layer is not None else layer
         return [n.format(layer=layer, expert=expert) for n in self.hf_names]
 
     def param_name(self, layer: int | None, spec: str, expert: int | None = None) -> str:
@@ -133,7 +137,7 @@ class TensorMap:
         if spec not in ("local", "te"):
             raise ValueError(f"spec={spec!r} is not a layer-spec flavour; use 'local' or 'te'")
         name = self.local_name if spec == "local" else self.te_name
-        return name.format(layer=layer, expert=expert)
+        return name.format(layer=self.layer if self.layer is not None else layer, expert=expert)
 
     def global_shape(self, model: ModelConfig) -> tuple[int, ...]:
         """Shape of the stored Megatron tensor: the leading layer and expert axes, then one chunk's."""
@@ -141,12 +145,16 @@ class TensorMap:
         return lead + self.mcore_shape
 
 
-Slot = tuple  # () for a global tensor, (layer,) per layer, (layer, expert) per local expert
+Slot = tuple  # () for a global tensor, (layer,) per layer, (layer, expert) per local expert; (expert,) in one layer's
 
 
 def slots(tmap: TensorMap, model: ModelConfig) -> list[Slot]:
     """The leading indices of every stored chunk of ``tmap``: ``[()]`` for a global tensor, one
-    ``(layer,)`` per layer that has it, or one ``(layer, expert)`` per local expert of those layers."""
+    ``(layer,)`` per layer that has it, or one ``(layer, expert)`` per local expert of those layers; for one
+    layer's tensor (``tmap.layer``), ``[()]`` or one ``(expert,)`` per local expert."""
+    if tmap.layer is not None:
+        return [(expert,) for expert in range(tmap.experts)] if tmap.experts and "{expert}" in tmap.hf_names[0] \
+            else [()]
     if not tmap.per_layer:
         return [()]
     layers = tmap.layers if tmap.layers is not None else range(model.num_layers)
@@ -157,7 +165,14 @@ def slots(tmap: TensorMap, model: ModelConfig) -> list[Slot]:
 
 def hf_names_at(tmap: TensorMap, slot: Slot) -> list[str]:
     """The Hugging Face names of ``tmap``'s chunk at ``slot``."""
+    if tmap.layer is not None:
+        return tmap.hf_names_for(tmap.layer, slot[0] if slot else None)
     return tmap.hf_names_for(slot[0] if slot else None, slot[1] if len(slot) > 1 else None)
+
+
+def non_homogeneous(model: ModelConfig) -> bool:
+    """Whether megatron-core keys ``model``'s layers one by one (dense layers among MoE ones)."""
+    return model.num_moe_experts is not None and model.moe_layer_freq != 1
 
 
 def moe_layers(model: ModelConfig) -> list[int]:
@@ -173,7 +188,21 @@ def moe_layers(model: ModelConfig) -> list[int]:
 
 def tensor_maps(model: ModelConfig, model_type: str = "llama") -> list[TensorMap]:
     """The full table for ``model`` (a ``model_type`` checkpoint), in checkpoint order (embedding,
-    layers, final norm, output)."""
+    layers, final norm, output); with dense layers among MoE ones, one map per layer and tensor, keyed
+    ``decoder.layers.N.…`` as megatron-core's ``TransformerBlock.sharded_state_dict`` keys them then."""
+    maps = _stacked_maps(model, model_type)
+    if not non_homogeneous(model):
+        return maps
+    per_layer = [m for m in maps if m.per_layer]
+    first = maps.index(per_layer[0])
+    one_layer = [dataclasses.replace(m, mcore_key=f"{LAYER_KEY_PREFIX}{i}.{m.mcore_key[len(LAYER_KEY_PREFIX):]}",
+                                     per_layer=False, layers=None, layer=i)
+                 for i in range(model.num_layers) for m in per_layer if m.layers is None or i in m.layers]
+    return maps[:first] + one_layer + [m for m in maps[first:] if not m.per_layer]
+
+
+def _stacked_maps(model: ModelConfig, model_type: str) -> list[TensorMap]:
+    """``tensor_maps`` with every per-layer tensor stacked on a leading layer axis (``layers``: where it exists)."""
     h, g, d = model.num_attention_heads, model.num_query_groups, model.kv_channels
     hidden, ffn, vocab = model.hidden_size, model.ffn_hidden_size, model.vocab_size
     sparse = moe_layers(model)
@@ -391,9 +420,17 @@ def extra_state_keys(model: ModelConfig) -> list[str]:
         attention = MLA_EXTRA_STATE_MODULES if model.multi_latent_attention else ATTENTION_EXTRA_STATE_MODULES
         shared = SHARED_EXPERT_EXTRA_STATE_MODULES if model.moe_shared_expert_intermediate_size else ()
         modules = attention + (shared if i in sparse else DENSE_MLP_EXTRA_STATE_MODULES)
-        keys += [f"{LAYER_KEY_PREFIX}{module}._extra_state/shard_{i}_{num_layers}" for module in modules]
+        # keyed per layer, with no layer offset, where the layers are not all alike
+        prefix, offset, shape = (f"{LAYER_KEY_PREFIX}{i}.", (), ()) if non_homogeneous(model) else \
+            (LAYER_KEY_PREFIX, (i,), (num_layers,))
+        keys += [f"{prefix}{module}._extra_state/{_shard(offset or (0,), shape or (1,))}" for module in modules]
         if i in sparse:
             experts = model.num_moe_experts
-            keys += [f"{LAYER_KEY_PREFIX}{module}._extra_state/shard_{i}.{e}_{num_layers}.{experts}"
+            keys += [f"{prefix}{module}._extra_state/{_shard(offset + (e,), shape + (experts,))}"
                      for module in EXPERT_EXTRA_STATE_MODULES for e in range(experts)]
     return keys
+
+
+def _shard(offset: tuple[int, ...], shape: tuple[int, ...]) -> str:
+    """A ``ShardedObject``'s key suffix: ``shard_<offsets>_<shape>``, each dot-joined."""
+    return f"shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}"

@@ -2,9 +2,11 @@
 
 Families: dense Llama-style decoders (Llama, Mistral, Qwen2), Qwen3 (per-head q/k RMSNorm:
 ``qk_layernorm``) and the softmax-routed mixtures of experts Mixtral and Qwen3-MoE (megatron-core's
-local experts, ``num_moe_experts`` / ``moe_router_topk`` / ``moe_router_pre_softmax``), and gpt-oss
+local experts, ``num_moe_experts`` / ``moe_router_topk`` / ``moe_router_pre_softmax``), gpt-oss
 (learned sinks ``softmax_type='learnable'``, windows per ``layer_types``, biases on every linear, the
-clamped quick-GELU GLU with an offset).
+clamped quick-GELU GLU with an offset) and DeepSeek-V3 (MLA, sigmoid group routing); YaRN RoPE and dense
+layers among MoE ones (``moe_layer_freq`` lists) in any of them. ``config.json`` is read through the installed
+transformers' config class, so an absent field is the value transformers computes with.
 
 Owns :class:`HFModel` (a model's shape in megatron-core's names, plus ``model_type``, the one fact
 only the Hugging Face side needs), the reading of ``config.json`` into it with its validation against
@@ -17,8 +19,10 @@ same one pretraining uses. It does not touch weights (``mapping``) or files (``h
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -85,7 +89,7 @@ def _legacy_record_to_hf_config(data: dict[str, Any]) -> dict[str, Any]:
     cfg = {names.get(k, k): v for k, v in data.items()
            if k not in ("rope_scaling_factor", "qkv_bias", "sliding_window")}
     if data.get("rope_scaling_factor") is not None:
-        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": data["rope_scaling_factor"]}
+        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": data["rope_scaling_factor"], **MCORE_LLAMA3_ROPE_CONSTANTS}
     if data.get("model_type") == "mistral":
         cfg["sliding_window"] = data.get("sliding_window")
     return cfg
@@ -115,26 +119,86 @@ def _positive_float(value: Any, field: str) -> float:
     return float(value)
 
 
-def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, Optional[float]]:
-    """(rope_theta, llama3 factor or None) from either the transformers-5 ``rope_parameters`` dict
-    or the older top-level ``rope_theta`` / ``rope_scaling`` fields."""
-    params = dict(cfg.get("rope_parameters") or {})
-    legacy = cfg.get("rope_scaling") or {}
-    params = {**legacy, **params}
-    theta = _positive_float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)), "rope_theta")
-    rope_type = params.get("rope_type", params.get("type", "default"))
+def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE parameters of either the transformers-5 ``rope_parameters`` dict or the older top-level
+    ``rope_theta`` / ``rope_scaling`` fields (``type`` spelled ``rope_type``)."""
+    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    params["rope_theta"] = _positive_float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)), "rope_theta")
+    return params
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature ``0.1 * mscale * ln(factor) + 1`` (1 for factor <= 1), as both sides
+    compute it (transformers' ``get_mscale``, megatron-core's ``_yarn_get_mscale``)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_from_hf(cfg: dict[str, Any], params: dict[str, Any], mla: bool) -> dict[str, Any]:
+    """transformers' YaRN (``_compute_yarn_parameters``) as megatron-core's: the inverse frequencies blend the
+    plain and the factor-scaled ones over the correction range of ``beta_fast`` / ``beta_slow`` rotations at
+    ``original_max_position_embeddings`` (rounded to whole dims unless ``truncate`` is false), and cos / sin are
+    scaled by the attention factor, ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` when both are
+    set, else ``mscale(factor)``. Without MLA these are the ``yarn_*`` fields (``GPTModel``'s YaRN); with MLA
+    (DeepSeek-V3) ``MLATransformerConfig``'s, whose softmax scale also takes ``mscale(factor, mscale_all_dim)^2``
+    as transformers' DeepSeek attention does. Settings the Megatron side would compute otherwise are refused."""
+    if params.get("original_max_position_embeddings") is None:
+        raise _refuse("rope_parameters.original_max_position_embeddings", None, "YaRN needs the pre-extension "
+                      "context length; set it in rope_parameters")
+    original = _positive_int(params, "original_max_position_embeddings")
+    factor = params.get("factor")
+    if factor is None and not mla:  # transformers' rule; DeepSeek's attention scale reads factor itself
+        factor = _positive_int(cfg, "max_position_embeddings", default=4096) / original
+    factor = _positive_float(factor, "rope_parameters.factor")
+    beta_fast = _positive_float(params.get("beta_fast") or 32.0, "rope_parameters.beta_fast")
+    beta_slow = _positive_float(params.get("beta_slow") or 1.0, "rope_parameters.beta_slow")
+    truncate = params.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise _refuse("rope_parameters.truncate", truncate, "must be true or false")
+    mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    for name, value in (("mscale", mscale), ("mscale_all_dim", all_dim)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+            raise _refuse(f"rope_parameters.{name}", value, "must be a number >= 0")
+    ours = (float(mscale), float(all_dim)) if mscale and all_dim else (1.0, float(all_dim or 0.0) if mla else 0.0)
+    theirs = yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim) if mscale and all_dim else yarn_mscale(factor)
+    if params.get("attention_factor") is not None:
+        theirs = _positive_float(params["attention_factor"], "rope_parameters.attention_factor")
+    if not math.isclose(yarn_mscale(factor, ours[0]) / yarn_mscale(factor, ours[1]), theirs, rel_tol=1e-12):
+        field = "attention_factor" if params.get("attention_factor") is not None else "mscale"
+        raise _refuse(f"rope_parameters.{field}", params.get(field), f"transformers scales cos/sin by {theirs:.6g}; "
+                      f"megatron-core computes mscale(factor, mscale) / mscale(factor, mscale_all_dim) and cannot "
+                      f"give that from these fields (mscale={mscale!r}, mscale_all_dim={all_dim!r})")
+    if mla:
+        if not truncate:
+            raise _refuse("rope_parameters.truncate", truncate, "megatron-core's MLA YaRN always rounds the "
+                          "correction range to whole dims (truncate=true)")
+        return dict(rope_type="yarn", rotary_scaling_factor=factor, original_max_position_embeddings=original,
+                    beta_fast=beta_fast, beta_slow=beta_slow, mscale=ours[0], mscale_all_dim=ours[1])
+    return dict(position_embedding_type="yarn", yarn_rotary_scaling_factor=factor,
+                yarn_original_max_position_embeddings=original, yarn_beta_fast=beta_fast, yarn_beta_slow=beta_slow,
+                yarn_mscale=ours[0], yarn_mscale_all_dim=ours[1], yarn_correction_range_round_to_int=truncate)
+
+
+def _rope_from_hf(cfg: dict[str, Any], mla: bool = False) -> dict[str, Any]:
+    """The ``ModelConfig`` RoPE fields of a config: plain RoPE (``rotary_base``), Llama-3 scaling
+    (``rope_scaling``) or YaRN (``_yarn_from_hf``); MLA's without Llama-3 scaling (its attention applies RoPE)."""
+    params = _rope_parameters(cfg)
+    rope_type, theta = params["rope_type"], params["rope_theta"]
     if rope_type == "default":
-        return theta, None
-    if rope_type != "llama3":
+        return dict(rotary_base=theta, **({"rope_type": "rope"} if mla else {}))
+    if rope_type == "yarn":
+        return dict(rotary_base=theta, **_yarn_from_hf(cfg, params, mla))
+    if rope_type != "llama3" or mla:
         raise _refuse("rope_scaling.rope_type", rope_type,
-                      "megatron-core 0.16 GPTModel represents only plain RoPE and Llama-3 scaling "
-                      "('default' or 'llama3'); convert a model without this RoPE variant")
+                      "megatron-core 0.16 represents plain RoPE ('default'), Llama-3 scaling ('llama3', not with MLA) "
+                      "and YaRN ('yarn'); convert a model without this RoPE variant")
     for name, expected in MCORE_LLAMA3_ROPE_CONSTANTS.items():
         if params.get(name, expected) != expected:
             raise _refuse(f"rope_scaling.{name}", params[name],
                           f"megatron-core 0.16 hard-codes {name}={expected} for Llama-3 RoPE scaling "
                           f"(only 'factor' is configurable), so this model cannot be represented")
-    return theta, _positive_float(params.get("factor"), "rope_scaling.factor")
+    return dict(rotary_base=theta, rope_scaling=True,
+                rope_scaling_factor=_positive_float(params.get("factor"), "rope_scaling.factor"))
 
 
 def _flag(cfg: dict[str, Any], field: str, default: bool) -> bool:
@@ -201,13 +265,80 @@ def _window_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int,
     return [width - 1, 0], None if all(sliding) else [int(x) for x in sliding]
 
 
+def _as_transformers_reads(cfg: dict[str, Any]) -> tuple[dict[str, Any], Optional[str]]:
+    """``cfg`` with every field the installed transformers' config class holds, an absent one at the value that
+    class computes (``to_dict``: e.g. MixtralConfig's ``rms_norm_eps`` 1e-5 and ``sliding_window`` null), so a
+    default is the one transformers runs the model with. When transformers refuses the file: ``cfg`` over the
+    class's plain defaults and why, for the caller to raise after its own checks, which name the field first."""
+    try:
+        import transformers
+        from transformers import AutoConfig
+    except ImportError:
+        raise ValueError("reading config.json needs transformers (its config class decides every default the model "
+                         "computes with); pip install transformers") from None
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # its notes on odd values would break the one-line errors
+    try:
+        full = AutoConfig.for_model(**copy.deepcopy(cfg)).to_dict()  # it fills nested dicts in place
+    except Exception as err:  # strict dataclass validation raises several types
+        why = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        return ({**_defaults_without_refused_fields(cfg, AutoConfig), **cfg},
+                f"config.json is refused by transformers {transformers.__version__}: {why}")
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    return {**full, **cfg}, None
+
+
+# Fields transformers validates together; one refused is left out with the others of its group.
+_FIELD_GROUPS = (("rope_parameters", "rope_scaling", "rope_theta"), ("layer_types",))
+
+
+def _defaults_without_refused_fields(cfg: dict[str, Any], auto_config: Any) -> dict[str, Any]:
+    """The class's values for a file transformers refuses: built without the fields its errors name (or the
+    RoPE / ``layer_types`` groups, whose checks name none), those left unfilled; {} when that fails too."""
+    dropped: set[str] = set()
+    for _ in range(1 + len(cfg)):
+        try:
+            full = auto_config.for_model(**copy.deepcopy({k: v for k, v in cfg.items() if k not in dropped}))
+            return {k: v for k, v in full.to_dict().items() if k not in dropped}
+        except Exception as err:
+            named = re.search(r"field '(\w+)'", str(err))
+            groups = [(named.group(1),)] if named and named.group(1) in cfg else []
+            group = next((g for g in groups + list(_FIELD_GROUPS) if set(g) & set(cfg) - dropped), None)
+            if group is None:
+                return {}
+            dropped |= set(group)
+    return {}
+
+
+def _check_megatron_builds(model_type: str, shape: ModelConfig) -> None:
+    """Refuse a shape megatron-core's ``TransformerConfig`` rejects, now rather than when the model is built."""
+    import megatron.core
+
+    from mcp_context.recipes.schema import transformer_config_class, transformer_config_kwargs
+
+    try:
+        transformer_config_class(shape)(**transformer_config_kwargs(shape), use_cpu_initialization=True)
+    except (ValueError, AssertionError, NotImplementedError) as err:
+        raise UnsupportedArchitectureError(
+            f"config.json describes a {model_type} that megatron-core {megatron.core.__version__} cannot build "
+            f"({type(err).__name__}: {err}); nothing is converted") from None
+
+
 def hf_model_from_config(cfg: dict[str, Any]) -> HFModel:
-    """Validate a Hugging Face ``config.json`` dict and return its :class:`HFModel`."""
+    """Validate a Hugging Face ``config.json`` dict, read as the installed transformers reads it, and return its
+    :class:`HFModel`; a model megatron-core would not build is refused here."""
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise _refuse("model_type", model_type,
                       f"supported model types are {sorted(SUPPORTED_MODEL_TYPES)}; other architectures need "
                       f"their own converter")
+    if cfg.get("quantization_config"):
+        method = cfg["quantization_config"].get("quant_method") if isinstance(cfg["quantization_config"], dict) else None
+        raise _refuse("quantization_config", {"quant_method": method}, "quantized weights (gpt-oss's MXFP4 experts, "
+                      "DeepSeek-V3's FP8 blocks) are not mapped; dequantize to bf16 first (e.g. load with transformers' "
+                      "dequantizing config and save_pretrained) and convert that")
+    cfg, refused_by_transformers = _as_transformers_reads(cfg)
     archs = cfg.get("architectures") or [SUPPORTED_MODEL_TYPES[model_type]]
     if archs != [SUPPORTED_MODEL_TYPES[model_type]]:
         raise _refuse("architectures", archs,
@@ -233,7 +364,7 @@ def hf_model_from_config(cfg: dict[str, Any]) -> HFModel:
     head_dim = _positive_int(cfg, "head_dim", default=max(hidden // heads, 1))
     if model_type == "deepseek_v3":
         _check_deepseek(cfg)
-    theta, factor = _rope_from_hf(cfg)
+    rope = _rope_from_hf(cfg, mla=model_type == "deepseek_v3")
     tied = _flag(cfg, "tie_word_embeddings", False)
     max_positions = _positive_int(cfg, "max_position_embeddings", default=4096)
     num_layers = _positive_int(cfg, "num_hidden_layers")
@@ -243,10 +374,9 @@ def hf_model_from_config(cfg: dict[str, Any]) -> HFModel:
         ffn_hidden_size=_positive_int(cfg, "intermediate_size"), num_attention_heads=heads,
         num_query_groups=kv_heads, kv_channels=head_dim, seq_length=max_positions,
         max_position_embeddings=max_positions, vocab_size=_positive_int(cfg, "vocab_size"),
-        position_embedding_type="rope", rotary_base=theta, rotary_percent=1.0, rope_scaling=factor is not None,
-        rope_scaling_factor=factor if factor is not None else ModelConfig.rope_scaling_factor,
+        rotary_percent=1.0, **{"position_embedding_type": "rope", **rope},
         share_embeddings_and_output_weights=tied, normalization="RMSNorm",
-        layernorm_epsilon=_positive_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
+        layernorm_epsilon=_positive_float(cfg.get("rms_norm_eps"), "rms_norm_eps"),
         gated_linear_unit=True, add_bias_linear=model_type == "gpt_oss", add_qkv_bias=model_type == "qwen2",
         softmax_type="learnable" if model_type == "gpt_oss" else "vanilla",
         **(_gpt_oss_glu(cfg) if model_type == "gpt_oss" else {"activation_func": "silu"}),
@@ -256,21 +386,15 @@ def hf_model_from_config(cfg: dict[str, Any]) -> HFModel:
         **(_moe_from_hf(cfg, model_type, num_layers) if model_type in MOE_TYPES else {}),
     )
     if model_type == "deepseek_v3":
-        shape = dataclasses.replace(shape, **_mla_from_hf(cfg, theta))
+        shape = dataclasses.replace(shape, **_mla_from_hf(cfg))
+    if refused_by_transformers:
+        raise ValueError(refused_by_transformers)
+    _check_megatron_builds(model_type, shape)
     return HFModel(model_type, shape)
 
 
 def _check_deepseek(cfg: dict[str, Any]) -> None:
     """Refuse the DeepSeek-V3 settings this converter does not represent (or has not proven), by field."""
-    if cfg.get("first_k_dense_replace", 3) != 0:
-        raise _refuse("first_k_dense_replace", cfg.get("first_k_dense_replace", 3), "dense layers among MoE ones "
-                      "(moe_layer_freq other than 1) cannot be built by the HCP layer specs; only every layer MoE "
-                      "(first_k_dense_replace=0) is converted")
-    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
-    if params.get("rope_type", params.get("type", "default")) != "default":
-        raise _refuse("rope_parameters.rope_type", params.get("rope_type", params.get("type")),
-                      "transformers' DeepSeek YaRN (mscale_all_dim in the softmax scale) against MLA's own YaRN is "
-                      "not proven here; only plain RoPE DeepSeek-V3 is converted")
     if cfg.get("q_lora_rank", 1536) is None:
         raise _refuse("q_lora_rank", None, "a full query projection (q_proj) is not mapped; only the low-rank "
                       "query (q_a_proj, q_a_layernorm, q_b_proj) is")
@@ -281,15 +405,14 @@ def _check_deepseek(cfg: dict[str, Any]) -> None:
                           f"rope_interleave=true does)")
 
 
-def _mla_from_hf(cfg: dict[str, Any], theta: float) -> dict[str, Any]:
-    """DeepSeek-V3's attention as megatron-core's MLA (``MLATransformerConfig``'s fields) with plain RoPE."""
+def _mla_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3's attention as megatron-core's MLA (``MLATransformerConfig``'s fields; RoPE: ``_rope_from_hf``)."""
     return dict(multi_latent_attention=True, qk_layernorm=True, num_query_groups=None, kv_channels=None,
                 q_lora_rank=_positive_int(cfg, "q_lora_rank", default=1536),
                 kv_lora_rank=_positive_int(cfg, "kv_lora_rank", default=512),
                 qk_head_dim=_positive_int(cfg, "qk_nope_head_dim", default=128),
                 qk_pos_emb_head_dim=_positive_int(cfg, "qk_rope_head_dim", default=64),
-                v_head_dim=_positive_int(cfg, "v_head_dim", default=128), rope_type="rope", mscale=1.0,
-                mscale_all_dim=0.0, rotary_base=theta)
+                v_head_dim=_positive_int(cfg, "v_head_dim", default=128))
 
 
 def _deepseek_router(cfg: dict[str, Any], experts: int, topk: int) -> dict[str, Any]:
@@ -306,7 +429,8 @@ def _deepseek_router(cfg: dict[str, Any], experts: int, topk: int) -> dict[str, 
                       f"its top num_experts_per_tok // topk_group = {topk // group_topk}; they agree only at 2")
     shared = _positive_int(cfg, "n_shared_experts", default=1) if cfg.get("n_shared_experts", 1) else 0
     width = _positive_int(cfg, "moe_intermediate_size", default=2048)
-    return dict(num_moe_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=width, moe_layer_freq=1,
+    return dict(num_moe_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=width,
+                moe_layer_freq=_moe_layer_freq(cfg, "deepseek_v3", _positive_int(cfg, "num_hidden_layers")),
                 moe_shared_expert_intermediate_size=shared * width or None, moe_router_score_function="sigmoid",
                 moe_router_pre_softmax=False, moe_router_enable_expert_bias=True,
                 moe_router_num_groups=groups if groups > 1 else None,
@@ -330,8 +454,8 @@ def _moe_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int) -> dict[
 
     Both score with a softmax. Mixtral renormalises the top-k scores, which is megatron-core's top-k on
     the logits then a softmax over them (``moe_router_pre_softmax=False``); Qwen3-MoE's ``norm_topk_prob``
-    picks between that and the softmax over all experts, kept unnormalised (``pre_softmax=True``). Every
-    layer is MoE (``moe_layer_freq=1``): dense layers among them are refused (the HCP specs cannot build them).
+    picks between that and the softmax over all experts, kept unnormalised (``pre_softmax=True``). Dense
+    layers among the MoE ones are ``moe_layer_freq`` (``_moe_layer_freq``)
     """
     # absent fields take transformers' defaults (MixtralConfig, Qwen3MoeConfig, whose num_experts is an alias)
     experts = _positive_int(cfg, "n_routed_experts", default=256) if model_type == "deepseek_v3" else \
@@ -350,14 +474,38 @@ def _moe_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int) -> dict[
                           "megatron-core equivalent (moe_input_jitter_eps jitters the input, not the logits); set 0")
         ffn, pre_softmax = _positive_int(cfg, "intermediate_size"), False
     else:
-        if cfg.get("mlp_only_layers") not in (None, []) or cfg.get("decoder_sparse_step", 1) != 1:
-            field = "mlp_only_layers" if cfg.get("mlp_only_layers") not in (None, []) else "decoder_sparse_step"
-            raise _refuse(field, cfg[field], "dense layers among MoE ones (moe_layer_freq other than 1) cannot be "
-                          "built by the HCP layer specs; only every layer MoE (mlp_only_layers=[], "
-                          "decoder_sparse_step=1) is converted")
         ffn, pre_softmax = _positive_int(cfg, "moe_intermediate_size"), not _flag(cfg, "norm_topk_prob", False)
-    return dict(num_moe_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=ffn, moe_layer_freq=1,
+    if topk == 1 and not pre_softmax:
+        raise _refuse("num_experts_per_tok", topk, "transformers weights the one chosen expert by 1 (its top-1 "
+                      "renormalised), which megatron-core's softmax router refuses to compute (\"use "
+                      "--moe-router-pre-softmax when topk is 1\", which would weight it by its probability instead); "
+                      "only num_experts_per_tok >= 2 is converted")
+    return dict(num_moe_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=ffn,
+                moe_layer_freq=_moe_layer_freq(cfg, model_type, num_layers),
                 moe_router_score_function="softmax", moe_router_pre_softmax=pre_softmax)
+
+
+def _moe_layer_freq(cfg: dict[str, Any], model_type: str, num_layers: int) -> Any:
+    """Which layers are MoE, as megatron-core's ``moe_layer_freq``: 1 when all are, else one 0 (dense MLP of
+    ``intermediate_size``) or 1 per layer. DeepSeek-V3: the first ``first_k_dense_replace`` layers are dense;
+    Qwen3-MoE: layer i is MoE unless listed in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0``
+    (transformers' rules); Mixtral and gpt-oss: every layer."""
+    if model_type == "deepseek_v3":
+        first = cfg.get("first_k_dense_replace")
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise _refuse("first_k_dense_replace", first, "must be an integer >= 0")
+        pattern, field = [int(i >= first) for i in range(num_layers)], "first_k_dense_replace"
+    elif model_type == "qwen3_moe":
+        only, step = cfg.get("mlp_only_layers") or [], _positive_int(cfg, "decoder_sparse_step", default=1)
+        if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
+            raise _refuse("mlp_only_layers", only, "must be a list of layer indices")
+        pattern, field = [int(i not in only and (i + 1) % step == 0) for i in range(num_layers)], "mlp_only_layers"
+    else:
+        return 1
+    if not any(pattern):
+        raise _refuse(field, cfg.get(field), f"leaves no MoE layer among the num_hidden_layers={num_layers}; convert "
+                      f"it as the dense model it is (set the expert fields aside) or keep at least one MoE layer")
+    return 1 if all(pattern) else pattern
 
 
 def hf_config_from_model(model: HFModel, torch_dtype: str = "float32") -> dict[str, Any]:
@@ -379,17 +527,18 @@ def hf_config_from_model(model: HFModel, torch_dtype: str = "float32") -> dict[s
         cfg["attention_bias"] = False
     if model.model_type == "deepseek_v3":
         cfg.update(_hf_deepseek_fields(m))
-    if model.model_type == "gpt_oss":  # its config's default RoPE is YaRN: spell plain RoPE out
-        del cfg["rope_theta"]
-        cfg.update(attention_bias=True, swiglu_limit=m.activation_func_clamp_value,
-                   rope_parameters={"rope_type": "default", "rope_theta": float(m.rotary_base)})
+    if model.model_type == "gpt_oss":
+        cfg.update(attention_bias=True, swiglu_limit=m.activation_func_clamp_value)
+    if m.position_embedding_type == "yarn" or model.model_type in ("gpt_oss", "deepseek_v3"):
+        del cfg["rope_theta"]  # spelled out in rope_parameters (gpt-oss's and DeepSeek's default RoPE is YaRN)
+        cfg["rope_parameters"] = _hf_rope_parameters(m)
     if model.model_type in MOE_TYPES and model.model_type != "deepseek_v3":
         cfg["num_local_experts"], cfg["num_experts_per_tok"] = m.num_moe_experts, m.moe_router_topk
         if model.model_type == "mixtral":
             cfg["router_jitter_noise"] = 0.0
         else:
             cfg.update(moe_intermediate_size=m.moe_ffn_hidden_size, norm_topk_prob=not m.moe_router_pre_softmax,
-                       decoder_sparse_step=1, mlp_only_layers=[])
+                       decoder_sparse_step=1, mlp_only_layers=[i for i in range(m.num_layers) if not _is_moe(m, i)])
     cfg.update(_hf_window_fields(model))
     return cfg
 
@@ -403,10 +552,41 @@ def _hf_deepseek_fields(m: ModelConfig) -> dict[str, Any]:
             "n_routed_experts": m.num_moe_experts, "num_experts_per_tok": m.moe_router_topk,
             "moe_intermediate_size": m.moe_ffn_hidden_size,
             "n_shared_experts": (m.moe_shared_expert_intermediate_size or 0) // m.moe_ffn_hidden_size,
-            "first_k_dense_replace": 0, "n_group": groups, "topk_group": m.moe_router_group_topk or 1,
+            "first_k_dense_replace": _first_dense_layers(m), "n_group": groups, "topk_group": m.moe_router_group_topk or 1,
             "norm_topk_prob": True, "routed_scaling_factor": m.moe_router_topk_scaling_factor,
-            "attention_bias": False, "num_nextn_predict_layers": 0,
-            "rope_parameters": {"rope_type": "default", "rope_theta": float(m.rotary_base)}}
+            "attention_bias": False, "num_nextn_predict_layers": 0}
+
+
+def _is_moe(m: ModelConfig, layer: int) -> bool:
+    """Whether ``layer`` is MoE under ``m.moe_layer_freq`` (as megatron-core's block spec reads it)."""
+    freq = m.moe_layer_freq
+    return bool(freq[layer]) if isinstance(freq, list) else layer % freq == 0
+
+
+def _first_dense_layers(m: ModelConfig) -> int:
+    """DeepSeek-V3's ``first_k_dense_replace`` of ``m``: its dense layers must be the first ones."""
+    first = next(i for i in range(m.num_layers) if _is_moe(m, i))
+    if not all(_is_moe(m, i) for i in range(first, m.num_layers)):
+        raise ValueError(f"moe_layer_freq={m.moe_layer_freq!r} has dense layers after MoE ones, which a DeepSeek-V3 "
+                         f"config.json cannot express (first_k_dense_replace: the first k layers dense)")
+    return first
+
+
+def _hf_rope_parameters(m: ModelConfig) -> dict[str, Any]:
+    """transformers' ``rope_parameters`` of ``m``'s plain or YaRN RoPE (``_yarn_from_hf`` read backwards)."""
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": float(m.rotary_base)}
+    if m.position_embedding_type == "yarn":
+        params.update(rope_type="yarn", factor=m.yarn_rotary_scaling_factor,
+                      original_max_position_embeddings=m.yarn_original_max_position_embeddings,
+                      beta_fast=m.yarn_beta_fast, beta_slow=m.yarn_beta_slow,
+                      truncate=m.yarn_correction_range_round_to_int)
+        if m.yarn_mscale_all_dim:
+            params.update(mscale=m.yarn_mscale, mscale_all_dim=m.yarn_mscale_all_dim)
+    elif m.multi_latent_attention and m.rope_type == "yarn":
+        params.update(rope_type="yarn", factor=m.rotary_scaling_factor,
+                      original_max_position_embeddings=m.original_max_position_embeddings,
+                      beta_fast=m.beta_fast, beta_slow=m.beta_slow, mscale=m.mscale, mscale_all_dim=m.mscale_all_dim)
+    return params
 
 
 def _hf_window_fields(model: HFModel) -> dict[str, Any]:

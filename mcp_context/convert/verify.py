@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import os
 import tempfile
+import types
 from typing import Any, Iterator, Optional, Union
 
 import torch
@@ -26,8 +27,8 @@ from mcp_context.convert.hf_io import HFCheckpointReader, MissingTensorError
 from mcp_context.convert.mapping import hf_names_at, slots, tensor_maps
 from mcp_context.convert.mcore_io import McoreCheckpointReader
 from mcp_context.convert.model_config import HFModel
-from mcp_context.recipes.schema import (ModelConfig, gpt_model_kwargs, layer_spec_kwargs, transformer_config_class,
-                                        transformer_config_kwargs)
+from mcp_context.recipes.schema import (ModelConfig, decoder_spec, gpt_model_kwargs, layer_spec_kwargs,
+                                        set_yarn_attributes, transformer_config_class, transformer_config_kwargs)
 
 
 DeviceLike = Union[str, torch.device]
@@ -90,9 +91,11 @@ def build_gpt_model(model: ModelConfig, layer_spec: Any = None, device: DeviceLi
     """A megatron-core ``GPTModel`` for ``model``: this rank's pipeline stage on the current parallel
     state, every parameter, buffer and RoPE frequency on ``device``.
 
-    ``layer_spec`` defaults to megatron-core's local spec with the layer structure the model needs (q/k
-    norms, local experts; ``layer_spec_kwargs``, as pretraining picks it), or ours (HCP attention) for a
-    model with attention sinks or MLA, which megatron-core's own local attention cannot build here;
+    ``layer_spec`` (a spec, or a function of the ``TransformerConfig`` giving one, e.g.
+    ``lambda config: decoder_spec(model, config)``) defaults to megatron-core's local spec with the layer
+    structure the model needs (q/k norms, local experts; ``layer_spec_kwargs``, as pretraining picks it), or
+    ours (HCP attention, ``decoder_spec``) for a model with attention sinks or MLA, which megatron-core's own
+    local attention cannot build here, or with dense layers among MoE ones (a block of per-layer specs);
     ``layout`` replaces
     ``ModelConfig`` fields (``tensor_model_parallel_size``, ``context_parallel_size``,
     ``cp_comm_type``, ``pipeline_model_parallel_size``, ...) or sets ``TransformerConfig`` fields the
@@ -107,23 +110,25 @@ def build_gpt_model(model: ModelConfig, layer_spec: Any = None, device: DeviceLi
 
     shape_fields = {f.name for f in dataclasses.fields(ModelConfig)}
     model = dataclasses.replace(model, **{k: v for k, v in layout.items() if k in shape_fields})
-    if layer_spec is None and (model.softmax_type != "vanilla" or model.multi_latent_attention):
+    device = torch.device(device)
+    config = transformer_config_class(model)(**transformer_config_kwargs(model),
+                                             use_cpu_initialization=device.type != "cuda",
+                                             perform_initialization=initialize,
+                                             **{k: v for k, v in layout.items() if k not in shape_fields})
+    set_yarn_attributes(config, model)
+    if isinstance(layer_spec, types.FunctionType):  # a function of the config, e.g. a block of per-layer specs
+        layer_spec = layer_spec(config)
+    if layer_spec is None and (model.softmax_type != "vanilla" or model.multi_latent_attention or
+                               (model.num_moe_experts is not None and model.moe_layer_freq != 1)):
         # megatron-core's own attention makes its softmax_offset on CUDA only and takes no MLA head dims
-        # (k_channels / v_channels): ours runs both on any device
-        from mcp_context.megatron.specs import get_gpt_layer_hcp_spec
-
-        layer_spec = get_gpt_layer_hcp_spec(**layer_spec_kwargs(model))
+        # (k_channels / v_channels): ours runs both on any device; dense layers among MoE ones: our block spec
+        layer_spec = decoder_spec(model, config)
     elif layer_spec is None:
         structure = layer_spec_kwargs(model)
         layer_spec = get_gpt_layer_local_spec(num_experts=structure["num_experts"],
                                               qk_layernorm=structure["qk_layernorm"],
                                               multi_latent_attention=structure["multi_latent_attention"],
                                               normalization=structure["normalization"])
-    device = torch.device(device)
-    config = transformer_config_class(model)(**transformer_config_kwargs(model),
-                                             use_cpu_initialization=device.type != "cuda",
-                                             perform_initialization=initialize,
-                                             **{k: v for k, v in layout.items() if k not in shape_fields})
     # megatron-core makes CUDA weights on the current device: make it the requested one for the build
     on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with on_device:
@@ -131,9 +136,11 @@ def build_gpt_model(model: ModelConfig, layer_spec: Any = None, device: DeviceLi
                        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
                        **gpt_model_kwargs(model, model.vocab_size))
     gpt.to(device)
-    for module in gpt.modules():  # RoPE's inv_freq is a plain attribute, which Module.to does not move
+    for module in gpt.modules():  # RoPE's frequencies are plain attributes, which Module.to does not move
         if isinstance(module, RotaryEmbedding):
-            module.inv_freq = module.inv_freq.to(device)
+            for name in ("inv_freq", "inv_freq_extra", "inv_freq_inter"):  # the last two: YaRN's
+                if hasattr(module, name):
+                    setattr(module, name, getattr(module, name).to(device))
     return gpt
 
 

@@ -30,10 +30,16 @@ class LayerSpecFacts:
     moe_grouped_gemm: bool = False
     multi_latent_attention: bool = False
     use_te: bool = False
+    moe_layer_freq: Any = 1
+    """The MoE layers of the block the spec builds (megatron-core's ``moe_layer_freq``, a list as a tuple): 1 for a
+    layer spec (every layer alike), the config's pattern for ``get_gpt_decoder_block_hcp_spec``'s layers."""
 
     def getter_call(self) -> str:
-        """The ``get_gpt_layer_hcp_spec(...)`` call that builds this structure."""
-        args = [f"{f.name}=True" for f in dataclasses.fields(self) if f.name not in ("name", "moe")
+        """The ``get_gpt_layer_hcp_spec(...)`` (or, for a per-layer block, ``get_gpt_decoder_block_hcp_spec``)
+        call that builds this structure."""
+        if self.moe_layer_freq != 1:
+            return "get_gpt_decoder_block_hcp_spec(config)"
+        args = [f"{f.name}=True" for f in dataclasses.fields(self) if f.name not in ("name", "moe", "moe_layer_freq")
                 and getattr(self, f.name)]
         if self.moe:
             args.insert(0, "num_experts=<num_moe_experts>")
@@ -93,9 +99,11 @@ def check_spec_fits(config: Any, facts: LayerSpecFacts) -> None:
                 f"builds {built_true if getattr(facts, field) else built_false}: the model would not be the one "
                 f"configured; use {serving_spec(wanted)}")
     freq = getattr(config, "moe_layer_freq", 1)
-    if facts.moe and freq != 1:
+    freq = tuple(freq) if isinstance(freq, list) else freq
+    if facts.moe and freq != facts.moe_layer_freq:
+        built = "the MoE MLP in every layer" if facts.moe_layer_freq == 1 else \
+            f"MoE layers as moe_layer_freq={list(facts.moe_layer_freq)!r}"
         raise HCPConfigError(
-            f"TransformerConfig.moe_layer_freq={freq!r}, but layer spec {facts.name or facts.getter_call()} puts "
-            f"the MoE MLP in every layer; set moe_layer_freq=1, or build the block with one layer spec per layer "
-            f"(megatron-core's TransformerBlockSubmodules(layer_specs=[...]) of get_gpt_layer_hcp_spec() and "
-            f"get_gpt_layer_hcp_spec(num_experts=...))")
+            f"TransformerConfig.moe_layer_freq={getattr(config, 'moe_layer_freq')!r}, but layer spec "
+            f"{facts.name or facts.getter_call()} puts {built}; for dense layers among MoE ones build the block "
+            f"with mcp_context.megatron.specs.get_gpt_decoder_block_hcp_spec(config) (one layer spec per layer)")

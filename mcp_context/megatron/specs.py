@@ -13,15 +13,18 @@ local spec per layer structure in ``spec_facts.SPEC_VARIANTS`` (``hcp_local_spec
 ``hcp_moe_local_spec``, ``hcp_qknorm_moe_local_spec``, ``hcp_mla_local_spec``, ``hcp_mla_moe_local_spec``),
 each refusing at model build a config it does not represent; ``hcp_te_spec`` / ``hcp_te_attention_spec`` built at import when
 Transformer Engine is importable, else an ``UnavailableSpec`` whose use raises a clear error.
+Dense layers among MoE ones need one spec per layer, built from the config: ``get_gpt_decoder_block_hcp_spec``
+(no module-level name: ``--spec`` objects exist before the config).
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from .core_attention import HCPDotProductAttention
 from .spec_facts import SPEC_VARIANTS, LayerSpecFacts
@@ -64,6 +67,27 @@ def get_gpt_layer_hcp_spec(num_experts: Optional[int] = None, moe_grouped_gemm: 
                            moe_grouped_gemm=num_experts is not None and moe_grouped_gemm,
                            multi_latent_attention=multi_latent_attention, use_te=use_te)
     return _with_core_attention(spec, dataclasses.replace(facts, name=facts.getter_call()))
+
+
+def get_gpt_decoder_block_hcp_spec(config: Any, use_te: bool = False, normalization: Optional[str] = None,
+                                   qk_l2_norm: bool = False, vp_stage: Optional[int] = None,
+                                   pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
+    """The decoder block of ``config`` with one layer spec per layer, our core attention in each: megatron-core's
+    ``get_gpt_decoder_block_spec`` (dense and MoE layers as ``config.moe_layer_freq`` says, e.g. DeepSeek-V3's
+    dense first layers, Qwen3-MoE's ``mlp_only_layers``; this pipeline stage's layers only), the same arguments.
+    ``GPTModel`` takes it where it takes a layer spec. Each layer checks the config against the block's structure."""
+    if use_te and _te_import_error() is not None:
+        raise RuntimeError("get_gpt_decoder_block_hcp_spec(use_te=True) needs Transformer Engine, which is not "
+                           "importable here; install mcp_context[te] on a CUDA machine, or use use_te=False")
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=normalization,
+                                       qk_l2_norm=qk_l2_norm, vp_stage=vp_stage, pp_rank=pp_rank)
+    freq = config.moe_layer_freq
+    facts = LayerSpecFacts(qk_layernorm=bool(config.qk_layernorm), qk_l2_norm=qk_l2_norm,
+                           moe=config.num_moe_experts is not None, moe_grouped_gemm=bool(config.moe_grouped_gemm),
+                           multi_latent_attention=bool(config.multi_latent_attention), use_te=use_te,
+                           moe_layer_freq=tuple(freq) if isinstance(freq, list) else freq)
+    facts = dataclasses.replace(facts, name=facts.getter_call())
+    return dataclasses.replace(block, layer_specs=[_with_core_attention(spec, facts) for spec in block.layer_specs])
 
 
 def _with_core_attention(spec: ModuleSpec, facts: LayerSpecFacts) -> ModuleSpec:

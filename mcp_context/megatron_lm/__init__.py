@@ -40,6 +40,8 @@ OUR_ENTRY_ONLY = {
     "data.tokenizer_vocab_size": "the size of the SentencePiece model the prepare step trains (--tokenizer-model)",
     "train.world_size": "the launcher's rank count (torchrun's nproc-per-node times nnodes, printed there)",
     "train.device": "Megatron-LM trains on CUDA only",
+    "checkpoint.pretrained": "Megatron-LM's --pretrained-checkpoint looks for its own latest_checkpointed_iteration.txt "
+                             "tracker, which a conversion does not write, and without it starts from random weights",
 }
 """Recipe fields with no ``pretrain_gpt.py`` flag, and why; printed in the command's comment block.
 Every other field is printed as the flag that means the same thing, or refused where no flag does
@@ -50,8 +52,6 @@ REFUSED_UNLESS_DEFAULT = {
                                               "original_max_position_embeddings (MLATransformerConfig's 4096 applies)",
     "model.beta_fast": "Megatron-LM 0.16.1 has no flag for MLA's YaRN beta_fast (MLATransformerConfig's 32 applies)",
     "model.beta_slow": "Megatron-LM 0.16.1 has no flag for MLA's YaRN beta_slow (MLATransformerConfig's 1 applies)",
-    "model.moe_layer_freq": "the HCP layer specs put the MoE MLP in every layer (megatron-core's --spec takes one "
-                            "layer spec); printed as --moe-layer-freq 1",
 }
 """Recipe fields Megatron-LM can only take at their default: another value is a ``RecipeError``
 (``tests/test_recipes_megatron_lm.py`` walks these too)."""
@@ -80,15 +80,32 @@ def _activation_flags(cfg: RecipeConfig) -> list[str]:
     return flags[key]
 
 
-def spec_name(cfg: RecipeConfig) -> str:
+PER_LAYER_NOTE = ("model.moe_layer_freq={freq}: dense layers among MoE ones need one layer spec per layer, and "
+                  "Megatron-LM's --spec imports one module-level object (not called with the config), so it cannot "
+                  "carry them; printed without --spec: Megatron-LM builds the block itself (get_gpt_decoder_block_spec "
+                  "with --moe-layer-freq), with Transformer Engine's attention running CP, not the HCP attention "
+                  "(our entry builds it with get_gpt_decoder_block_hcp_spec)")
+
+
+def spec_name(cfg: RecipeConfig) -> Optional[str]:
     """The module-level spec of ``mcp_context.megatron.specs`` that builds the recipe's layers
     (``--spec MODULE NAME`` takes an object, not a call): the local variant for its MoE / q/k norm /
-    MLA structure, ``hcp_te_spec`` for a dense plain-attention TE recipe. A structure no module-level
-    spec builds is a ``RecipeError``."""
+    MLA structure, ``hcp_te_spec`` for a dense plain-attention TE recipe; None (print no --spec) for
+    dense layers among MoE ones, which no object built before the config can hold (``PER_LAYER_NOTE``).
+    A structure no module-level spec builds is a ``RecipeError``."""
     from mcp_context.megatron.spec_facts import SPEC_VARIANTS, LayerSpecFacts
 
     m = cfg.model
-    layer_spec_kwargs(m)  # moe_layer_freq other than 1: no spec builds it
+    if m.num_moe_experts is not None and m.moe_layer_freq != 1:
+        if m.layer_spec == "local" and m.context_parallel_size > 1:
+            raise RecipeError(
+                f"model.moe_layer_freq={m.moe_layer_freq!r} with model.layer_spec='local' and "
+                f"model.context_parallel_size={m.context_parallel_size}: Megatron-LM's --spec cannot carry one layer "
+                f"spec per layer, and without it Megatron-LM's local attention refuses CP > 1; set model.layer_spec=te "
+                f"(Transformer Engine's attention then runs CP), or train it with our entry (python -m "
+                f"mcp_context.pretrain)")
+        return None
+    layer_spec_kwargs(m)
     wanted = LayerSpecFacts(qk_layernorm=m.qk_layernorm, moe=m.num_moe_experts is not None,
                             multi_latent_attention=m.multi_latent_attention)
     if m.layer_spec == "te":
@@ -143,6 +160,27 @@ def _attention_flags(cfg: RecipeConfig) -> list[str]:
     return args
 
 
+YARN_FLAGS_SINCE = "Megatron-LM after core_v0.16.1 (its --position-embedding-type has no yarn)"
+"""Where the non-MLA YaRN flags exist: Megatron-LM's ``_apply_yarn_config_from_args`` (main, 2026) maps them
+to the ``yarn_*`` config attributes; core_v0.16.1's parser refuses ``--position-embedding-type yarn``."""
+
+
+def _yarn_flags(m) -> list[str]:
+    """A non-MLA model's YaRN, as Megatron-LM's flags (the unprefixed three are the ones MLA's YaRN uses)."""
+    args = ["--rotary-scaling-factor", str(m.yarn_rotary_scaling_factor),
+            "--yarn-original-max-position-embeddings", str(m.yarn_original_max_position_embeddings),
+            "--yarn-beta-fast", str(m.yarn_beta_fast), "--yarn-beta-slow", str(m.yarn_beta_slow),
+            "--mscale", str(m.yarn_mscale), "--mscale-all-dim", str(m.yarn_mscale_all_dim)]
+    args.append("--yarn-correction-range-round-to-int" if m.yarn_correction_range_round_to_int
+                else "--no-yarn-correction-range-round-to-int")
+    return args
+
+
+def _layer_pattern(freq) -> str:
+    """A per-layer pattern flag's value: an int, or the list expression Megatron-LM evaluates (no spaces)."""
+    return str(freq) if isinstance(freq, int) else "[" + ",".join(str(v) for v in freq) + "]"
+
+
 def _mlp_flags(cfg: RecipeConfig) -> list[str]:
     """The GLU's offset and clamp and the MoE fields, as Megatron-LM's flags."""
     m, args = cfg.model, []
@@ -153,7 +191,8 @@ def _mlp_flags(cfg: RecipeConfig) -> list[str]:
     if m.num_moe_experts is None:
         return args
     args += ["--num-experts", str(m.num_moe_experts), "--moe-router-topk", str(m.moe_router_topk),
-             "--moe-layer-freq", str(m.moe_layer_freq), "--moe-router-score-function", m.moe_router_score_function,
+             "--moe-layer-freq", _layer_pattern(m.moe_layer_freq),
+             "--moe-router-score-function", m.moe_router_score_function,
              "--moe-router-load-balancing-type", m.moe_router_load_balancing_type,
              "--moe-aux-loss-coeff", str(m.moe_aux_loss_coeff)]
     optional = (("--moe-ffn-hidden-size", m.moe_ffn_hidden_size),
@@ -194,7 +233,7 @@ def to_megatron_args(cfg: RecipeConfig) -> list[str]:
     add("--seq-length", m.seq_length)
     add("--max-position-embeddings", m.max_position_embeddings or m.seq_length)
     add("--position-embedding-type", m.position_embedding_type)
-    if m.position_embedding_type == "rope":
+    if m.position_embedding_type in ("rope", "yarn"):
         if not float(m.rotary_base).is_integer():
             raise RecipeError(f"model.rotary_base={m.rotary_base} has no Megatron-LM spelling (--rotary-base takes "
                               f"an integer); use a whole number")
@@ -203,6 +242,8 @@ def to_megatron_args(cfg: RecipeConfig) -> list[str]:
         if m.rope_scaling:
             add("--use-rope-scaling")
             add("--rope-scaling-factor", m.rope_scaling_factor)
+        if m.position_embedding_type == "yarn":
+            args.extend(_yarn_flags(m))
     add("--normalization", m.normalization)
     add("--norm-epsilon", m.layernorm_epsilon)
     args.extend(_activation_flags(cfg))
@@ -216,8 +257,8 @@ def to_megatron_args(cfg: RecipeConfig) -> list[str]:
         add("--window-size", ",".join(str(w) for w in m.window_size))
     if isinstance(m.window_attn_skip_freq, int):
         add("--window-attn-skip-freq", m.window_attn_skip_freq)
-    elif m.window_attn_skip_freq is not None:  # Megatron-LM evaluates a list expression without spaces
-        add("--window-attn-skip-freq", "[" + ",".join(str(v) for v in m.window_attn_skip_freq) + "]")
+    elif m.window_attn_skip_freq is not None:
+        add("--window-attn-skip-freq", _layer_pattern(m.window_attn_skip_freq))
     if not m.share_embeddings_and_output_weights:
         add("--untie-embeddings-and-output-weights")
     add("--attention-dropout", m.attention_dropout)
@@ -237,7 +278,8 @@ def to_megatron_args(cfg: RecipeConfig) -> list[str]:
     if m.sequence_parallel:
         add("--sequence-parallel")
     add("--transformer-impl", _TRANSFORMER_IMPL[m.layer_spec])
-    add("--spec", SPEC_MODULE, spec)
+    if spec is not None:
+        add("--spec", SPEC_MODULE, spec)
     if m.layer_spec == "local":
         args.extend(LOCAL_IMPL_FLAGS)
     args.extend({"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16"]}[precision(m)])
@@ -319,6 +361,10 @@ def comment_notes(cfg: RecipeConfig) -> list[str]:
     if cfg.data.seed != cfg.train.seed:
         notes.append(f"data.seed={cfg.data.seed}: our entry only: Megatron-LM orders the data with --seed "
                      f"{cfg.train.seed}, so the printed run sees its samples in another order")
+    if m.num_moe_experts is not None and m.moe_layer_freq != 1:
+        notes.append(PER_LAYER_NOTE.format(freq=_layer_pattern(m.moe_layer_freq)))
+    if m.position_embedding_type == "yarn":
+        notes.append(f"model.position_embedding_type=yarn: the --yarn-* flags need {YARN_FLAGS_SINCE}")
     notes += [f"{key}: our entry only: {why}" for key, why in OUR_ENTRY_ONLY.items()]
     return notes
 

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from mcp_context.recipes import RecipeConfig, RecipeError
-from mcp_context.recipes.schema import (gpt_model_kwargs, layer_spec_kwargs, transformer_config_class,
-                                         transformer_config_kwargs)
+from mcp_context.recipes.schema import (decoder_spec, gpt_model_kwargs, set_yarn_attributes,
+                                         transformer_config_class, transformer_config_kwargs)
 
 
 def train_device(cfg: RecipeConfig) -> torch.device:
@@ -92,17 +92,18 @@ def init_model_parallel(cfg: RecipeConfig) -> None:
 
 def transformer_config(cfg: RecipeConfig, device: torch.device):
     """``TransformerConfig`` of the recipe (``MLATransformerConfig`` with ``model.multi_latent_attention``),
-    with per-token loss and, on the CPU, CPU settings."""
+    with per-token loss, the ``yarn_*`` attributes of a YaRN model and, on the CPU, CPU settings."""
     runtime = dict(calculate_per_token_loss=True)
     if device.type == "cpu":
         runtime.update(use_cpu_initialization=True, masked_softmax_fusion=False, bias_activation_fusion=False,
                        apply_rope_fusion=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False)
-    return transformer_config_class(cfg.model)(**transformer_config_kwargs(cfg.model), **runtime)
+    config = transformer_config_class(cfg.model)(**transformer_config_kwargs(cfg.model), **runtime)
+    return set_yarn_attributes(config, cfg.model)
 
 
 def build_model(cfg: RecipeConfig, tokenizer_vocab_size: int, device: torch.device):
-    """The recipe's ``GPTModel`` with the HCP layer spec of its structure (MoE, q/k norms, MLA:
-    ``layer_spec_kwargs``), wrapped in megatron-core DDP.
+    """The recipe's ``GPTModel`` with the HCP spec of its structure (MoE, q/k norms, MLA, dense layers among
+    MoE ones: ``decoder_spec``), wrapped in megatron-core DDP.
 
     Initialisation depends only on ``train.seed`` and TP (weights are made whole, then split over TP),
     so runs at any CP size start from the same weights.
@@ -111,10 +112,8 @@ def build_model(cfg: RecipeConfig, tokenizer_vocab_size: int, device: torch.devi
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
 
-    from mcp_context.megatron.specs import get_gpt_layer_hcp_spec
-
-    spec = get_gpt_layer_hcp_spec(**layer_spec_kwargs(cfg.model))
     config = transformer_config(cfg, device)
+    spec = decoder_spec(cfg.model, config)
     model = GPTModel(config, spec, **gpt_model_kwargs(cfg.model, cfg.padded_vocab_size(tokenizer_vocab_size)))
     if device.type == "cuda":
         model.cuda(device)

@@ -108,8 +108,9 @@ def latest_checkpoint(save_dir: os.PathLike | str) -> Optional[Path]:
     return path
 
 
-def checkpoint_problem(path: os.PathLike | str) -> Optional[str]:
+def checkpoint_problem(path: os.PathLike | str, training: bool = True) -> Optional[str]:
     """What is wrong with checkpoint directory ``path``, naming the file; None when it looks intact.
+    ``training=False``: any megatron-core ``torch_dist`` checkpoint (a conversion has no ``recipe.yaml``).
 
     Reads metadata only: ``metadata.json``, ``recipe.yaml``, ``common.pt`` (weights only), ``.metadata``
     (allow-list unpickler) and the size of every ``.distcp`` file ``.metadata`` refers to. So it
@@ -125,7 +126,7 @@ def checkpoint_problem(path: os.PathLike | str) -> Optional[str]:
         return f"{config} is missing or damaged ({type(err).__name__}: {err})"
     if backend != "torch_dist":
         return f"{config} says sharded_backend={backend!r}; mcp_context.pretrain writes and reads 'torch_dist'"
-    if not (path / RESOLVED_RECIPE_FILENAME).is_file():
+    if training and not (path / RESOLVED_RECIPE_FILENAME).is_file():
         return f"{path / RESOLVED_RECIPE_FILENAME} is missing"
     common = path / "common.pt"
     try:
@@ -336,6 +337,20 @@ def save_checkpoint(save_dir: os.PathLike | str, step: int, model, optimizer, sc
         write_atomic(save_dir / LATEST_FILENAME, final.name.encode("utf-8"))
     dist.barrier()
     return final
+
+
+def load_pretrained_weights(path: os.PathLike | str, model) -> None:
+    """Load only the model weights of the megatron-core checkpoint ``path`` (a conversion, or a training
+    checkpoint of the same model: its optimizer, step and RNG are not read) into the built DDP-wrapped GPT,
+    every parameter of it (strict), at this run's layout. Call it before the optimizer is built, which copies
+    the weights it keeps."""
+    from megatron.core import dist_checkpointing
+
+    sharded_strategy, common_strategy = safe_pickle.mcore_load_strategies()
+    sharded = model.module.sharded_state_dict()
+    loaded = dist_checkpointing.load(sharded, str(path), sharded_strategy=sharded_strategy,
+                                     common_strategy=common_strategy)
+    model.module.load_state_dict({key: loaded[key] for key in sharded})
 
 
 def load_checkpoint(path: os.PathLike | str, model, optimizer, scheduler, cfg: RecipeConfig) -> int:

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Optional
 
 from mcp_context.recipes import RecipeConfig, RecipeError, validate_recipe
-from mcp_context.recipes.schema import layer_spec_kwargs
 
 CHECKPOINTS_SUBDIR = "checkpoints"
 METRICS_FILENAME = "metrics.jsonl"
@@ -42,7 +41,7 @@ def check_recipe_for_training(cfg: RecipeConfig, world_size: int) -> None:
     """Raise ``RecipeError`` naming the key for a recipe this launch cannot train.
 
     Checks that the recipe's ``train.world_size`` equals the launch, runs ``validate_recipe`` at the
-    launched world size, then checks what the loop needs: a layer structure the HCP specs build, one pipeline stage, a
+    launched world size, then checks what the loop needs: one pipeline stage, a
     ``checkpoint.load`` that holds a checkpoint, and, on the CPU (``train.device``), fp32 parameters and the plain (not distributed) optimizer.
     """
     t, m, o = cfg.train, cfg.model, cfg.optimizer
@@ -53,7 +52,6 @@ def check_recipe_for_training(cfg: RecipeConfig, world_size: int) -> None:
             f"train.world_size={world_size} (and a layout that fits it)"
         )
     validate_recipe(cfg, world_size=world_size)  # every recipe check, the intervals' ranges included
-    layer_spec_kwargs(m)  # a layer structure our specs build (MoE in every layer or none)
     if m.pipeline_model_parallel_size != 1:
         raise RecipeError(
             f"model.pipeline_model_parallel_size={m.pipeline_model_parallel_size}: mcp_context.pretrain runs "
@@ -73,6 +71,14 @@ def check_recipe_for_training(cfg: RecipeConfig, world_size: int) -> None:
                 f"checkpoint.load={cfg.checkpoint.load!r} holds no '{LATEST_FILENAME}' file naming a checkpoint; "
                 f"give the checkpoints directory of a run (RUN_DIR/checkpoints), or null to start afresh"
             )
+    if cfg.checkpoint.pretrained is not None:
+        from mcp_context.pretrain.checkpoint import checkpoint_problem
+
+        problem = checkpoint_problem(cfg.checkpoint.pretrained, training=False)
+        if problem is not None:
+            raise RecipeError(f"checkpoint.pretrained={cfg.checkpoint.pretrained!r}: {problem}; give a megatron-core "
+                              f"checkpoint directory of this model (e.g. python -m mcp_context.convert hf-to-mcore's "
+                              f"--mcore), or null")
     if m.params_dtype == "float16":
         raise RecipeError(
             "model.params_dtype='float16' (fp16 mixed precision, Megatron-LM's --fp16): mcp_context.pretrain has no "

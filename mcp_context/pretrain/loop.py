@@ -25,8 +25,8 @@ import torch.distributed as dist
 from mcp_context.cp_rules import document_multiple
 from mcp_context.pretrain import build
 from mcp_context.pretrain.batches import MicroBatchSampler, step_batches
-from mcp_context.pretrain.checkpoint import (checkpoint_to_resume, load_checkpoint, remove_interrupted_saves,
-                                             remove_run_history, save_checkpoint)
+from mcp_context.pretrain.checkpoint import (checkpoint_to_resume, load_checkpoint, load_pretrained_weights,
+                                             remove_interrupted_saves, remove_run_history, save_checkpoint)
 from mcp_context.pretrain.launch import METRICS_FILENAME
 from mcp_context.pretrain.metrics import MetricsLog, read_metrics_lines
 from mcp_context.pretrain.packing import POSITIONS, DocumentPacking, packed_seq_params
@@ -200,6 +200,8 @@ def train(cfg: RecipeConfig, run_dir: Path, progress: bool = False, resume_from:
     try:
         tokenizer, train_ds, valid_ds = _prepare_data(cfg)
         model = build.build_model(cfg, tokenizer.vocab_size, device)
+        if checkpoint is None and cfg.checkpoint.pretrained is not None:  # before the optimizer copies weights
+            load_pretrained_weights(cfg.checkpoint.pretrained, model)
         optimizer, scheduler = build.build_optimizer(cfg, model)
         rank0 = dist.get_rank() == 0
         notes = []
@@ -221,6 +223,8 @@ def train(cfg: RecipeConfig, run_dir: Path, progress: bool = False, resume_from:
             metrics.note(note)
         if checkpoint is not None:
             metrics.note(f"resumed from {checkpoint} at step {first_step}")
+        elif cfg.checkpoint.pretrained is not None:
+            metrics.note(f"started from the weights of {cfg.checkpoint.pretrained}")
 
         t, c = cfg.train, cfg.checkpoint
         tokens_per_step = t.global_batch_size * cfg.model.seq_length

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from mcp_context.cp_rules import heads_per_tp_rank
-from mcp_context.recipes.schema import (MLA_FIELDS, MOE_FIELDS, DataConfig, ModelConfig, RecipeConfig, RecipeError,
+from mcp_context.recipes.schema import (MLA_FIELDS, MOE_FIELDS, YARN_FIELDS, DataConfig, ModelConfig, RecipeConfig, RecipeError,
                                          check_vocab_size, precision)
 
 
@@ -108,14 +108,20 @@ def _unused_fields(m: ModelConfig, names: tuple, switch: str) -> None:
                               f"remove model.{name}")
 
 
-_YARN_FIELDS = ("rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+_MLA_YARN_FIELDS = ("rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
                 "mscale_all_dim")
 
 
 def _validate_attention_variant(m: ModelConfig) -> None:
     """MLA as megatron-core's ``MLATransformerConfig`` and Megatron-LM build it: no grouped-query
     attention, no kv_channels, RoPE inside the attention (so no Llama-3.1 scaling), YaRN fields only
-    with rope_type yarn."""
+    with rope_type yarn. Without MLA, the ``yarn_*`` fields only with position_embedding_type yarn, which
+    replaces Llama-3.1 scaling."""
+    if m.position_embedding_type != "yarn":
+        _unused_fields(m, YARN_FIELDS, "model.position_embedding_type=yarn")
+    elif m.rope_scaling:
+        raise RecipeError("model.rope_scaling=true with model.position_embedding_type='yarn': YaRN is the RoPE "
+                          "scaling; set model.rope_scaling=false")
     if not m.multi_latent_attention:
         _unused_fields(m, MLA_FIELDS, "model.multi_latent_attention=true")
         return
@@ -136,7 +142,7 @@ def _validate_attention_variant(m: ModelConfig) -> None:
         raise RecipeError(f"model.qk_pos_emb_head_dim={m.qk_pos_emb_head_dim} must be even: RoPE rotates pairs of "
                           f"dimensions")
     if m.rope_type == "rope":
-        _unused_fields(m, _YARN_FIELDS, "model.rope_type=yarn")
+        _unused_fields(m, _MLA_YARN_FIELDS, "model.rope_type=yarn")
 
 
 def _validate_mlp_variant(m: ModelConfig) -> None:
@@ -342,6 +348,12 @@ RANGES: dict[str, Range] = {
     "model.layernorm_epsilon": Range(0, 1, lo_open=True, hi_open=True),
     "model.glu_linear_offset": Range(why="any finite offset"),
     "model.activation_func_clamp_value": _POSITIVE_REAL,
+    "model.yarn_rotary_scaling_factor": _POSITIVE_REAL,
+    "model.yarn_original_max_position_embeddings": _POSITIVE,
+    "model.yarn_beta_fast": _POSITIVE_REAL,
+    "model.yarn_beta_slow": _POSITIVE_REAL,
+    "model.yarn_mscale": _POSITIVE_REAL,
+    "model.yarn_mscale_all_dim": Range(0),
     "model.q_lora_rank": _POSITIVE,
     "model.kv_lora_rank": _POSITIVE,
     "model.qk_head_dim": _POSITIVE,
@@ -412,7 +424,7 @@ def _validate_ranges(cfg: RecipeConfig) -> None:
 def _validate_paths(cfg: RecipeConfig) -> None:
     """Directories the run writes or reads must not be files (the only file-system access here:
     a stat of each path and its parents)."""
-    for key in ("checkpoint.save", "checkpoint.load", "logging.tensorboard_dir"):
+    for key in ("checkpoint.save", "checkpoint.load", "checkpoint.pretrained", "logging.tensorboard_dir"):
         section, field_name = key.split(".")
         value = getattr(getattr(cfg, section), field_name)
         if value is None:

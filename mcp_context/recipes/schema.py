@@ -52,8 +52,9 @@ class ModelConfig:
     """Vocabulary size; None means the tokenizer's, padded to make_vocab_size_divisible_by * TP."""
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary to a multiple of this times tensor_model_parallel_size."""
-    position_embedding_type: Literal["rope", "learned_absolute", "none"] = "rope"
-    """Position encoding (GPTModel argument)."""
+    position_embedding_type: Literal["rope", "yarn", "learned_absolute", "none"] = "rope"
+    """Position encoding (GPTModel argument); yarn: YaRN-scaled RoPE (gpt-oss, long-context Qwen3) with
+    the ``yarn_*`` fields. An MLA model keeps rope: its attention applies RoPE itself (``rope_type``)."""
     rotary_base: Union[int, float] = 10000
     """RoPE base (500000 for Llama-3); a float where a converted model's ``rope_theta`` is one."""
     rotary_percent: float = 1.0
@@ -62,6 +63,22 @@ class ModelConfig:
     """Llama-3.1 style RoPE frequency scaling for long context."""
     rope_scaling_factor: float = 8.0
     """Scale factor of rope_scaling."""
+    yarn_rotary_scaling_factor: float = 1.0
+    """YaRN (position_embedding_type yarn): context extension factor (gpt-oss: 32). The ``yarn_*`` fields
+    are the attributes megatron-core's ``GPTModel`` and attention read off the config (Megatron-LM sets
+    them from --rotary-scaling-factor, --yarn-*, --mscale, --mscale-all-dim); defaults are Megatron-LM's."""
+    yarn_original_max_position_embeddings: int = 4096
+    """YaRN: the pre-extension context length."""
+    yarn_beta_fast: float = 32.0
+    """YaRN: fast correction bound (rotations)."""
+    yarn_beta_slow: float = 1.0
+    """YaRN: slow correction bound (rotations)."""
+    yarn_mscale: float = 1.0
+    """YaRN: attention-temperature scale; cos/sin are scaled by mscale(yarn_mscale) / mscale(yarn_mscale_all_dim)."""
+    yarn_mscale_all_dim: float = 0.0
+    """YaRN: attention-temperature scale over all dims (0: none, the factor's 0.1 ln s + 1 alone)."""
+    yarn_correction_range_round_to_int: bool = True
+    """YaRN: round the correction range to whole dims (transformers' ``truncate``; gpt-oss: false)."""
     share_embeddings_and_output_weights: bool = False
     """Tie input embedding and output layer (Llama-3: untied)."""
     normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
@@ -215,6 +232,10 @@ MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim
               "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
               "mscale_all_dim")
 """``MLATransformerConfig`` fields: passed to megatron-core only with ``multi_latent_attention``."""
+YARN_FIELDS = ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
+               "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "yarn_correction_range_round_to_int")
+"""YaRN of a non-MLA model: no ``TransformerConfig`` fields but attributes megatron-core reads off the config
+(``set_yarn_attributes``), meaningful only with ``position_embedding_type`` yarn."""
 MOE_FIELDS = ("moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq", "moe_shared_expert_intermediate_size",
               "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
               "moe_router_enable_expert_bias", "moe_router_num_groups", "moe_router_group_topk",
@@ -322,6 +343,10 @@ class CheckpointConfig:
     """Directory to save checkpoints in; None disables saving."""
     load: Optional[str] = None
     """Directory to resume from; None starts from scratch."""
+    pretrained: Optional[str] = None
+    """A megatron-core checkpoint of this model (e.g. ``python -m mcp_context.convert hf-to-mcore``'s output)
+    whose weights a run with nothing to resume starts from, at step 0 with a fresh optimizer (Megatron-LM's
+    --pretrained-checkpoint with --finetune); None: random initialisation."""
     save_interval: int = 25
     """Steps between checkpoints."""
 
@@ -422,7 +447,7 @@ def transformer_config_kwargs(model: ModelConfig) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
-    skip = _GPT_MODEL_FIELDS if model.multi_latent_attention else _GPT_MODEL_FIELDS | set(MLA_FIELDS)
+    skip = _GPT_MODEL_FIELDS | set(YARN_FIELDS) | (set() if model.multi_latent_attention else set(MLA_FIELDS))
     kwargs = {
         f.name: getattr(model, f.name)
         for f in dataclasses.fields(ModelConfig)
@@ -457,18 +482,41 @@ def transformer_config_kwargs(model: ModelConfig) -> dict[str, Any]:
     return kwargs
 
 
+def set_yarn_attributes(config: Any, model: ModelConfig) -> Any:
+    """``config`` (a ``TransformerConfig`` built from ``transformer_config_kwargs(model)``) with the ``yarn_*``
+    attributes megatron-core's ``GPTModel(position_embedding_type='yarn')`` and attention read (no dataclass
+    fields: Megatron-LM's argument parsing sets them the same way); unchanged without YaRN."""
+    if model.position_embedding_type == "yarn":
+        for name in YARN_FIELDS:
+            setattr(config, name, getattr(model, name))
+    return config
+
+
 def layer_spec_kwargs(model: ModelConfig) -> dict[str, Any]:
     """Keyword arguments for ``mcp_context.megatron.specs.get_gpt_layer_hcp_spec``: the layer structure
-    the model needs (MoE MLP, q/k norms, MLA), its norm and its linear layers. Our specs put one
+    the model needs (MoE MLP, q/k norms, MLA), its norm and its linear layers. A layer spec puts one
     structure in every layer, so ``moe_layer_freq`` other than 1 (dense layers among MoE ones) is a
-    ``RecipeError``."""
+    ``RecipeError``: that model takes the block spec (``decoder_spec``)."""
     if model.num_moe_experts is not None and model.moe_layer_freq != 1:
         raise RecipeError(
-            f"model.moe_layer_freq={model.moe_layer_freq!r}: the HCP layer specs (mcp_context.megatron.specs) put "
-            f"the MoE MLP in every layer, so dense layers among MoE ones cannot be built; set model.moe_layer_freq=1")
+            f"model.moe_layer_freq={model.moe_layer_freq!r}: a layer spec (get_gpt_layer_hcp_spec) puts the MoE "
+            f"MLP in every layer; dense layers among MoE ones take one spec per layer, "
+            f"get_gpt_decoder_block_hcp_spec(config) (mcp_context.recipes.schema.decoder_spec)")
     return dict(num_experts=model.num_moe_experts, qk_layernorm=model.qk_layernorm,
                 multi_latent_attention=model.multi_latent_attention, normalization=model.normalization,
                 use_te=model.layer_spec == "te")
+
+
+def decoder_spec(model: ModelConfig, config: Any) -> Any:
+    """The HCP spec ``GPTModel`` takes for ``model`` (``config``: its ``TransformerConfig``): one layer spec,
+    ``get_gpt_layer_hcp_spec(**layer_spec_kwargs(model))``, or, with dense layers among MoE ones
+    (``moe_layer_freq`` other than 1), the block of per-layer specs ``get_gpt_decoder_block_hcp_spec(config)``."""
+    from mcp_context.megatron.specs import get_gpt_decoder_block_hcp_spec, get_gpt_layer_hcp_spec
+
+    if model.num_moe_experts is not None and model.moe_layer_freq != 1:
+        return get_gpt_decoder_block_hcp_spec(config, use_te=model.layer_spec == "te",
+                                              normalization=model.normalization)
+    return get_gpt_layer_hcp_spec(**layer_spec_kwargs(model))
 
 
 def transformer_config_class(model: ModelConfig) -> type:
