@@ -10,8 +10,9 @@ neither torch nor the engine, and answer in well under 2 s.
 """
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .lazy import lazy_exports
 
 _HOME = {"context_parallel_attention": ".api", "engine_for": ".api", "HCPGroups": ".comm",
          "build_hcp_groups": ".comm", "LAYOUTS": ".cp_rules", "normalize_comm": ".cp_rules",
@@ -22,17 +23,7 @@ _HOME = {"context_parallel_attention": ".api", "engine_for": ".api", "HCPGroups"
 __all__ = list(_HOME)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_HOME[name], __name__), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
-
+__getattr__, __dir__ = lazy_exports(__name__, _HOME, globals())
 
 if TYPE_CHECKING:
     from .api import context_parallel_attention, engine_for

@@ -5,8 +5,9 @@ imports without megatron-core, which takes seconds to import.
 """
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ..lazy import lazy_exports
 
 _HOME = {"masked_token_mean": ".batch", "slice_batch_for_cp": ".batch", "HCPConfigError": ".config",
          "normalize_cp_comm_type": ".config", "validate_cp_config": ".config",
@@ -15,17 +16,7 @@ _HOME = {"masked_token_mean": ".batch", "slice_batch_for_cp": ".batch", "HCPConf
 __all__ = list(_HOME)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_HOME[name], __name__), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
-
+__getattr__, __dir__ = lazy_exports(__name__, _HOME, globals())
 
 if TYPE_CHECKING:
     from .batch import masked_token_mean, slice_batch_for_cp
