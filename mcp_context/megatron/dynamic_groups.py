@@ -1,0 +1,98 @@
+"""The groups one sub-sample's attention runs over under dynamic context parallelism.
+
+megatron-core's ``hybrid_context_parallel`` gives each sub-sample its own CP size: its schedule hands the
+core attention ``PackedSeqParams(local_cp_size=n, cp_group=...)``, a group of ``n`` adjacent data x context
+parallel ranks (``parallel_state.create_hybrid_dp_cp_groups``: every power of two, made once at start-up).
+``SubSampleGroups`` turns that into the ``HCPGroups`` and comm scheme our engine runs (the rule is
+``cp_rules.dynamic_cp_levels``), checks the group against the sub-sample (size, membership, the
+sequence it holds) and keeps the result per group, so each group resolves once and its engines are
+reused. It creates no process group: the level-0 (all-to-all) group of a sub-group is one of the groups
+made at start-up, found by ``group_of_size``, so nothing here is collective.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from ..comm import HCPGroups
+from ..comm.groups import level_members
+from ..cp_rules import dynamic_cp_levels
+
+
+def megatron_group_of_size(size: int) -> ProcessGroup:
+    """megatron-core's hybrid DP x CP group of ``size`` adjacent ranks that holds this rank."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_hybrid_data_context_parallel_groups(group_size=size)
+
+
+class SubSampleGroups:
+    """Resolves ``PackedSeqParams(local_cp_size, cp_group)`` to ``(HCPGroups, comm)``, once per group.
+
+    ``world_group``: the data x context parallel group the sub-samples are spread over; ``level0``: the
+    ranks of one all-to-all domain (``hierarchical_context_parallel_sizes[0]``; the whole world when
+    None); ``comm``: the configured ``cp_comm_type``; ``single``: this rank alone (a sub-sample of one rank);
+    ``group_of_size``: the start-up group of that many adjacent ranks holding this rank."""
+
+    def __init__(self, world_group: ProcessGroup, level0: Optional[int], comm: str, single: HCPGroups,
+                 group_of_size: Callable[[int], ProcessGroup] = megatron_group_of_size):
+        self.world_ranks = dist.get_process_group_ranks(world_group)
+        self.level0 = level0 if level0 is not None else len(self.world_ranks)
+        self.comm, self.single, self.group_of_size = comm, single, group_of_size
+        self._resolved: dict[ProcessGroup, tuple[HCPGroups, str]] = {}
+
+    def resolve(self, params: Any, s_local: int) -> tuple[HCPGroups, str]:
+        """The groups and comm scheme of the sub-sample ``params`` describes, whose shard on this rank has
+        ``s_local`` tokens; a ValueError naming the value and the fix for a group that cannot run it."""
+        n, group = params.local_cp_size, params.cp_group
+        if group is None:
+            if n not in (None, 1):
+                raise ValueError(f"packed_seq_params.local_cp_size={n} without a cp_group: pass the group of those "
+                                 f"{n} ranks (parallel_state.get_hybrid_data_context_parallel_groups(group_size={n})), "
+                                 f"or local_cp_size=1 for a sub-sample on one rank")
+            resolved = (self.single, "p2p")
+        else:
+            size = dist.get_world_size(group)
+            if n is not None and size != n:
+                raise ValueError(f"packed_seq_params.cp_group has {size} ranks but local_cp_size={n}; pass the group "
+                                 f"of local_cp_size ranks (parallel_state.get_hybrid_data_context_parallel_groups("
+                                 f"group_size={n})) or set local_cp_size={size}")
+            resolved = self._resolved.get(group) or self._resolve_group(group)
+        sizes = resolved[0].sizes
+        total = getattr(params, "max_seqlen_q", None)
+        if total is not None and total != s_local * resolved[0].cp_size:
+            raise ValueError(f"packed_seq_params.max_seqlen_q={total}, but this rank holds {s_local} tokens of a "
+                             f"sub-sample shared by {resolved[0].cp_size} ranks ({s_local * resolved[0].cp_size} in "
+                             f"all, hierarchy {list(sizes)}); shard the sub-sample over its cp_group "
+                             f"(megatron.core.utils.get_batch_on_this_hybrid_cp_rank)")
+        return resolved
+
+    def _resolve_group(self, group: ProcessGroup) -> tuple[HCPGroups, str]:
+        ranks = dist.get_process_group_ranks(group)
+        outside = sorted(set(ranks) - set(self.world_ranks))
+        if outside:
+            raise ValueError(f"packed_seq_params.cp_group holds ranks {outside} outside the data x context parallel "
+                             f"group {self.world_ranks}; pass a group of its ranks")
+        sizes, comm = dynamic_cp_levels(len(ranks), len(self.world_ranks), self.level0, self.comm)
+        inner = group if len(sizes) == 1 else self._level0_group(sizes, ranks, dist.get_rank(group))
+        self._resolved[group] = resolved = (HCPGroups(group, inner, sizes), comm)
+        return resolved
+
+    def _level0_group(self, sizes: tuple[int, ...], ranks: list[int], cp_rank: int) -> ProcessGroup:
+        """This rank's all-to-all domain inside the sub-group: the start-up group of ``sizes[0]`` adjacent
+        ranks, checked to be the one the hierarchy means."""
+        want = [ranks[i] for i in level_members(sizes, 0, cp_rank)]
+        try:
+            inner = self.group_of_size(sizes[0])
+            have = dist.get_process_group_ranks(inner)
+        except (KeyError, AssertionError, ValueError, RuntimeError) as err:
+            raise ValueError(f"no group of {sizes[0]} adjacent ranks for the all-to-all of a sub-group {ranks} "
+                             f"({type(err).__name__}: {err}); initialise parallel_state with "
+                             f"hybrid_context_parallel=True, which makes one per power of two") from None
+        if have != want:
+            raise ValueError(f"the all-to-all domain of rank {ranks[cp_rank]} in the sub-group {ranks} is ranks {want}, "
+                             f"but the group of {sizes[0]} adjacent ranks holds {have}; sub-groups must be aligned "
+                             f"runs of adjacent data x context parallel ranks (as megatron-core's hybrid groups are)")
+        return inner
