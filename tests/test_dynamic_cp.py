@@ -153,3 +153,152 @@ def test_megatron_hybrid_cp_schedule_matches_cp1_losses_and_gradients():
     """megatron-core's full hybrid-CP schedule on 8 ranks with our attention = CP=1, per token and per gradient."""
     errors = run_distributed(8, _hybrid_parity, [("p2p", None), ("a2a+p2p", [2, 4])])[0]
     assert not errors, "\n".join(errors)
+
+
+# ---- the rules, without processes ----
+
+def test_a_sub_group_runs_the_hierarchy_cut_from_level0():
+    from mcp_context.cp_rules import dynamic_cp_levels
+
+    assert dynamic_cp_levels(1, 8, 2, "a2a+p2p") == ((1,), "p2p")
+    assert dynamic_cp_levels(2, 8, 2, "a2a+p2p") == ((2,), "a2a")  # inside one all-to-all domain
+    assert dynamic_cp_levels(4, 8, 2, "a2a+p2p") == ((2, 2), "a2a+p2p")
+    assert dynamic_cp_levels(8, 8, 2, "a2a+p2p") == ((2, 4), "a2a+p2p")
+    assert dynamic_cp_levels(8, 8, 4, "a2a+all_gather") == ((4, 2), "a2a+all_gather")
+    assert dynamic_cp_levels(4, 8, 2, "allgather") == ((4,), "all_gather")
+    assert dynamic_cp_levels(4, 8, 8, "p2p") == ((4,), "p2p")
+    with pytest.raises(ValueError, match=r"local_cp_size=3 does not divide the 8 data x context parallel ranks; "
+                                         r"a sub-sample's group must be one of \[1, 2, 4, 8\]"):
+        dynamic_cp_levels(3, 8, 2, "p2p")
+    with pytest.raises(ValueError, match=r"local_cp_size=6 ranks cannot be cut into all-to-all domains of "
+                                         r"hierarchical_context_parallel_sizes\[0\]=4"):
+        dynamic_cp_levels(6, 12, 4, "a2a+p2p")
+
+
+def test_cp_size_needed_is_megatron_cores_gpus_needed():
+    from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
+
+    from mcp_context.cp_rules import cp_size_needed
+
+    scheduler = object.__new__(BalancedCPScheduler)  # gpus_needed reads only the budget
+    scheduler.max_seq_len_per_rank = BUDGET
+    for length in (1, 63, 64, 65, 128, 129, 512, 513, 4096):
+        assert cp_size_needed(length, BUDGET) == scheduler.gpus_needed(length), length
+
+
+def test_a_sub_sample_longer_than_the_budget_times_the_world_names_the_fix():
+    from mcp_context.cp_rules import check_sub_sample_fits
+
+    check_sub_sample_fits(512, 64, 8)
+    with pytest.raises(ValueError, match=r"sub-sample of 600 tokens needs 16 ranks at max_seqlen_per_dp_cp_rank=64, "
+                                         r"but the data x context parallel group has 8; raise "
+                                         r"max_seqlen_per_dp_cp_rank to at least 75"):
+        check_sub_sample_fits(600, 64, 8)
+    with pytest.raises(ValueError, match=r"max_seqlen_per_dp_cp_rank=None must be a positive integer"):
+        check_sub_sample_fits(600, None, 8)
+
+
+def test_a_schedule_whose_ranks_meet_in_crossed_order_is_a_named_deadlock():
+    from mcp_context.megatron.dynamic_schedule import check_runs_in_order
+
+    check_runs_in_order([[[0, 2], [0, 3], [1], [1]], [[4], [4], [4], [4]]])  # group 0, then all four
+    with pytest.raises(ValueError, match=r"deadlocks: rank 0 waits in group 0 for sub-sample 0 with ranks \[0, 1\]; "
+                                         r"rank 1 waits in group 0 for sub-sample 1 with ranks \[0, 1\]"):
+        check_runs_in_order([[[0, 1], [1, 0]]])
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(context_parallel_size=2), r"hybrid_context_parallel=True with context_parallel_size=2: .* set "
+                                    r"context_parallel_size=1"),
+    (dict(max_seqlen_per_dp_cp_rank=None), r"needs max_seqlen_per_dp_cp_rank, .* \(got None\)"),
+    (dict(calculate_per_token_loss=False), r"needs calculate_per_token_loss=True"),
+    (dict(cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=None),
+     r"cp_comm_type='a2a\+p2p' needs hierarchical_context_parallel_sizes with at least 2 levels"),
+])
+def test_hybrid_config_refusals_name_the_field(fields, message):
+    from mcp_context.megatron import HCPConfigError
+    from mcp_context.megatron.config import validate_cp_config
+    from tests.tiny_gpt import tiny_config
+
+    base = dict(hybrid_context_parallel=True, max_seqlen_per_dp_cp_rank=BUDGET, calculate_per_token_loss=True)
+    with pytest.raises(HCPConfigError, match=message):
+        validate_cp_config(tiny_config(**{**base, **fields}))
+
+
+# ---- agreement and bad sub-samples on 4 ranks ----
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except (ValueError, NotImplementedError) as err:
+        return str(err)
+    return "no error"
+
+
+def _agreement_and_bad_inputs(rank, world):
+    import megatron_patches
+    from megatron.core import parallel_state
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from mcp_context.megatron.core_attention import HCPDotProductAttention
+    from mcp_context.megatron.dynamic_schedule import AgreedScheduler, agree_on_schedule
+    from tests.tiny_gpt import init_parallel
+
+    megatron_patches.apply_all(device="cpu")
+    out = {}
+    # sub-samples 0..3: 0 on all four ranks, then 1 on ranks 0-1, 2 on rank 2, 3 on rank 3; rank 2 plants sub-sample
+    # 1 on ranks 2-3 instead
+    lengths = {0: 256, 1: 128, 2: 32, 3: 32}
+    schedule = [[[0], [0], [0], [0]], [[1], [1], [2], [3]]]
+    planted = [[[0], [0], [0], [0]], [[1], [1], [1, 2], [1, 3]]] if rank == 2 else schedule
+    agree_on_schedule(schedule, lengths, torch.distributed.group.WORLD)  # agreed: passes on every rank
+    out["planted"] = _error(lambda: agree_on_schedule(planted, lengths, torch.distributed.group.WORLD))
+    scheduler = AgreedScheduler(BalancedCPScheduler(64, torch.distributed.group.WORLD), torch.distributed.group.WORLD, 64)
+    out["too long"] = _error(lambda: scheduler.get_groups_and_subsamples([(0, 32), (1, 257)], None))
+
+    init_parallel(hybrid_context_parallel=True)
+    try:
+        from tests.tiny_gpt import tiny_config
+
+        config = tiny_config(hybrid_context_parallel=True, max_seqlen_per_dp_cp_rank=64, calculate_per_token_loss=True)
+        attention = HCPDotProductAttention(config, 1, AttnMaskType.causal, "self")
+        pair = parallel_state.get_hybrid_data_context_parallel_groups(group_size=2)
+        three = torch.distributed.new_group([0, 1, 2])
+        q = torch.randn(16, 1, 4, 8)
+        kv = torch.randn(16, 1, 2, 8)
+
+        def call(**params):
+            return attention(q, kv, kv, None, packed_seq_params=PackedSeqParams(qkv_format="sbhd", **params))
+
+        out["size differs"] = _error(lambda: call(local_cp_size=4, cp_group=pair, max_seqlen_q=64))
+        out["no group"] = _error(lambda: call(local_cp_size=2, max_seqlen_q=32))
+        if rank < 3:
+            out["not a divisor"] = _error(lambda: call(local_cp_size=3, cp_group=three, max_seqlen_q=48))
+        out["wrong length"] = _error(lambda: call(local_cp_size=2, cp_group=pair, max_seqlen_q=64))
+        out["thd"] = _error(lambda: attention(q, kv, kv, None, packed_seq_params=PackedSeqParams(
+            qkv_format="thd", local_cp_size=2, cp_group=pair)))
+    finally:
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+def test_planted_schedule_mismatch_and_bad_sub_samples_raise_naming_the_value():
+    """Every rank raises (no hang): a rank whose schedule differs, a sub-sample no group can hold, and
+    PackedSeqParams whose group, size or length do not fit, each named with its fix."""
+    results = run_distributed(4, _agreement_and_bad_inputs)
+    for rank, out in enumerate(results):
+        assert out["planted"].startswith("ranks [2] disagree with the other ranks on the dynamic-CP schedule at its "
+                                         "sub-sample #1 (the others: sub-sample 1 (128 tokens) in group 1 on ranks [0, 1]; "
+                                         "rank 2: sub-sample 1 (128 tokens) in group 1 on ranks [0, 1, 2, 3])"), out["planted"]
+        assert out["too long"].startswith("sub-sample 1 of 257 tokens needs 8 ranks at max_seqlen_per_dp_cp_rank=64, "
+                                          "but the data x context parallel group has 4; raise "
+                                          "max_seqlen_per_dp_cp_rank to at least 65"), out["too long"]
+        assert "cp_group has 2 ranks but local_cp_size=4; pass the group of local_cp_size ranks" in out["size differs"]
+        assert "local_cp_size=2 without a cp_group: pass the group of those 2 ranks" in out["no group"]
+        if rank < 3:
+            assert "local_cp_size=3 does not divide the 4 data x context parallel ranks" in out["not a divisor"]
+        assert ("max_seqlen_q=64, but this rank holds 16 tokens of a sub-sample shared by 2 ranks (32 in all"
+                in out["wrong length"]), out["wrong length"]
+        assert "qkv_format='thd' with a per-sub-sample cp_group" in out["thd"]

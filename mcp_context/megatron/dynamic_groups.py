@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
@@ -47,6 +48,7 @@ class SubSampleGroups:
         """The groups and comm scheme of the sub-sample ``params`` describes, whose shard on this rank has
         ``s_local`` tokens; a ValueError naming the value and the fix for a group that cannot run it."""
         n, group = params.local_cp_size, params.cp_group
+        n = int(n) if isinstance(n, torch.Tensor) else n  # megatron-core's loader hands it over as a tensor
         if group is None:
             if n not in (None, 1):
                 raise ValueError(f"packed_seq_params.local_cp_size={n} without a cp_group: pass the group of those "

@@ -42,12 +42,13 @@ def _members(schedule: Schedule) -> dict[tuple[int, int], list[int]]:
 
 
 def _rows(schedule: Schedule, seqlens: dict[int, int]) -> list[tuple[int, ...]]:
-    """One row per sub-sample and group: (group, id, length, ranks, digest of the ranks and of each one's
-    position of it in its queue), sorted by (group, id)."""
+    """One row per sub-sample and group: (group, id, length, its ranks as a bit mask (-count past 62 ranks),
+    digest of each rank's position of it in its queue), sorted by (group, id)."""
     rows = []
     for (j, sid), ranks in sorted(_members(schedule).items()):
         place = tuple((r, [int(x) for x in schedule[j][r]].index(sid)) for r in ranks)
-        rows.append((j, sid, int(seqlens[sid]), len(ranks), _digest(place)))
+        mask = sum(1 << r for r in ranks) if max(ranks) < 62 else -len(ranks)
+        rows.append((j, sid, int(seqlens[sid]), mask, _digest(place)))
     return rows
 
 
@@ -80,8 +81,9 @@ def agree_on_schedule(schedule: Schedule, seqlens: dict[int, int], group: Proces
 
 
 def _describe(row: tuple[int, ...]) -> str:
-    j, sid, length, n, _ = row
-    return "nothing" if j < 0 else f"sub-sample {sid} ({length} tokens) in group {j} on {n} ranks"
+    j, sid, length, mask, _ = row
+    ranks = f"{-mask} ranks" if mask < 0 else f"ranks {[r for r in range(mask.bit_length()) if mask >> r & 1]}"
+    return "nothing" if j < 0 else f"sub-sample {sid} ({length} tokens) in group {j} on {ranks}"
 
 
 def check_runs_in_order(schedule: Schedule) -> None:
