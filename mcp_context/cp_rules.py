@@ -218,3 +218,23 @@ def dynamic_cp_levels(local_cp_size: int, world: int, level0: int, comm: str,
                          f"hierarchical_context_parallel_sizes[0]={level0} adjacent ranks; use groups that are a "
                          f"multiple of {level0} or fit inside one domain, or a level-0 size that divides {n}")
     return ((n,), "a2a") if inner == n else ((inner, n // inner), normalize_comm(comm))
+
+
+def dynamic_cp_sizes(world: int, level0: int) -> list[int]:
+    """The group sizes a dynamic-CP planner may give a sub-sample over ``world`` ranks whose all-to-all
+    domain holds ``level0`` adjacent ranks: every divisor of ``world`` that fits inside one domain or is
+    made of whole domains (``dynamic_cp_levels`` can cut it), smallest first."""
+    return [d for d in range(1, world + 1) if world % d == 0 and (level0 % d == 0 or d % level0 == 0)]
+
+
+def dynamic_cp_size(seq_len: int, budget: int, sizes: Sequence[int], what: str = "sub-sample",
+                    budget_name: str = "budget") -> int:
+    """The smallest of ``sizes`` whose ranks hold ``seq_len`` tokens at most ``budget`` each; a ValueError
+    naming the fix when even the largest cannot."""
+    for size in sorted(sizes):
+        if size * budget >= seq_len:
+            return size
+    largest = max(sizes)
+    raise ValueError(f"{what} of {seq_len} tokens does not fit {largest} ranks at {budget_name}={budget} "
+                     f"({largest * budget} tokens at most); raise {budget_name} to at least {-(-seq_len // largest)}, "
+                     f"or split the document")

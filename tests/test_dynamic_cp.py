@@ -31,9 +31,8 @@ EXPECTED = {"p2p": {((1,), "p2p"), ((2,), "p2p"), ((8,), "p2p")},
             "a2a+p2p": {((1,), "p2p"), ((2,), "a2a"), ((2, 4), "a2a+p2p")}}
 
 
-def _document(doc: int) -> dict:
+def _document(doc: int, n: int) -> dict:
     generator = torch.Generator().manual_seed(100 + doc)
-    n = LENGTHS[doc]
     positions = torch.arange(n)
     return {"tokens": torch.randint(0, 64, (n,), generator=generator),
             "labels": torch.randint(0, 64, (n,), generator=generator),
@@ -42,7 +41,7 @@ def _document(doc: int) -> dict:
 
 
 def _packed_sample(docs: list[int]) -> dict:
-    parts = [_document(d) for d in docs]
+    parts = [_document(d, LENGTHS[d]) for d in docs]
     sample = {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
     sample["cu_seqlens"] = torch.tensor([0] + [sum(LENGTHS[d] for d in docs[:i + 1]) for i in range(len(docs))],
                                         dtype=torch.int32)
@@ -79,7 +78,7 @@ def _step(losses: list):
     return forward_step
 
 
-def _reference(model_params: dict) -> tuple[dict, dict]:
+def _reference(model_params: dict, lengths: list[int]) -> tuple[dict, dict]:
     """megatron-core's local attention at CP=1, each document alone: per-token losses and the gradients of
     the sum of every document's masked losses."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -87,17 +86,48 @@ def _reference(model_params: dict) -> tuple[dict, dict]:
     from tests.tiny_gpt import current_device_is_cpu, tiny_config, tiny_gpt
 
     with current_device_is_cpu():
-        model = tiny_gpt(tiny_config(), get_gpt_layer_local_spec(normalization="RMSNorm"), seq=max(LENGTHS))
+        model = tiny_gpt(tiny_config(), get_gpt_layer_local_spec(normalization="RMSNorm"), seq=max(lengths))
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(model_params[name])
     per_token = {}
-    for doc in range(len(LENGTHS)):
-        d = _document(doc)
+    for doc, n in enumerate(lengths):
+        d = _document(doc, n)
         loss = model(d["tokens"][None], d["position_ids"][None], None, labels=d["labels"][None])
         (loss[0] * d["loss_mask"]).sum().backward()
         per_token[doc] = loss.detach()[0]
     return per_token, {n: p.grad for n, p in model.named_parameters()}
+
+
+def _against_reference(rank, world, model, losses, lengths, comm, expected_schemes, expected_sizes) -> list[str]:
+    """On rank 0, after summing the gradients over the ranks: every token's loss (gathered from every
+    rank's ``(doc, positions, losses, group size)``) and every gradient against the CP=1 reference, and
+    the (hierarchy, comm) pairs and group sizes that ran; the mismatches, one line each."""
+    for param in model.parameters():
+        torch.distributed.all_reduce(param.grad)
+    ran = {(g.sizes, c) for m in model.modules() if hasattr(m, "sub_sample_groups") for _, _, g, c in m._engines}
+    every, schemes = [None] * world, [None] * world
+    torch.distributed.all_gather_object(every, losses)
+    torch.distributed.all_gather_object(schemes, ran)
+    if rank:
+        return []
+    ran = set().union(*schemes)
+    errors = [f"{comm}: ran {sorted(ran)}, not {sorted(expected_schemes - ran)}"] if expected_schemes - ran else []
+    ref_loss, ref_grads = _reference({n: p.detach() for n, p in model.named_parameters()}, lengths)
+    seen, sizes_used = {d: torch.zeros(lengths[d], dtype=torch.bool) for d in ref_loss}, set()
+    for doc, positions, values, cp in (entry for rank_losses in every for entry in rank_losses):
+        sizes_used.add(cp)
+        seen[doc][positions] = True
+        got, want = torch.tensor(values), ref_loss[doc][positions]
+        if not torch.allclose(got, want, **TOL):
+            errors.append(f"{comm}: doc {doc} on {cp} ranks: loss |diff| {(got - want).abs().max():.3g}")
+    errors += [f"{comm}: doc {d} has tokens no rank computed" for d, s in seen.items() if not s.all()]
+    for name, param in model.named_parameters():
+        if not torch.allclose(param.grad, ref_grads[name], **TOL):
+            errors.append(f"{comm}: grad {name} |diff| {(param.grad - ref_grads[name]).abs().max():.3g}")
+    if not expected_sizes <= sizes_used:
+        errors.append(f"{comm}: sub-samples ran on group sizes {sorted(sizes_used)}, not {sorted(expected_sizes)}")
+    return errors
 
 
 def _hybrid_parity(rank, world, variants):
@@ -122,30 +152,7 @@ def _hybrid_parity(rank, world, variants):
             losses: list = []
             get_forward_backward_func()(forward_step_func=_step(losses), data_iterator=loader, model=[model],
                                         num_microbatches=1, seq_length=max(LENGTHS), micro_batch_size=1)
-            for param in model.parameters():
-                torch.distributed.all_reduce(param.grad)
-            ran = {(g.sizes, c) for m in model.modules() if hasattr(m, "sub_sample_groups") for _, _, g, c in m._engines}
-            every, schemes = [None] * world, [None] * world
-            torch.distributed.all_gather_object(every, losses)
-            torch.distributed.all_gather_object(schemes, ran)
-            if rank:
-                continue
-            ran = set().union(*schemes)
-            errors += [f"{comm}: ran {sorted(ran)}, not {sorted(EXPECTED[comm] - ran)}"] if EXPECTED[comm] - ran else []
-            ref_loss, ref_grads = _reference({n: p.detach() for n, p in model.named_parameters()})
-            seen, sizes_used = {d: torch.zeros(LENGTHS[d], dtype=torch.bool) for d in ref_loss}, set()
-            for doc, positions, values, cp in (entry for rank_losses in every for entry in rank_losses):
-                sizes_used.add(cp)
-                seen[doc][positions] = True
-                got, want = torch.tensor(values), ref_loss[doc][positions]
-                if not torch.allclose(got, want, **TOL):
-                    errors.append(f"{comm}: doc {doc} on {cp} ranks: loss |diff| {(got - want).abs().max():.3g}")
-            errors += [f"{comm}: doc {d} has tokens no rank computed" for d, s in seen.items() if not s.all()]
-            for name, param in model.named_parameters():
-                if not torch.allclose(param.grad, ref_grads[name], **TOL):
-                    errors.append(f"{comm}: grad {name} |diff| {(param.grad - ref_grads[name]).abs().max():.3g}")
-            errors += [f"{comm}: sub-samples ran on group sizes {sorted(sizes_used)}, expected 1, 2 and 8 at least"
-                       ] if not {1, 2, 8} <= sizes_used else []
+            errors += _against_reference(rank, world, model, losses, LENGTHS, comm, EXPECTED[comm], {1, 2, 8})
     finally:
         parallel_state.destroy_model_parallel()
     return errors
@@ -376,3 +383,62 @@ def test_each_sub_sample_size_matches_the_reference_for_every_scheme_window_sink
     within 1e-5 of the fp64 reference, fp32."""
     errors = run_distributed(4, _sub_samples_match_reference, ATTENTION_VARIANTS, 32)
     assert not any(errors), "\n".join(e for rank_errors in errors for e in rank_errors)
+
+
+# ---- our own plan (any divisor the hierarchy can cut), its start-up groups and the step runner ----
+
+OWN_LENGTHS = [64, 48, 32, 24, 16, 8, 8]  # at 16 tokens a rank over 4 ranks: groups of 4, 4, 2, 2, 1, 1, 1
+
+
+def test_own_plan_takes_the_smallest_group_that_fits_any_divisor_and_cannot_deadlock():
+    from mcp_context.cp_rules import dynamic_cp_sizes
+    from mcp_context.megatron.dynamic_plan import plan_sub_samples
+    from mcp_context.megatron.dynamic_schedule import check_runs_in_order
+
+    assert dynamic_cp_sizes(12, 4) == [1, 2, 4, 12]  # 3 and 6 would straddle all-to-all domains of 4
+    assert dynamic_cp_sizes(6, 6) == [1, 2, 3, 6]
+    plan = plan_sub_samples([40, 20, 10, 10, 5], 10, dynamic_cp_sizes(6, 6), 6)
+    groups = {sid: [r for r, ids in enumerate(plan[0]) if sid in ids] for sid in range(5)}
+    assert groups == {0: [0, 1, 2, 3, 4, 5], 1: [0, 1], 2: [2], 3: [3], 4: [4]}, groups  # 40 -> 6 (no 4), 20 -> 2
+    check_runs_in_order(plan)
+    plan = plan_sub_samples(OWN_LENGTHS, 16, [1, 2, 4], 4)
+    # work ~ length² / ranks: 32 on ranks 0-1, 24 on the lighter 2-3, the short ones on the lightest rank each
+    assert plan == [[[0, 1, 2], [0, 1, 2], [0, 1, 3, 4], [0, 1, 3, 5, 6]]], plan
+    with pytest.raises(ValueError, match=r"sub-sample 0 of 65 tokens does not fit 4 ranks at budget=16 \(64 tokens "
+                                         r"at most\); raise budget to at least 17"):
+        plan_sub_samples([65], 16, [1, 2, 4], 4)
+
+
+def _own_plan_parity(rank, world, comm, sizes):
+    import megatron_patches
+    from megatron.core import parallel_state
+
+    from mcp_context.cp_rules import dynamic_cp_sizes
+    from mcp_context.megatron.dynamic_groups import build_sub_groups
+    from mcp_context.megatron.specs import hcp_local_spec
+    from mcp_context.pretrain.dynamic import agreed_plan, run_plan
+    from tests.tiny_gpt import init_parallel, tiny_gpt
+
+    megatron_patches.apply_all(device="cpu")
+    init_parallel()
+    try:
+        world_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        allowed = dynamic_cp_sizes(world, sizes[0] if sizes else world)
+        groups = build_sub_groups(world_group, allowed)
+        torch.manual_seed(0)
+        model = tiny_gpt(_hybrid_config(comm, sizes), hcp_local_spec, seq=max(OWN_LENGTHS))
+        plan = agreed_plan(OWN_LENGTHS, 16, allowed, world_group)
+        documents = [_document(doc, n) for doc, n in enumerate(OWN_LENGTHS)]
+        _, _, left = run_plan(model, documents, plan, groups, world_group)
+        losses = [(x.doc, x.positions.tolist(), x.per_token.tolist(), x.group_size) for x in left]
+        expected = {"p2p": {((1,), "p2p"), ((2,), "p2p"), ((4,), "p2p")},
+                    "a2a+p2p": {((1,), "p2p"), ((2,), "a2a"), ((2, 2), "a2a+p2p")}}[comm]
+        return _against_reference(rank, world, model, losses, OWN_LENGTHS, comm, expected, {1, 2, 4})
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_own_plan_on_start_up_groups_matches_cp1_losses_and_gradients():
+    """Our plan, groups built once, the step runner on 4 ranks (a2a+p2p over [2, 2]) = CP=1, per token and gradient."""
+    errors = run_distributed(4, _own_plan_parity, "a2a+p2p", [2, 2])[0]
+    assert not errors, "\n".join(errors)

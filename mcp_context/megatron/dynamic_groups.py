@@ -7,11 +7,14 @@ parallel ranks (``parallel_state.create_hybrid_dp_cp_groups``: every power of tw
 ``cp_rules.dynamic_cp_levels``), checks the group against the sub-sample (size, membership, the
 sequence it holds) and keeps the result per group, so each group resolves once and its engines are
 reused. It creates no process group: the level-0 (all-to-all) group of a sub-group is one of the groups
-made at start-up, found by ``group_of_size``, so nothing here is collective.
+made at start-up (``start_up_group_of_size``), so nothing here is collective. Those groups are
+megatron-core's (``parallel_state.initialize_model_parallel(hybrid_context_parallel=True)``: powers of
+two) or, for our own plan's sizes (any divisor the hierarchy can cut), ``build_sub_groups``'s, kept here
+as parallel_state keeps its own.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,8 +25,33 @@ from ..comm.groups import level_members
 from ..cp_rules import dynamic_cp_levels
 
 
-def megatron_group_of_size(size: int) -> ProcessGroup:
-    """megatron-core's hybrid DP x CP group of ``size`` adjacent ranks that holds this rank."""
+# build_sub_groups's groups holding this rank: per data x context parallel group, per size
+_SUB_GROUPS: dict[ProcessGroup, dict[int, ProcessGroup]] = {}
+
+
+def build_sub_groups(world_group: ProcessGroup, sizes: Sequence[int]) -> dict[int, ProcessGroup]:
+    """Every group of ``size`` adjacent, aligned ranks of ``world_group`` for each of ``sizes`` (1 and the whole
+    group need none), created once at start-up by every rank in the same order; keeps and returns, per
+    size, the one that holds this rank (the whole group for its own size)."""
+    ranks = dist.get_process_group_ranks(world_group)
+    me, world = dist.get_rank(), len(ranks)
+    mine = {world: world_group}
+    for size in sorted(set(sizes)):
+        if size in (1, world):
+            continue
+        for start in range(0, world, size):
+            group = dist.new_group(ranks[start:start + size])
+            if me in ranks[start:start + size]:
+                mine[size] = group
+    _SUB_GROUPS[world_group] = mine
+    return mine
+
+
+def start_up_group_of_size(world_group: ProcessGroup, size: int) -> ProcessGroup:
+    """The start-up group of ``size`` adjacent ranks of ``world_group`` that holds this rank:
+    ``build_sub_groups``'s when it ran for that group, else megatron-core's hybrid DP x CP group."""
+    if world_group in _SUB_GROUPS:
+        return _SUB_GROUPS[world_group][size]
     from megatron.core import parallel_state
 
     return parallel_state.get_hybrid_data_context_parallel_groups(group_size=size)
@@ -35,13 +63,13 @@ class SubSampleGroups:
     ``world_group``: the data x context parallel group the sub-samples are spread over; ``level0``: the
     ranks of one all-to-all domain (``hierarchical_context_parallel_sizes[0]``; the whole world when
     None); ``comm``: the configured ``cp_comm_type``; ``single``: this rank alone (a sub-sample of one rank);
-    ``group_of_size``: the start-up group of that many adjacent ranks holding this rank."""
+    the level-0 group of a sub-group is the start-up group of that many adjacent ranks holding this rank."""
 
-    def __init__(self, world_group: ProcessGroup, level0: Optional[int], comm: str, single: HCPGroups,
-                 group_of_size: Callable[[int], ProcessGroup] = megatron_group_of_size):
+    def __init__(self, world_group: ProcessGroup, level0: Optional[int], comm: str, single: HCPGroups):
+        self.world_group = world_group
         self.world_ranks = dist.get_process_group_ranks(world_group)
         self.level0 = level0 if level0 is not None else len(self.world_ranks)
-        self.comm, self.single, self.group_of_size = comm, single, group_of_size
+        self.comm, self.single = comm, single
         self._resolved: dict[ProcessGroup, tuple[HCPGroups, str]] = {}
 
     def resolve(self, params: Any, s_local: int) -> tuple[HCPGroups, str]:
@@ -87,7 +115,7 @@ class SubSampleGroups:
         ranks, checked to be the one the hierarchy means."""
         want = [ranks[i] for i in level_members(sizes, 0, cp_rank)]
         try:
-            inner = self.group_of_size(sizes[0])
+            inner = start_up_group_of_size(self.world_group, sizes[0])
             have = dist.get_process_group_ranks(inner)
         except (KeyError, AssertionError, ValueError, RuntimeError) as err:
             raise ValueError(f"no group of {sizes[0]} adjacent ranks for the all-to-all of a sub-group {ranks} "
