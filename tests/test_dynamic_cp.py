@@ -288,6 +288,9 @@ def _agreement_and_bad_inputs(rank, world):
         out["wrong length"] = _error(lambda: call(local_cp_size=2, cp_group=pair, max_seqlen_q=64))
         out["thd"] = _error(lambda: attention(q, kv, kv, None, packed_seq_params=PackedSeqParams(
             qkv_format="thd", local_cp_size=2, cp_group=pair)))
+        fixed = HCPDotProductAttention(tiny_config(), 1, AttnMaskType.causal, "self")
+        out["not hybrid"] = _error(lambda: fixed(q, kv, kv, None, packed_seq_params=PackedSeqParams(
+            qkv_format="sbhd", local_cp_size=2, cp_group=pair)))
     finally:
         parallel_state.destroy_model_parallel()
     return out
@@ -311,6 +314,9 @@ def test_planted_schedule_mismatch_and_bad_sub_samples_raise_naming_the_value():
         assert ("max_seqlen_q=64, but this rank holds 16 tokens of a sub-sample shared by 2 ranks (32 in all"
                 in out["wrong length"]), out["wrong length"]
         assert "qkv_format='thd' with a per-sub-sample cp_group" in out["thd"]
+        assert (f"packed_seq_params carries local_cp_size=2 / a cp_group of ranks {[rank // 2 * 2, rank // 2 * 2 + 1]} "
+                f"other than the CP group [{rank}], but TransformerConfig.hybrid_context_parallel=False; set "
+                f"hybrid_context_parallel=True" in out["not hybrid"]), out["not hybrid"]
 
 
 # ---- every scheme, window, sinks and MLA's head dims, per sub-sample size, against the fp64 reference ----

@@ -104,7 +104,7 @@ def _sub_sample_groups(config: Any, pg_collection: Any, comm: str, single: HCPGr
 
 
 def _is_sub_sample(params: Any) -> bool:
-    """Whether ``params`` carries a dynamic-CP sub-sample's group (megatron-core's hybrid CP)."""
+    """Whether ``params`` names a dynamic-CP sub-sample's own group (megatron-core's hybrid CP)."""
     return params is not None and (getattr(params, "local_cp_size", None) is not None
                                    or getattr(params, "cp_group", None) is not None)
 
@@ -198,10 +198,11 @@ class HCPDotProductAttention(MegatronModule):
                 attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
                 attention_bias: Optional[torch.Tensor] = None, packed_seq_params: Any = None) -> torch.Tensor:
         groups, comm = self.groups, self.cp_comm_type
-        if _is_sub_sample(packed_seq_params):
+        if self.sub_sample_groups is not None and _is_sub_sample(packed_seq_params):
             groups, comm = self._sub_sample(packed_seq_params, query)
             packed = {}
         else:
+            self._check_fixed_group(packed_seq_params)
             packed = _packed_documents(packed_seq_params, self.groups)
         if attention_bias is not None:
             raise NotImplementedError("HCPDotProductAttention does not support attention_bias")
@@ -228,16 +229,27 @@ class HCPDotProductAttention(MegatronModule):
     def _sub_sample(self, params: Any, query: torch.Tensor) -> tuple[HCPGroups, str]:
         """The groups and comm of a dynamic-CP sub-sample (one sequence, ``sbhd``, sharded zigzag over its
         ``cp_group`` by megatron-core's ``get_batch_on_this_hybrid_cp_rank``)."""
-        if self.sub_sample_groups is None:
-            raise HCPConfigError(f"packed_seq_params carries local_cp_size={params.local_cp_size} / a cp_group, but "
-                                 f"TransformerConfig.hybrid_context_parallel=False; set hybrid_context_parallel=True "
-                                 f"(with max_seqlen_per_dp_cp_rank) or pass no per-sub-sample group")
         fmt = getattr(params, "qkv_format", None)
         if fmt not in (None, "sbhd"):
             raise NotImplementedError(f"packed_seq_params.qkv_format={fmt!r} with a per-sub-sample cp_group: a dynamic-CP "
                                       f"sub-sample is one sequence in sbhd (megatron-core's hybrid CP makes it so); "
                                       f"packed documents inside a sub-sample are not supported")
         return self.sub_sample_groups.resolve(params, query.shape[0])
+
+    def _check_fixed_group(self, params: Any) -> None:
+        """Without hybrid CP, ``packed_seq_params`` may name the fixed CP group (megatron-core's thd batches do),
+        not another one, and carries no ``local_cp_size``."""
+        if params is None:
+            return
+        n, group = getattr(params, "local_cp_size", None), getattr(params, "cp_group", None)
+        other = group is not None and (torch.distributed.get_process_group_ranks(group)
+                                       != self.groups.cp_global_ranks)
+        if n is not None or other:
+            raise HCPConfigError(f"packed_seq_params carries local_cp_size={n} / a cp_group of ranks "
+                                 f"{torch.distributed.get_process_group_ranks(group) if group is not None else None} "
+                                 f"other than the CP group {self.groups.cp_global_ranks}, but "
+                                 f"TransformerConfig.hybrid_context_parallel=False; set hybrid_context_parallel=True "
+                                 f"(with max_seqlen_per_dp_cp_rank) to run each sub-sample over its own group")
 
     def _engine(self, causal: bool, dropout: bool, device: torch.device, groups: HCPGroups,
                 comm: str) -> ContextParallelAttention:
