@@ -289,6 +289,9 @@ def _agreement_and_bad_inputs(rank, world):
         out["thd"] = _error(lambda: attention(q, kv, kv, None, packed_seq_params=PackedSeqParams(
             qkv_format="thd", local_cp_size=2, cp_group=pair)))
         fixed = HCPDotProductAttention(tiny_config(), 1, AttnMaskType.causal, "self")
+        out["heads"] = _error(lambda: HCPDotProductAttention(tiny_config(
+            hybrid_context_parallel=True, max_seqlen_per_dp_cp_rank=64, calculate_per_token_loss=True,
+            num_attention_heads=2, num_query_groups=2, cp_comm_type="a2a"), 1, AttnMaskType.causal, "self"))
         out["not hybrid"] = _error(lambda: fixed(q, kv, kv, None, packed_seq_params=PackedSeqParams(
             qkv_format="sbhd", local_cp_size=2, cp_group=pair)))
     finally:
@@ -314,6 +317,8 @@ def test_planted_schedule_mismatch_and_bad_sub_samples_raise_naming_the_value():
         assert ("max_seqlen_q=64, but this rank holds 16 tokens of a sub-sample shared by 2 ranks (32 in all"
                 in out["wrong length"]), out["wrong length"]
         assert "qkv_format='thd' with a per-sub-sample cp_group" in out["thd"]
+        assert ("hybrid_context_parallel with cp_comm_type='a2a': query heads per TP rank=2 is not divisible by the "
+                "all-to-all degree the data x context parallel size=4" in out["heads"]), out["heads"]
         assert (f"packed_seq_params carries local_cp_size=2 / a cp_group of ranks {[rank // 2 * 2, rank // 2 * 2 + 1]} "
                 f"other than the CP group [{rank}], but TransformerConfig.hybrid_context_parallel=False; set "
                 f"hybrid_context_parallel=True" in out["not hybrid"]), out["not hybrid"]

@@ -37,7 +37,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from ..api import engine_for
-from ..cp_rules import normalize_comm
+from ..cp_rules import heads_per_tp_rank, normalize_comm
 from ..engine import ContextParallelAttention, agree_on_documents
 from ..masks import SlidingWindow, documents_mask
 from ..comm import HCPGroups
@@ -174,6 +174,13 @@ class HCPDotProductAttention(MegatronModule):
                                   if getattr(config, "hybrid_context_parallel", False) else None)
         self.tp_group = _tp_group(self.pg_collection)
         self.num_attention_heads_per_partition = config.num_attention_heads // _size(self.tp_group)
+        if self.sub_sample_groups is not None:
+            try:
+                self.sub_sample_groups.check_heads(*heads_per_tp_rank(
+                    config.num_attention_heads, config.num_query_groups or config.num_attention_heads,
+                    _size(self.tp_group)))
+            except ValueError as err:
+                raise HCPConfigError(f"hybrid_context_parallel with cp_comm_type={comm!r}: {err}") from None
         self._init_softmax_offset(config)
 
     def _init_softmax_offset(self, config) -> None:

@@ -22,7 +22,7 @@ from torch.distributed import ProcessGroup
 
 from ..comm import HCPGroups
 from ..comm.groups import level_members
-from ..cp_rules import dynamic_cp_levels
+from ..cp_rules import a2a_degree, check_heads, dynamic_cp_levels
 
 
 # build_sub_groups's groups holding this rank: per data x context parallel group, per size
@@ -71,6 +71,17 @@ class SubSampleGroups:
         self.level0 = level0 if level0 is not None else len(self.world_ranks)
         self.comm, self.single = comm, single
         self._resolved: dict[ProcessGroup, tuple[HCPGroups, str]] = {}
+
+    def check_heads(self, heads: int, kv_heads: int) -> None:
+        """A ValueError naming the fix unless the largest group (all the data x context parallel ranks) can split
+        ``heads`` query and ``kv_heads`` key/value heads in its all-to-all; a smaller group's degree divides
+        that one, so it splits them too."""
+        world = len(self.world_ranks)
+        sizes, comm = dynamic_cp_levels(world, world, self.level0, self.comm, name="the largest group")
+        where = ("hierarchical_context_parallel_sizes[0]" if len(sizes) > 1 or comm != self.comm
+                 else "the data x context parallel size")
+        check_heads(heads, kv_heads, a2a_degree(comm, sizes), comm, heads_name="query heads per TP rank",
+                    kv_name="key/value heads per TP rank", degree_name=f"the all-to-all degree {where}")
 
     def resolve(self, params: Any, s_local: int) -> tuple[HCPGroups, str]:
         """The groups and comm scheme of the sub-sample ``params`` describes, whose shard on this rank has
