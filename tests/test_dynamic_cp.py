@@ -453,3 +453,13 @@ def test_own_plan_on_start_up_groups_matches_cp1_losses_and_gradients():
     """Our plan, groups built once, the step runner on 4 ranks (a2a+p2p over [2, 2]) = CP=1, per token and gradient."""
     errors = run_distributed(4, _own_plan_parity, "a2a+p2p", [2, 2])[0]
     assert not errors, "\n".join(errors)
+
+
+def test_hybrid_cp_cpu_patch_probes_see_cuda_in_megatron_cores_code():
+    """Each function ``megatron_patches.hybrid_cp_on_cpu`` wraps still places tensors on CUDA in megatron-core's
+    own code (read from the kept original: this process applies no patch)."""
+    from megatron_patches._patching import original_of
+    from megatron_patches.hybrid_cp_on_cpu import _names_cuda, _shims
+
+    for owner, name, _ in _shims():
+        assert _names_cuda(original_of(owner, name)), name
