@@ -249,8 +249,8 @@ class HCPDotProductAttention(MegatronModule):
         if params is None:
             return
         n, group = getattr(params, "local_cp_size", None), getattr(params, "cp_group", None)
-        other = group is not None and (torch.distributed.get_process_group_ranks(group)
-                                       != self.groups.cp_global_ranks)
+        other = group is not None and group is not self.groups.cp_group and (
+            torch.distributed.get_process_group_ranks(group) != self.groups.cp_global_ranks)
         if n is not None or other:
             raise HCPConfigError(f"packed_seq_params carries local_cp_size={n} / a cp_group of ranks "
                                  f"{torch.distributed.get_process_group_ranks(group) if group is not None else None} "

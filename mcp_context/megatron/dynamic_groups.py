@@ -112,6 +112,9 @@ class SubSampleGroups:
 
     def _resolve_group(self, group: ProcessGroup) -> tuple[HCPGroups, str]:
         ranks = dist.get_process_group_ranks(group)
+        if dist.get_rank() not in ranks:
+            raise ValueError(f"packed_seq_params.cp_group holds ranks {ranks}, not this rank {dist.get_rank()}; pass "
+                             f"the group of the sub-sample this rank runs")
         outside = sorted(set(ranks) - set(self.world_ranks))
         if outside:
             raise ValueError(f"packed_seq_params.cp_group holds ranks {outside} outside the data x context parallel "
