@@ -23,7 +23,10 @@ With ``attn_mask_type=causal`` the ``attention_mask`` argument is ignored, as in
 (``packed_seq_params`` with ``qkv_format="thd"``: ``q [t, np, hn]``, global ``cu_seqlens_q`` and
 ``cu_seqlens_q_padded``) run with a document mask on megatron-core's per-document zigzag (what its thd
 RoPE and ``slice_batch_for_cp`` assume); the first layer of a step parses the offsets, has the CP ranks
-agree on them and keeps the ``Documents`` value on the ``PackedSeqParams`` for the other layers. Arbitrary masks, attention bias, other packed formats and
+agree on them and keeps the ``Documents`` value on the ``PackedSeqParams`` for the other layers. Under
+``hybrid_context_parallel`` (dynamic CP, docs/dynamic_cp.md) a sub-sample's ``PackedSeqParams(local_cp_size,
+cp_group)`` picks the group and hierarchy the engine runs over (``dynamic_groups``), one engine per group;
+without it, a ``PackedSeqParams`` naming any group but the CP group is refused. Arbitrary masks, attention bias, other packed formats and
 keys packed differently from queries are refused with a clear error.
 """
 from __future__ import annotations
