@@ -170,3 +170,71 @@ def check_seq_len(seq_len: int, cp_size: int, layout: str, what: str = "sequence
     if seq_len % multiple:
         raise ValueError(f"{what} {seq_len} is not divisible by {' * '.join(why)}; "
                          f"pad to {seq_len + (-seq_len % multiple)}")
+
+
+# ---- dynamic context parallelism: each sub-sample's CP size from its length (megatron-core's hybrid CP) ----
+
+def cp_size_needed(seq_len: int, budget: int) -> int:
+    """megatron-core's ``BalancedCPScheduler.gpus_needed``: the smallest power of two of ranks that holds
+    ``seq_len`` tokens at most ``budget`` per rank (``max_seqlen_per_dp_cp_rank``)."""
+    return max(1, 2 ** math.ceil(math.log2(seq_len / budget)))
+
+
+def check_sub_sample_fits(seq_len: int, budget: int, world: int, what: str = "sub-sample",
+                          budget_name: str = "max_seqlen_per_dp_cp_rank") -> None:
+    """A ValueError naming the fix when a ``seq_len``-token sequence needs more than the ``world`` data x
+    context parallel ranks at ``budget`` tokens per rank (megatron-core's scheduler would loop forever)."""
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        raise ValueError(f"{budget_name}={budget!r} must be a positive integer: the tokens one rank holds of a "
+                         f"sub-sample (e.g. the longest sequence / the data x context parallel size)")
+    if cp_size_needed(seq_len, budget) > world:
+        raise ValueError(f"{what} of {seq_len} tokens needs {cp_size_needed(seq_len, budget)} ranks at "
+                         f"{budget_name}={budget}, but the data x context parallel group has {world}; raise "
+                         f"{budget_name} to at least {-(-seq_len // world)} (largest power-of-two group: "
+                         f"{budget} x {world} = {budget * world} tokens), or split the document")
+
+
+def dynamic_cp_levels(local_cp_size: int, world: int, level0: int, comm: str,
+                      name: str = "packed_seq_params.local_cp_size") -> tuple[tuple[int, ...], str]:
+    """The hierarchy (inner first) and comm scheme one sub-sample's group of ``local_cp_size`` ranks runs,
+    out of ``world`` data x context parallel ranks whose all-to-all domain (level 0: one node) holds
+    ``level0`` adjacent ranks. A group inside one domain is all-to-all only (``a2a``) for the schemes
+    that all-to-all on level 0; a larger one keeps the scheme with ``level0`` ranks inside and the rest
+    outside. The other schemes run over the group as it is."""
+    n = local_cp_size
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"{name}={n!r} must be a positive integer (the ranks that share one sub-sample)")
+    if world % n:
+        fits = [d for d in range(1, world + 1) if world % d == 0]
+        raise ValueError(f"{name}={n} does not divide the {world} data x context parallel ranks; a sub-sample's "
+                         f"group must be one of {fits} (megatron-core builds powers of two)")
+    if n == 1:
+        return (1,), "p2p"  # no communication at all
+    if comm_rule(comm).a2a != "level0":
+        return (n,), normalize_comm(comm)
+    inner = min(n, level0)
+    if n % inner:
+        raise ValueError(f"{name}={n} ranks cannot be cut into all-to-all domains of "
+                         f"hierarchical_context_parallel_sizes[0]={level0} adjacent ranks; use groups that are a "
+                         f"multiple of {level0} or fit inside one domain, or a level-0 size that divides {n}")
+    return ((n,), "a2a") if inner == n else ((inner, n // inner), normalize_comm(comm))
+
+
+def dynamic_cp_sizes(world: int, level0: int) -> list[int]:
+    """The group sizes a dynamic-CP planner may give a sub-sample over ``world`` ranks whose all-to-all
+    domain holds ``level0`` adjacent ranks: every divisor of ``world`` that fits inside one domain or is
+    made of whole domains (``dynamic_cp_levels`` can cut it), smallest first."""
+    return [d for d in range(1, world + 1) if world % d == 0 and (level0 % d == 0 or d % level0 == 0)]
+
+
+def dynamic_cp_size(seq_len: int, budget: int, sizes: Sequence[int], what: str = "sub-sample",
+                    budget_name: str = "budget") -> int:
+    """The smallest of ``sizes`` whose ranks hold ``seq_len`` tokens at most ``budget`` each; a ValueError
+    naming the fix when even the largest cannot."""
+    for size in sorted(sizes):
+        if size * budget >= seq_len:
+            return size
+    largest = max(sizes)
+    raise ValueError(f"{what} of {seq_len} tokens does not fit {largest} ranks at {budget_name}={budget} "
+                     f"({largest * budget} tokens at most); raise {budget_name} to at least {-(-seq_len // largest)}, "
+                     f"or split the document")

@@ -15,6 +15,7 @@ from typing import Callable
 from megatron_patches.cpu_shims import DeviceLike, apply_cpu_shims, runs_on_cpu
 from megatron_patches.cpu_training import apply_cpu_training_shims
 from megatron_patches.hcp_groups import apply_hcp_groups_reset
+from megatron_patches.hybrid_cp_on_cpu import apply_hybrid_cp_on_cpu
 from megatron_patches.mla_without_te import apply_mla_without_te
 from megatron_patches.moe_router_without_te import apply_moe_router_without_te
 from megatron_patches.per_layer_cp_comm_type import apply_per_layer_cp_comm_type_fix
@@ -24,6 +25,7 @@ from megatron_patches.torch_norm_sequence_parallel import apply_torch_norm_seque
 CPU_PATCHES: dict[str, Callable[[DeviceLike], list[str]]] = {
     "cpu_shims": apply_cpu_shims,
     "cpu_training": apply_cpu_training_shims,
+    "hybrid_cp_on_cpu": apply_hybrid_cp_on_cpu,
 }
 PATCHES: dict[str, Callable[..., list[str]]] = {
     **CPU_PATCHES,
@@ -52,6 +54,7 @@ __all__ = [
     "apply_cpu_shims",
     "apply_cpu_training_shims",
     "apply_hcp_groups_reset",
+    "apply_hybrid_cp_on_cpu",
     "apply_per_layer_cp_comm_type_fix",
     "apply_torch_norm_sequence_parallel",
     "runs_on_cpu",

@@ -65,6 +65,8 @@ HONOURED = {
         "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
         "rotary_base", "rotary_percent", "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast",
         "beta_slow", "mscale", "mscale_all_dim")},
+    **{f: "tests/test_dynamic_cp.py::test_megatron_hybrid_cp_schedule_matches_cp1_losses_and_gradients"
+       for f in ("hybrid_context_parallel", "max_seqlen_per_dp_cp_rank")},
     # the learnable softmax_offset is made from these as megatron-core makes it
     **{f: f"{GPT_TESTS}::test_softmax_offset_is_made_like_megatron_cores" for f in (
         "params_dtype", "init_method", "perform_initialization", "use_cpu_initialization")},
@@ -87,7 +89,6 @@ REFUSED = {
     "flash_decode": (True, {}, r"flash_decode=True: decodes with flash-attn's kernel, bypassing the core attention"),
     "batch_invariant_mode": (True, {"attention_backend": AttnBackend.flash},
                              r"batch_invariant_mode=True: asks for batch-invariant kernels"),
-    "hybrid_context_parallel": (True, {}, r"hybrid_context_parallel=True: regroups the context-parallel ranks"),
     "use_kitchen": (True, {}, r"use_kitchen=True: builds kitchen's quantised modules"),
     "use_kitchen_attention": (True, {}, r"use_kitchen_attention=True: replaces the core attention with kitchen's"),
     # megatron-core's own check (its RNG tracker) refuses the graph fields first without TE's tracker
@@ -153,10 +154,10 @@ _GROUPS = {
     "replaces": (
         "inference_rng_tracker", "inference_sampling_seed", "use_inference_optimized_layers", "mlp_chunks_for_prefill",
         "cache_mla_latents", "transformer_impl", "use_te_rng_tracker"),
-    "read only with a refused field (CUDA graphs, qk_clip, experimental variants, hybrid CP) or by other layer "
+    "read only with a refused field (CUDA graphs, qk_clip, experimental variants) or by other layer "
     "types (Mamba, linear attention) that our specs do not build": (
         "cuda_graph_use_single_mempool", "cuda_graph_retain_backward_graph", "cuda_graph_warmup_steps",
-        "cuda_graph_scope", "qk_clip_alpha", "qk_clip_threshold", "max_seqlen_per_dp_cp_rank", "dsa_indexer_n_heads",
+        "cuda_graph_scope", "qk_clip_alpha", "qk_clip_threshold", "dsa_indexer_n_heads",
         "dsa_indexer_head_dim", "dsa_indexer_topk", "dsa_indexer_loss_coeff", "dsa_indexer_use_sparse_loss",
         "linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
         "linear_num_key_heads", "linear_num_value_heads", "kitchen_attention_backend", "is_hybrid_model",

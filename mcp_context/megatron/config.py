@@ -68,6 +68,9 @@ def _check_comm(config: Any, p: str) -> None:
 
 def _check_hierarchy(config: Any, p: str) -> None:
     cp, sizes = config.context_parallel_size, config.hierarchical_context_parallel_sizes
+    if getattr(config, "hybrid_context_parallel", False):
+        _check_hybrid(config, p)
+        return
     try:
         if sizes is not None:
             check_hcp_sizes(sizes, cp, p)
@@ -77,6 +80,37 @@ def _check_hierarchy(config: Any, p: str) -> None:
                              f"{example_hcp_sizes(cp)}")
     except ValueError as err:
         raise HCPConfigError(str(err)) from None
+
+
+def _check_hybrid(config: Any, p: str) -> None:
+    """Dynamic CP (megatron-core's ``hybrid_context_parallel``): each sub-sample brings its own group out of
+    the data x context parallel ranks, so the hierarchy describes that whole group (its product is
+    checked against the group when the attention is built) and level 0 is the all-to-all domain."""
+    if config.context_parallel_size != 1:
+        raise HCPConfigError(f"{p}hybrid_context_parallel=True with {p}context_parallel_size="
+                             f"{config.context_parallel_size}: hybrid CP draws each sub-sample's group from the data "
+                             f"parallel ranks, and megatron-core's RoPE slices a one-rank sub-sample over the fixed CP "
+                             f"group; set {p}context_parallel_size=1 and size the data parallel group instead")
+    budget = getattr(config, "max_seqlen_per_dp_cp_rank", None)
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+        raise HCPConfigError(f"{p}hybrid_context_parallel=True needs {p}max_seqlen_per_dp_cp_rank, the tokens one rank "
+                             f"holds of a sub-sample (got {budget!r}); set it, e.g. to the longest sequence divided by "
+                             f"the data parallel size")
+    if not getattr(config, "calculate_per_token_loss", False):
+        raise HCPConfigError(f"{p}hybrid_context_parallel=True needs {p}calculate_per_token_loss=True: sub-samples "
+                             f"differ in length, and megatron-core 0.16's hybrid schedule passes no CP size to the "
+                             f"loss (Megatron-LM asserts the same: --calculate-per-token-loss)")
+    sizes = config.hierarchical_context_parallel_sizes
+    if sizes is not None and (not sizes or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in sizes)):
+        raise HCPConfigError(f"{p}hierarchical_context_parallel_sizes={sizes} must be a non-empty list of positive "
+                             f"integers (inner level first: the all-to-all domain, then the ring)")
+    for comm in set(_comm_list(config)):
+        try:
+            check_levels(comm, sizes, comm_name=f"{p}cp_comm_type", sizes_name=f"{p}hierarchical_context_parallel_sizes",
+                         fix="with hybrid_context_parallel it describes the data x context parallel group, level 0 "
+                             "being the ranks of one all-to-all domain; set it, e.g. [8, world // 8]")
+        except ValueError as err:
+            raise HCPConfigError(str(err)) from None
 
 
 def _check_heads(config: Any, p: str) -> None:
@@ -132,8 +166,6 @@ REFUSED_FIELDS = (
                            "training and full-sequence forward passes; set flash_decode=False"),
     ("batch_invariant_mode", bool, "asks for batch-invariant kernels; mcp_context's kernels and merge have not "
                                    "been checked for batch invariance; set batch_invariant_mode=False"),
-    ("hybrid_context_parallel", bool, "regroups the context-parallel ranks per batch; our attention runs on the "
-                                      "fixed CP group; set hybrid_context_parallel=False"),
     ("use_kitchen", bool, "builds kitchen's quantised modules, which mcp_context's specs do not; set "
                           "use_kitchen=False"),
     ("use_kitchen_attention", bool, "replaces the core attention with kitchen's; set use_kitchen_attention=False"),

@@ -23,7 +23,10 @@ With ``attn_mask_type=causal`` the ``attention_mask`` argument is ignored, as in
 (``packed_seq_params`` with ``qkv_format="thd"``: ``q [t, np, hn]``, global ``cu_seqlens_q`` and
 ``cu_seqlens_q_padded``) run with a document mask on megatron-core's per-document zigzag (what its thd
 RoPE and ``slice_batch_for_cp`` assume); the first layer of a step parses the offsets, has the CP ranks
-agree on them and keeps the ``Documents`` value on the ``PackedSeqParams`` for the other layers. Arbitrary masks, attention bias, other packed formats and
+agree on them and keeps the ``Documents`` value on the ``PackedSeqParams`` for the other layers. Under
+``hybrid_context_parallel`` (dynamic CP, docs/dynamic_cp.md) a sub-sample's ``PackedSeqParams(local_cp_size,
+cp_group)`` picks the group and hierarchy the engine runs over (``dynamic_groups``), one engine per group;
+without it, a ``PackedSeqParams`` naming any group but the CP group is refused. Arbitrary masks, attention bias, other packed formats and
 keys packed differently from queries are refused with a clear error.
 """
 from __future__ import annotations
@@ -37,12 +40,13 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from ..api import engine_for
-from ..cp_rules import normalize_comm
+from ..cp_rules import heads_per_tp_rank, normalize_comm
 from ..engine import ContextParallelAttention, agree_on_documents
 from ..masks import SlidingWindow, documents_mask
 from ..comm import HCPGroups
 from .config import (HCPConfigError, check_attention_fields, check_deterministic, kernel_backend,
                      normalize_cp_comm_type, validate_cp_config)
+from .dynamic_groups import SubSampleGroups
 from .spec_facts import LayerSpecFacts, check_spec_fits
 
 LAYOUT = "zigzag"  # megatron-core's get_batch_on_this_cp_rank and RoPE slicing assume it
@@ -84,6 +88,28 @@ def _packed_documents(params: Any, groups: HCPGroups) -> dict:
     documents = agree_on_documents(documents_mask(params.cu_seqlens_q, params.cu_seqlens_q_padded), groups)
     params._hcp_documents = documents  # this step's packing, for the layers after this one
     return {"documents": documents}
+
+
+def _sub_sample_groups(config: Any, pg_collection: Any, comm: str, single: HCPGroups) -> SubSampleGroups:
+    """Dynamic CP (``hybrid_context_parallel``): the resolver of each sub-sample's groups over the data x
+    context parallel group, whose size the hierarchy must multiply to."""
+    world = getattr(pg_collection, "dp_cp", None) if pg_collection is not None else None
+    if world is None:
+        from megatron.core import parallel_state
+
+        world = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    sizes, n = config.hierarchical_context_parallel_sizes, _size(world)
+    if sizes and math.prod(sizes) != n:
+        raise HCPConfigError(f"hierarchical_context_parallel_sizes={list(sizes)} multiply to {math.prod(sizes)}, but "
+                             f"with hybrid_context_parallel=True they describe the {n} data x context parallel ranks; "
+                             f"choose sizes whose product is {n} (level 0: the ranks of one all-to-all domain)")
+    return SubSampleGroups(world, sizes[0] if sizes else None, normalize_comm(comm or "p2p"), single)
+
+
+def _is_sub_sample(params: Any) -> bool:
+    """Whether ``params`` names a dynamic-CP sub-sample's own group (megatron-core's hybrid CP)."""
+    return params is not None and (getattr(params, "local_cp_size", None) is not None
+                                   or getattr(params, "cp_group", None) is not None)
 
 
 def _tp_group(pg_collection: Any) -> Any:
@@ -140,14 +166,24 @@ class HCPDotProductAttention(MegatronModule):
         self.backend = kernel_backend(config)
         self.pg_collection = pg_collection if pg_collection is not None else model_comm_pgs
         self.groups = _hcp_groups(self.pg_collection)
-        self._engines: dict[tuple[bool, bool], ContextParallelAttention] = {}  # per (causal, dropout)
+        self._engines: dict[tuple, ContextParallelAttention] = {}  # per (causal, dropout, groups, comm)
         if self.groups.cp_size != config.context_parallel_size:
             raise HCPConfigError(f"TransformerConfig.context_parallel_size={config.context_parallel_size}, but the "
                                  f"context-parallel process group has {self.groups.cp_size} ranks; initialise "
                                  f"parallel_state with context_parallel_size={config.context_parallel_size} (and "
                                  f"the same hierarchical_context_parallel_sizes) before building the model")
+        # hybrid_context_parallel: each sub-sample runs over the group its PackedSeqParams name
+        self.sub_sample_groups = (_sub_sample_groups(config, self.pg_collection, comm, self.groups)
+                                  if getattr(config, "hybrid_context_parallel", False) else None)
         self.tp_group = _tp_group(self.pg_collection)
         self.num_attention_heads_per_partition = config.num_attention_heads // _size(self.tp_group)
+        if self.sub_sample_groups is not None:
+            try:
+                self.sub_sample_groups.check_heads(*heads_per_tp_rank(
+                    config.num_attention_heads, config.num_query_groups or config.num_attention_heads,
+                    _size(self.tp_group)))
+            except ValueError as err:
+                raise HCPConfigError(f"hybrid_context_parallel with cp_comm_type={comm!r}: {err}") from None
         self._init_softmax_offset(config)
 
     def _init_softmax_offset(self, config) -> None:
@@ -171,7 +207,13 @@ class HCPDotProductAttention(MegatronModule):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
                 attention_bias: Optional[torch.Tensor] = None, packed_seq_params: Any = None) -> torch.Tensor:
-        packed = _packed_documents(packed_seq_params, self.groups)
+        groups, comm = self.groups, self.cp_comm_type
+        if self.sub_sample_groups is not None and _is_sub_sample(packed_seq_params):
+            groups, comm = self._sub_sample(packed_seq_params, query)
+            packed = {}
+        else:
+            self._check_fixed_group(packed_seq_params)
+            packed = _packed_documents(packed_seq_params, self.groups)
         if attention_bias is not None:
             raise NotImplementedError("HCPDotProductAttention does not support attention_bias")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
@@ -188,20 +230,47 @@ class HCPDotProductAttention(MegatronModule):
         offset = self.softmax_offset
         if offset is not None and offset.device != query.device and not isinstance(offset, torch.nn.Parameter):
             self.softmax_offset = offset = offset.to(query.device)  # off-by-one's zeros follow the activations
-        out = self._engine(causal, dropout, query.device)(
+        out = self._engine(causal, dropout, query.device, groups, comm)(
             query, key, value, dropout_seed=self._dropout_seed(query.device) if dropout else None,
             softmax_offset=offset, **packed)
         s, b, h, d = out.shape
         return out.reshape(s, h * d) if packed else out.reshape(s, b, h * d)
 
-    def _engine(self, causal: bool, dropout: bool, device: torch.device) -> ContextParallelAttention:
-        """The engine for this mask and train/eval mode: the one every layer with the same attention shares
-        (``engine_for``), looked up on first use and kept for the layer's life."""
-        key = (causal, dropout)
+    def _sub_sample(self, params: Any, query: torch.Tensor) -> tuple[HCPGroups, str]:
+        """The groups and comm of a dynamic-CP sub-sample (one sequence, ``sbhd``, sharded zigzag over its
+        ``cp_group`` by megatron-core's ``get_batch_on_this_hybrid_cp_rank``)."""
+        fmt = getattr(params, "qkv_format", None)
+        if fmt not in (None, "sbhd"):
+            raise NotImplementedError(f"packed_seq_params.qkv_format={fmt!r} with a per-sub-sample cp_group: a dynamic-CP "
+                                      f"sub-sample is one sequence in sbhd (megatron-core's hybrid CP makes it so); "
+                                      f"packed documents inside a sub-sample are not supported")
+        return self.sub_sample_groups.resolve(params, query.shape[0])
+
+    def _check_fixed_group(self, params: Any) -> None:
+        """Without hybrid CP, ``packed_seq_params`` may name the fixed CP group (megatron-core's thd batches do),
+        not another one, and carries no ``local_cp_size``."""
+        if params is None:
+            return
+        n, group = getattr(params, "local_cp_size", None), getattr(params, "cp_group", None)
+        other = group is not None and group is not self.groups.cp_group and (
+            torch.distributed.get_process_group_ranks(group) != self.groups.cp_global_ranks)
+        if n is not None or other:
+            raise HCPConfigError(f"packed_seq_params carries local_cp_size={n} / a cp_group of ranks "
+                                 f"{torch.distributed.get_process_group_ranks(group) if group is not None else None} "
+                                 f"other than the CP group {self.groups.cp_global_ranks}, but "
+                                 f"TransformerConfig.hybrid_context_parallel=False; set hybrid_context_parallel=True "
+                                 f"(with max_seqlen_per_dp_cp_rank) to run each sub-sample over its own group")
+
+    def _engine(self, causal: bool, dropout: bool, device: torch.device, groups: HCPGroups,
+                comm: str) -> ContextParallelAttention:
+        """The engine for this mask, train/eval mode and group: the one every layer with the same attention
+        shares (``engine_for``), looked up on first use and kept for the layer's life (under dynamic CP one
+        per sub-sample group)."""
+        key = (causal, dropout, groups, comm)
         if key not in self._engines:
             check_deterministic(self.config, self.backend, device)
             self._engines[key] = engine_for(
-                self.groups, causal=causal, layout=LAYOUT, comm=self.cp_comm_type, softmax_scale=self.softmax_scale,
+                groups, causal=causal, layout=LAYOUT, comm=comm, softmax_scale=self.softmax_scale,
                 backend=self.backend, dropout_p=self.dropout_p if dropout else 0.0, window_size=self.window_size)
         return self._engines[key]
 
