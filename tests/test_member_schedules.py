@@ -211,3 +211,32 @@ def _cuda_cases():
 def test_member_schedules_on_cuda_meet_the_half_precision_tolerance(dtype, cp, layout, inner, causal, kv_heads):
     _assert_within_half_precision_tolerance(
         half_precision_errors(layout, cp, inner, causal, kv_heads, dtype, "cuda", seq_len=2048))
+
+
+@pytest.mark.parametrize("cp,layout,mask", [(8, "zigzag", "causal"), (4, "contiguous", "causal"), (4, "zigzag", "full")])
+def test_gathered_plans_sum_dkv_in_bf16_bit_for_bit_as_fp32_then_one_cast(cp, layout, mask):
+    """An all-gather plan adds at most two blocks into any key row, so its dK/dV buffer can be bf16: the
+    result is bit-for-bit what summing in fp32 and casting once gives (the fp32 buffer it replaced), and the
+    buffer is half the size."""
+    import dataclasses
+
+    from mcp_context.algorithms.executor import most_blocks_per_key, ring_backward, ring_forward
+
+    seq = 32 * cp
+    kernel = get_kernel("torch:cpu_flash", torch.device("cpu"), torch.bfloat16, head_dim=HEAD_DIM)
+    schedule = layout_schedule(layout, cp, seq, CAUSAL if mask == "causal" else FULL, 1, kernel.capabilities.masks)
+    q, k, v, dout = (x.to(torch.bfloat16) for x in random_qkv(seq, 1, HEADS, 2, HEAD_DIM, seed=3))
+    positions = [spans_positions(spans) for spans in schedule.member_spans]
+    for member in range(cp):
+        tasks = gathered_tasks(schedule, member, kernel.capabilities.masks)
+        assert most_blocks_per_key(tasks) <= 2
+        plan = RingPlan.build(tasks, LocalRotation(0, 1), kernel, HEAD_DIM ** -0.5, len(positions[member]))
+        assert plan.kv_sums_exact and plan.kv_dtype(torch.bfloat16) == torch.bfloat16
+        qm, dm = q[positions[member]], dout[positions[member]]
+        out, lse = ring_forward(qm, k, v, plan)
+        got = ring_backward(dm, qm, k, v, out, lse, plan)
+        want = ring_backward(dm, qm, k, v, out, lse, dataclasses.replace(plan, kv_sums_exact=False))
+        for name, a, b in zip(("dq", "dk", "dv"), got[:3], want[:3]):
+            assert torch.equal(a, b), (member, name)
+    ring = RingPlan.build(schedule.tasks[0], LocalRotation(0, cp), kernel, HEAD_DIM ** -0.5, len(positions[0]))
+    assert not ring.kv_sums_exact  # one member of a ring: the other members add to its sums

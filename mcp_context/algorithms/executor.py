@@ -11,6 +11,7 @@ into the final ``(out, lse)``, so every block's backward already sees sink-norma
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -47,11 +48,27 @@ def first_writes_cover(tasks: Sequence[Sequence[BlockTask]], first: Sequence[Seq
     return all(seen)
 
 
+def most_blocks_per_key(tasks: Sequence[Sequence[BlockTask]]) -> int:
+    """The most tasks of one step that read the same key row: how many block dK/dV a row's sum adds here."""
+    most = 0
+    for step in tasks:
+        edges = sorted([(t.kv[0], 1) for t in step] + [(t.kv[1], -1) for t in step])
+        depth = 0
+        for _, d in edges:  # an end sorts before a start at the same row: touching ranges do not overlap
+            depth += d
+            most = max(most, depth)
+    return most
+
+
 @dataclass(frozen=True)
 class RingPlan:
     """What one member executes: its tasks per ring step, how shards arrive, and the kernel.
 
-    ``first`` and ``covered`` are derived from ``tasks`` once (``RingPlan.build``)."""
+    ``first``, ``covered`` and ``kv_sums_exact`` are derived from ``tasks`` once (``RingPlan.build``).
+    ``kv_sums_exact``: every dK/dV sum is complete on this member (``rotation.complete_sums``) and adds at
+    most two blocks, so summing in the inputs' half precision rounds exactly as fp32 then one cast would
+    (two bf16 numbers add exactly in fp32 arithmetic before the one rounding): the all-gather's plans, whose
+    fp32 dK/dV buffer over the whole sequence was the largest thing they held."""
 
     tasks: Sequence[Sequence[BlockTask]]
     rotation: Rotation
@@ -61,17 +78,22 @@ class RingPlan:
     covered: bool
     dropout_p: float = 0.0
     dropout_seed: Optional[int] = None  # already distinct per rank; mixed with step and task here
+    kv_sums_exact: bool = False
 
     @classmethod
     def build(cls, tasks, rotation, kernel: Kernel, scale: float, rows: int, dropout_p: float = 0.0,
               dropout_seed: Optional[int] = None) -> "RingPlan":
         first = first_writes(tasks)
+        exact = rotation.complete_sums and most_blocks_per_key(tasks) <= 2
         return cls(tasks, rotation, kernel, scale, first, first_writes_cover(tasks, first, rows), dropout_p,
-                   dropout_seed)
+                   dropout_seed, exact)
 
     def with_dropout_seed(self, seed: Optional[int]) -> "RingPlan":
-        return RingPlan(self.tasks, self.rotation, self.kernel, self.scale, self.first, self.covered, self.dropout_p,
-                        seed)
+        return dataclasses.replace(self, dropout_seed=seed)
+
+    def kv_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype dK/dV are summed in for inputs of ``dtype``."""
+        return dtype if self.kv_sums_exact and dtype in (torch.bfloat16, torch.float16) else accum_dtype(dtype)
 
     def dropout(self, step: int, task: int) -> Optional[Dropout]:
         if self.dropout_p == 0.0:
@@ -193,7 +215,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     acc = accum_dtype(q.dtype)
     dq = _accumulator(qb, tuple(qb.shape), acc, 0.0, plan.covered)
     kb_all, vb_all = _bhsd(k), _bhsd(v)
-    grads = plan.rotation.gradients(kb_all, vb_all, acc)
+    grads = plan.rotation.gradients(kb_all, vb_all, plan.kv_dtype(k.dtype))
     for step, kb, vb in grads.blocks(kb_all, vb_all):
         t0 = trace.now()
         for i, t in enumerate(plan.tasks[step]):

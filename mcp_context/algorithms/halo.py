@@ -60,6 +60,8 @@ def _shape(like: torch.Tensor, rows: Rows) -> tuple[int, ...]:
 class HaloRotation:
     """Member ``member`` of the ring whose global ranks are ``peers`` (member order), exchanging halos."""
 
+    complete_sums = False  # a halo's dK/dV go home to be added
+
     def __init__(self, schedule: Schedule, member: int, peers: Sequence[int], group: ProcessGroup):
         size = schedule.ring_size
         self.member, self.peers, self.group, self.ring_size = member, list(peers), group, size

@@ -54,7 +54,10 @@ def rows_of(x: torch.Tensor, rows: tuple[int, int]) -> torch.Tensor:
 
 
 class Rotation(Protocol):
-    """How K/V shards reach a ring member step by step (``blocks``) and their gradients get home."""
+    """How K/V shards reach a ring member step by step (``blocks``) and their gradients get home.
+    ``complete_sums``: every dK/dV sum the walk accumulates is complete here (no other member adds to it)."""
+
+    complete_sums: bool
 
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """``(step, k_block, v_block)`` for every step walked."""
@@ -89,6 +92,8 @@ def split_kv(kv: torch.Tensor, dqk: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class RingRotation:
+    complete_sums = False  # each shard's sum travels on through the ring
+
     def __init__(self, kv_exchange: RingExchange, dkv_exchange: RingExchange, ring_size: int,
                  steps: Optional[int] = None):
         self.kv_exchange, self.dkv_exchange, self.ring_size = kv_exchange, dkv_exchange, ring_size
@@ -220,6 +225,7 @@ class LocalRotation:
 
     def __init__(self, member: int, ring_size: int):
         self.member, self.ring_size = member, ring_size
+        self.complete_sums = ring_size == 1  # one member of a larger ring: the others add to these sums
 
     def rows(self, total: int, step: int) -> slice:
         n = total // self.ring_size
@@ -232,22 +238,35 @@ class LocalRotation:
             yield step, k.narrow(2, rows.start, rows.stop - rows.start), v.narrow(2, rows.start, rows.stop - rows.start)
 
     def gradients(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> "LocalGradients":
-        return LocalGradients(self, bhsd(token_major_zeros(k, k.shape[-1] + v.shape[-1], dtype)), k.shape[-1])
+        return LocalGradients(self, k, k.shape[-1] + v.shape[-1], k.shape[-1], dtype)
 
 
 class LocalGradients:
-    def __init__(self, rotation: LocalRotation, dkv: torch.Tensor, dqk: int):
-        self.rotation, self.dkv, self.dqk = rotation, dkv, dqk
+    """dK/dV straight into slices of one ``[b, h_kv, rows, dqk + dv]`` buffer, made at the first add: in
+    ``dtype``, unless that is a half dtype the blocks' gradients do not come in (a kernel that returns fp32
+    partials): then in fp32, so a sum is never rounded more often than in fp32 (``RingPlan.kv_sums_exact``)."""
+
+    def __init__(self, rotation: LocalRotation, k: torch.Tensor, dims: int, dqk: int, dtype: torch.dtype):
+        self.rotation, self.k, self.dims, self.dqk, self.dtype = rotation, k, dims, dqk, dtype
+        self._dkv: Optional[torch.Tensor] = None
+
+    def _buffer(self, block_dtype: torch.dtype) -> torch.Tensor:
+        if self._dkv is None:
+            half = self.dtype in (torch.bfloat16, torch.float16)
+            dtype = torch.float32 if half and block_dtype != self.dtype else self.dtype
+            self._dkv = bhsd(token_major_zeros(self.k, self.dims, dtype))
+        return self._dkv
 
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         return self.rotation.blocks(k, v)
 
     def add(self, step: int, rows: tuple[int, int], dk: torch.Tensor, dv: torch.Tensor) -> None:
-        shard = self.rotation.rows(self.dkv.shape[2], step)
-        add_kv_(rows_of(self.dkv, (shard.start + rows[0], shard.start + rows[1])), dk, dv)
+        dkv = self._buffer(dk.dtype)
+        shard = self.rotation.rows(dkv.shape[2], step)
+        add_kv_(rows_of(dkv, (shard.start + rows[0], shard.start + rows[1])), dk, dv)
 
     def done(self, step: int) -> None:
         """Nothing to do: every block was added straight into the shard's own accumulator."""
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return split_kv(self.dkv, self.dqk)
+        return split_kv(self._buffer(self.dtype), self.dqk)
