@@ -143,3 +143,20 @@ def test_dynamic_cp_trains_the_same_steps_as_fixed_cp4(data_dir, packed_hcp, tmp
         for key in ("loss", "grad_norm", "lr", "val_loss"):
             if key in ref:
                 assert rec[key] == pytest.approx(ref[key], rel=1e-5, abs=0), (rec["step"], key, rec[key], ref[key])
+
+
+def test_dynamic_cp_splits_a_global_batch_into_padded_documents():
+    """EOD = 0, padded to multiples of 4: two micro-batches of one row each give the documents [5 6 0], [7 0],
+    [8 9 1] (cut by the sample's end) and [1 2 3 4 5 6 7 0], in order, each padded with token, label, loss
+    mask and position 0; the dataset's positions are kept."""
+    from mcp_context.pretrain.dynamic import step_documents
+
+    rows = [torch.tensor([[5, 6, 0, 7, 0, 8, 9, 1]]), torch.tensor([[1, 2, 3, 4, 5, 6, 7, 0]])]
+    batches = [{"tokens": t, "labels": t + 100, "loss_mask": torch.ones(1, 8), "position_ids": torch.arange(8)[None]}
+               for t in rows]
+    documents = step_documents(batches, eod=0, multiple=4)
+    assert [d["tokens"].tolist() for d in documents] == [[5, 6, 0, 0], [7, 0, 0, 0], [8, 9, 1, 0],
+                                                         [1, 2, 3, 4, 5, 6, 7, 0]]
+    assert documents[0]["labels"].tolist() == [105, 106, 100, 0]
+    assert documents[1]["loss_mask"].tolist() == [1, 1, 0, 0]
+    assert documents[2]["position_ids"].tolist() == [5, 6, 7, 0]
