@@ -53,11 +53,11 @@ def _train_from(rank, world, record, pretrained, run_dir, data_dir):
     check_recipe_for_training(cfg, world)
     first, original_step = {}, loop.train_step
 
-    def train_step(model, optimizer, scheduler, micro_batches, device):
+    def train_step(model, optimizer, scheduler, micro_batches, device, dynamic=None):
         if not first:
             params = dict(model.module.named_parameters())
             first.update({name: params[name].detach().clone() for name in WATCHED})
-        return original_step(model, optimizer, scheduler, micro_batches, device)
+        return original_step(model, optimizer, scheduler, micro_batches, device, dynamic)
 
     loop.train_step = train_step
     try:

@@ -65,11 +65,11 @@ def _train(rank, world, run_dir, overrides, save=True, crash_before_step=None, c
     original_step, original_save = loop.train_step, dist_checkpointing.save
     weights = {}
 
-    def train_step(model, optimizer, scheduler, micro_batches, device):
+    def train_step(model, optimizer, scheduler, micro_batches, device, dynamic=None):
         step = scheduler.num_steps + 1
         if step == crash_before_step:
             raise _Interrupted
-        record = original_step(model, optimizer, scheduler, micro_batches, device)
+        record = original_step(model, optimizer, scheduler, micro_batches, device, dynamic)
         if step == weights_of_step and rank == 0:
             weights.update({n: p.detach().clone() for n, p in model.module.named_parameters()})
         return record

@@ -32,12 +32,17 @@ def _run(data_dir, run_dir, overrides):
                                     False))
 
 
-def test_packed_documents_at_cp4_hierarchical_match_cp1_and_differ_from_unmasked(data_dir, tmp_path):
+@pytest.fixture(scope="module")
+def packed_hcp(data_dir, tmp_path_factory):
+    """The packed run at CP = 4 as [2, 2] (a2a+p2p): the reference of both parity tests."""
+    return _run(data_dir, tmp_path_factory.mktemp("hcp"), PACKED + HCP4)
+
+
+def test_packed_documents_at_cp4_hierarchical_match_cp1_and_differ_from_unmasked(data_dir, packed_hcp, tmp_path):
     """Parity with CP = 1 within 1e-4 relative (measured: <= 1.2e-7). Against the same samples without
     document masks (CP = 1) every gradient norm differs by more than 5e-4 relative (measured: 8e-4 to
     1.4e-2) and the losses from step 2 on, validation included, by more than 2e-4 (measured: 3.3e-4 to
     4.9e-4); step 1's loss is the same within 1e-5 (near-uniform predictions at initialisation)."""
-    packed_hcp = _run(data_dir, tmp_path / "hcp", PACKED + HCP4)
     packed_cp1 = _run(data_dir, tmp_path / "cp1", PACKED + CP1)
     unmasked = _run(data_dir, tmp_path / "unmasked", CP1)
     assert [r["step"] for r in packed_hcp] == [1, 2, 3] and "val_loss" in packed_hcp[2]
@@ -99,3 +104,59 @@ def test_recipe_with_document_masks_validates_and_refuses_a_materialised_mask():
                                           r"that the packed attention cannot take: set "
                                           r"data.create_attention_mask=false"):
         validate_recipe(load_recipe(None, PACKED + ["data.create_attention_mask=true"]))
+
+
+DYNAMIC = ["model.hybrid_context_parallel=true", "model.max_seqlen_per_dp_cp_rank=64", "model.context_parallel_size=1",
+           "model.hierarchical_context_parallel_sizes=[2, 2]", "model.cp_comm_type=a2a+p2p"]
+
+
+def _train_recording_group_sizes(rank, world, run_dir, overrides, save):
+    """``_train``, and the sizes of the groups the dynamic plans gave the documents."""
+    from mcp_context.pretrain import dynamic
+
+    sizes, original = set(), dynamic.run_plan
+
+    def run_plan(model, documents, plan, *args):
+        sizes.update(sum(sid in ids for ids in plan[0]) for sid in range(len(documents)))
+        return original(model, documents, plan, *args)
+
+    dynamic.run_plan = run_plan
+    try:
+        return _train(rank, world, run_dir, overrides, save), sorted(sizes)
+    finally:
+        dynamic.run_plan = original
+
+
+def test_dynamic_cp_trains_the_same_steps_as_fixed_cp4(data_dir, packed_hcp, tmp_path):
+    """``model.hybrid_context_parallel`` through ``python -m mcp_context.pretrain``'s ``train``: every rank reads
+    the global batch, each document runs on the smallest group of the 4 ranks that holds it at 64 tokens a rank
+    (here groups of 2, all-to-all only, and of 4, all-to-all in pairs and a ring), and the 3 steps' loss,
+    gradient norm, learning rate and validation loss equal the packed run at a fixed CP = 4 [2, 2] within
+    1e-5 relative, fp32 (measured: <= 1.2e-7)."""
+    results = run_distributed(4, _train_recording_group_sizes, str(tmp_path / "dynamic"),
+                              STEPS + PACKED + DYNAMIC + [f"data.cache_dir={data_dir}"], False)
+    dynamic = _records([result for result, _ in results])
+    # these steps' documents are 65 to 256 tokens (none fits one rank at 64); groups of 1: tests/test_dynamic_cp.py
+    assert set().union(*(sizes for _, sizes in results)) == {2, 4}, [sizes for _, sizes in results]
+    assert [r["step"] for r in dynamic] == [1, 2, 3] and "val_loss" in dynamic[2]
+    for rec, ref in zip(dynamic, packed_hcp):
+        for key in ("loss", "grad_norm", "lr", "val_loss"):
+            if key in ref:
+                assert rec[key] == pytest.approx(ref[key], rel=1e-5, abs=0), (rec["step"], key, rec[key], ref[key])
+
+
+def test_dynamic_cp_splits_a_global_batch_into_padded_documents():
+    """EOD = 0, padded to multiples of 4: two micro-batches of one row each give the documents [5 6 0], [7 0],
+    [8 9 1] (cut by the sample's end) and [1 2 3 4 5 6 7 0], in order, each padded with token, label, loss
+    mask and position 0; the dataset's positions are kept."""
+    from mcp_context.pretrain.dynamic import step_documents
+
+    rows = [torch.tensor([[5, 6, 0, 7, 0, 8, 9, 1]]), torch.tensor([[1, 2, 3, 4, 5, 6, 7, 0]])]
+    batches = [{"tokens": t, "labels": t + 100, "loss_mask": torch.ones(1, 8), "position_ids": torch.arange(8)[None]}
+               for t in rows]
+    documents = step_documents(batches, eod=0, multiple=4)
+    assert [d["tokens"].tolist() for d in documents] == [[5, 6, 0, 0], [7, 0, 0, 0], [8, 9, 1, 0],
+                                                         [1, 2, 3, 4, 5, 6, 7, 0]]
+    assert documents[0]["labels"].tolist() == [105, 106, 100, 0]
+    assert documents[1]["loss_mask"].tolist() == [1, 1, 0, 0]
+    assert documents[2]["position_ids"].tolist() == [5, 6, 7, 0]

@@ -34,14 +34,14 @@ def _train(rank, world, recipe, run_dir, overrides):
     check_recipe_for_training(cfg, world)
     built, original_step = {}, loop.train_step
 
-    def train_step(model, optimizer, scheduler, micro_batches, device):
+    def train_step(model, optimizer, scheduler, micro_batches, device, dynamic=None):
         params = dict(model.module.named_parameters())
         if not built:
             buffers = dict(model.module.named_buffers())
             built.update(names=sorted(params), config=type(model.module.config).__name__, buffers=buffers,
                          sinks={n: p.detach().clone() for n, p in params.items() if n.endswith("softmax_offset")},
                          biases={n: b.clone() for n, b in buffers.items() if n.endswith("expert_bias")})
-        record = original_step(model, optimizer, scheduler, micro_batches, device)
+        record = original_step(model, optimizer, scheduler, micro_batches, device, dynamic)
         built["moved"] = {n: (params[n].detach() - p).abs().max().item() for n, p in built["sinks"].items()}
         built["bias_moved"] = {n: (built["buffers"][n] - b).abs().max().item() for n, b in built["biases"].items()}
         return record

@@ -108,6 +108,10 @@ def test_unknown_key_in_file_at_any_depth(tmp_path):
 
 # Each case: overrides on the tiny default (CP 4 = [2, 2], a2a+p2p, 4 heads, 2 KV heads, seq 256,
 # world size 4), and a fragment of the error, which must name the key at fault.
+DYNAMIC_CP = ["model.hybrid_context_parallel=true", "model.max_seqlen_per_dp_cp_rank=64", "model.context_parallel_size=1",
+              "data.reset_attention_mask=true"]
+"""The tiny recipe with dynamic CP over its 4 ranks (hierarchy [2, 2] now over the data parallel group)."""
+
 BAD_LAYOUTS = [
     (["model.hierarchical_context_parallel_sizes=[3, 3]"],
      "model.hierarchical_context_parallel_sizes=[3, 3] multiply to 9, but model.context_parallel_size=4; "
@@ -156,6 +160,31 @@ BAD_LAYOUTS = [
     (["data.tokenizer_type=HuggingFaceTokenizer"], "needs data.tokenizer_model"),
     (["data.reset_attention_mask=true", "data.create_attention_mask=true"],
      "data.create_attention_mask=true would build an [s, s] mask per sample that the packed attention cannot take"),
+    # dynamic CP (model.hybrid_context_parallel): the budget, the hierarchy over the data parallel group, the runner
+    (["model.max_seqlen_per_dp_cp_rank=64"], "model.max_seqlen_per_dp_cp_rank=64 is the budget of dynamic CP, which "
+                                              "is off; set model.hybrid_context_parallel=true"),
+    (DYNAMIC_CP + ["model.max_seqlen_per_dp_cp_rank=null"],
+     "model.hybrid_context_parallel=True needs model.max_seqlen_per_dp_cp_rank"),
+    (DYNAMIC_CP + ["model.max_seqlen_per_dp_cp_rank=60"],
+     "model.max_seqlen_per_dp_cp_rank=60 is not a multiple of 2 x 4 ranks = 8: every document is padded to that "
+     "multiple (zigzag's two chunks a rank on the largest group), so only multiples of it bound a group exactly; "
+     "use 56 or 64"),
+    (DYNAMIC_CP + ["model.max_seqlen_per_dp_cp_rank=56"],
+     "model.max_seqlen_per_dp_cp_rank=56: a document as long as a sample (model.seq_length=256, padded to 256) does "
+     "not fit all 4 ranks (224 tokens at most); raise it to at least 64"),
+    (DYNAMIC_CP + ["model.hierarchical_context_parallel_sizes=[2, 4]"],
+     "model.hierarchical_context_parallel_sizes=[2, 4] multiplies to 8, but with model.hybrid_context_parallel=true "
+     "it describes the data parallel group of all 4 ranks; make the product 4"),
+    (DYNAMIC_CP + ["model.context_parallel_size=4"],
+     "model.hybrid_context_parallel=True with model.context_parallel_size=4"),
+    (DYNAMIC_CP + ["data.reset_attention_mask=false"],
+     "model.hybrid_context_parallel=true spreads a step's documents (split at the end-of-document tokens) over "
+     "groups of ranks, each attending only to itself; set data.reset_attention_mask=true"),
+    (DYNAMIC_CP + ["model.tensor_model_parallel_size=2", "train.world_size=8"],
+     "model.tensor_model_parallel_size=2 with model.hybrid_context_parallel=true: the dynamic CP step runner "
+     "(mcp_context.pretrain.dynamic) is built and tested for dense fp32 models at TP = PP = 1 only; set it to 1"),
+    (DYNAMIC_CP + ["model.bf16=true", "model.params_dtype=bfloat16"],
+     "model.params_dtype='bfloat16' with model.hybrid_context_parallel=true"),
 ]
 
 
@@ -285,7 +314,7 @@ def _megatron_lm_parser() -> argparse.ArgumentParser:
             "--num-virtual-stages-per-pipeline-rank", "--context-parallel-size", "--recompute-num-layers",
             "--num-workers", "--micro-batch-size", "--global-batch-size", "--train-iters", "--lr-warmup-iters",
             "--lr-decay-iters", "--eval-interval", "--eval-iters", "--seed", "--save-interval", "--log-interval",
-            "--num-experts", "--moe-ffn-hidden-size", "--moe-router-topk", "--moe-shared-expert-intermediate-size",
+            "--max-seqlen-per-dp-cp-rank", "--num-experts", "--moe-ffn-hidden-size", "--moe-router-topk", "--moe-shared-expert-intermediate-size",
             "--moe-router-num-groups", "--moe-router-group-topk", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",
             "--qk-pos-emb-head-dim", "--v-head-dim"]
     floats = ["--rotary-percent", "--rope-scaling-factor", "--norm-epsilon", "--attention-dropout",
@@ -299,7 +328,8 @@ def _megatron_lm_parser() -> argparse.ArgumentParser:
              "--add-qkv-bias", "--untie-embeddings-and-output-weights", "--sequence-parallel", "--bf16", "--fp16",
              "--no-create-attention-mask-in-dataloader", "--reset-position-ids", "--reset-attention-mask",
              "--eod-mask-loss", "--use-distributed-optimizer", "--quick-geglu", "--qk-layernorm",
-             "--multi-latent-attention", "--moe-router-pre-softmax", "--moe-router-enable-expert-bias"]
+             "--multi-latent-attention", "--moe-router-pre-softmax", "--moe-router-enable-expert-bias",
+             "--hybrid-context-parallel", "--calculate-per-token-loss"]
     # TransformerConfig's Literal fields (Megatron-LM's ArgumentGroupFactory gives them choices) and the MLA group's.
     p.add_argument("--softmax-type", type=str, choices=("vanilla", "off-by-one", "learnable"), default="vanilla")
     p.add_argument("--rope-type", type=str, choices=("rope", "yarn"), default=None)

@@ -109,6 +109,11 @@ MLA = ["model.multi_latent_attention=true", "model.num_query_groups=null", "mode
 MOE = ["model.num_moe_experts=4"]
 YARN = ["model.position_embedding_type=yarn"]
 
+HYBRID = ["model.hybrid_context_parallel=true", "model.max_seqlen_per_dp_cp_rank=64", "model.context_parallel_size=1",
+          "model.hierarchical_context_parallel_sizes=null", "model.cp_comm_type=p2p", "data.reset_attention_mask=true"]
+"""The tiny recipe with dynamic CP as Megatron-LM can run it: flat p2p groups over 4 data parallel ranks."""
+
+
 # dotted field -> (the parsed Megatron-LM argument it becomes, overrides that change it, the value it then has).
 # A field new to the schema fails test_every_recipe_field_has_a_verdict until it gets a row here or in OUR_ENTRY_ONLY.
 PRINTED = {
@@ -199,6 +204,8 @@ PRINTED = {
                                                   ["model.hierarchical_context_parallel_sizes=[4, 1]"], [4, 1]),
     "model.cp_comm_type": ("cp_comm_type", ["model.cp_comm_type=p2p", "model.hierarchical_context_parallel_sizes=null"],
                            ["p2p"]),
+    "model.hybrid_context_parallel": ("hybrid_context_parallel", HYBRID, True),
+    "model.max_seqlen_per_dp_cp_rank": ("max_seqlen_per_dp_cp_rank", HYBRID, 64),
     "model.sequence_parallel": ("sequence_parallel", ["model.sequence_parallel=true"], True),
     "model.bf16": ("bf16", ["model.bf16=true", "model.params_dtype=bfloat16"], True),
     "model.params_dtype": ("fp16", ["model.params_dtype=float16"], True),
@@ -246,6 +253,23 @@ PRINTED = {
     "logging.tensorboard_dir": ("tensorboard_dir", ["logging.tensorboard_dir=/tb"], "/tb"),
     "logging.wandb_project": ("wandb_project", ["logging.wandb_project=proj"], "proj"),
 }
+
+
+def test_hybrid_cp_prints_megatron_lms_flags_or_is_refused_naming_what_it_cannot_express():
+    """Flat p2p over 4 data parallel ranks prints megatron-core's hybrid CP flags with per-token loss; a hierarchy
+    over the data parallel group, and a data parallel size whose groups are not all powers of two, are refused."""
+    a = _parse_with_skip_freq(format_megatron_command(load_recipe(None, HYBRID)))
+    assert (a.hybrid_context_parallel, a.max_seqlen_per_dp_cp_rank, a.calculate_per_token_loss,
+            a.context_parallel_size, a.hierarchical_context_parallel_sizes) == (True, 64, True, 1, None)
+    with pytest.raises(RecipeError, match=r"^model.hierarchical_context_parallel_sizes=\[2, 2\] with "
+                                          r"model.hybrid_context_parallel=true has no Megatron-LM spelling"):
+        format_megatron_command(load_recipe(None, HYBRID + ["model.hierarchical_context_parallel_sizes=[2, 2]",
+                                                            "model.cp_comm_type=a2a+p2p"]))
+    six = load_recipe(None, HYBRID + ["train.world_size=6", "model.max_seqlen_per_dp_cp_rank=48"])
+    validate_recipe(six)  # our entry trains it (groups of 1, 2, 3, 6)
+    with pytest.raises(RecipeError, match=r"^model.hybrid_context_parallel=true over 6 data parallel ranks has no "
+                                          r"Megatron-LM spelling: our entry gives documents groups of \[1, 2, 3, 6\]"):
+        format_megatron_command(six)
 
 
 def _schema_fields() -> set[str]:

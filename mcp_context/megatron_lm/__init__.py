@@ -15,7 +15,7 @@ from __future__ import annotations
 import shlex
 from typing import Optional
 
-from mcp_context.cp_rules import canonical_comm
+from mcp_context.cp_rules import canonical_comm, dynamic_cp_sizes
 from mcp_context.data.corpus import (BUNDLED_CORPUS, corpus_path, data_prefixes, read_documents, empty_test_split,
                                      tokenizer_model_path)
 from mcp_context.recipes import RecipeConfig, RecipeError
@@ -208,6 +208,36 @@ def _mlp_flags(cfg: RecipeConfig) -> list[str]:
     return args
 
 
+def _hybrid_cp_flags(cfg: RecipeConfig) -> list[str]:
+    """megatron-core's hybrid CP for ``model.hybrid_context_parallel``. The flag names are from Megatron-LM's
+    ``arguments.py`` (which also asserts ``--calculate-per-token-loss`` with them); no Megatron-LM run here used
+    them. Refused where Megatron-LM cannot give what our entry trains: its scheduler gives a document a power of
+    two of ranks (ours any divisor the hierarchy can cut), and it asserts that the hierarchy multiplies to
+    ``--context-parallel-size``, 1 under hybrid CP, so a hierarchy over the data parallel group has no flag."""
+    m = cfg.model
+    if not m.hybrid_context_parallel:
+        return []
+    if m.hierarchical_context_parallel_sizes is not None:
+        raise RecipeError(
+            f"model.hierarchical_context_parallel_sizes={m.hierarchical_context_parallel_sizes} with "
+            f"model.hybrid_context_parallel=true has no Megatron-LM spelling: Megatron-LM asserts that "
+            f"--hierarchical-context-parallel-sizes multiplies to --context-parallel-size, which hybrid CP needs at 1; "
+            f"set it to null with a flat model.cp_comm_type (p2p, a2a or all_gather), or train with our entry")
+    if cfg.train.world_size is None:
+        raise RecipeError("model.hybrid_context_parallel=true with train.world_size=null: the printed command cannot "
+                          "check that Megatron-LM's power-of-two groups cut the data parallel group; set "
+                          "train.world_size")
+    dp = cfg.train.world_size // (m.tensor_model_parallel_size * m.pipeline_model_parallel_size)
+    sizes = dynamic_cp_sizes(dp, dp)
+    if any(size & (size - 1) for size in sizes):
+        raise RecipeError(
+            f"model.hybrid_context_parallel=true over {dp} data parallel ranks has no Megatron-LM spelling: our entry "
+            f"gives documents groups of {sizes} ranks, Megatron-LM's scheduler only powers of two; launch a "
+            f"power-of-two number of data parallel ranks, or train with our entry")
+    return ["--hybrid-context-parallel", "--max-seqlen-per-dp-cp-rank", str(m.max_seqlen_per_dp_cp_rank),
+            "--calculate-per-token-loss"]
+
+
 def to_megatron_args(cfg: RecipeConfig) -> list[str]:
     """The ``pretrain_gpt.py`` arguments equivalent to ``cfg`` (a flat argv list)."""
     m, d, t, o, c, log = cfg.model, cfg.data, cfg.train, cfg.optimizer, cfg.checkpoint, cfg.logging
@@ -275,6 +305,7 @@ def to_megatron_args(cfg: RecipeConfig) -> list[str]:
     add("--cp-comm-type", canonical_comm(m.cp_comm_type))
     if m.hierarchical_context_parallel_sizes is not None:
         add("--hierarchical-context-parallel-sizes", *m.hierarchical_context_parallel_sizes)
+    args.extend(_hybrid_cp_flags(cfg))
     if m.sequence_parallel:
         add("--sequence-parallel")
     add("--transformer-impl", _TRANSFORMER_IMPL[m.layer_spec])

@@ -76,7 +76,9 @@ def apply_megatron_patches(device: torch.device) -> None:
 
 
 def init_model_parallel(cfg: RecipeConfig) -> None:
-    """megatron-core ``parallel_state`` for the recipe's TP / CP layout (DP is what is left) and seeds."""
+    """megatron-core ``parallel_state`` for the recipe's TP / CP layout (DP is what is left) and seeds. Under
+    ``model.hybrid_context_parallel`` the hierarchy describes the data parallel group, not a fixed CP group
+    (CP = 1), so parallel_state gets none; ``dynamic.start_dynamic_cp`` makes that run's groups."""
     from megatron.core import parallel_state, tensor_parallel
 
     m = cfg.model
@@ -84,7 +86,7 @@ def init_model_parallel(cfg: RecipeConfig) -> None:
         tensor_model_parallel_size=m.tensor_model_parallel_size,
         pipeline_model_parallel_size=m.pipeline_model_parallel_size,
         context_parallel_size=m.context_parallel_size,
-        hierarchical_context_parallel_sizes=m.hierarchical_context_parallel_sizes,
+        hierarchical_context_parallel_sizes=None if m.hybrid_context_parallel else m.hierarchical_context_parallel_sizes,
     )
     torch.manual_seed(cfg.train.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from mcp_context.cp_rules import document_multiple
 from mcp_context.pretrain import build
 from mcp_context.pretrain.batches import MicroBatchSampler, step_batches
+from mcp_context.pretrain.dynamic import DynamicCP, start_dynamic_cp, step_loss_sums
 from mcp_context.pretrain.checkpoint import (checkpoint_to_resume, load_checkpoint, load_pretrained_weights,
                                              remove_interrupted_saves, remove_run_history, save_checkpoint)
 from mcp_context.pretrain.launch import METRICS_FILENAME
@@ -70,21 +71,37 @@ def _forward_loss_sum(model, micro_batch: dict, cp_group, device: torch.device) 
     return (per_token.float() * mask).sum(), mask.sum()
 
 
-def train_step(model, optimizer, scheduler, micro_batches: list[dict], device: torch.device) -> dict:
-    """One optimizer step on this rank's micro-batches; returns loss, lr and grad norm (same on every rank)."""
+def _loss_sums(model, micro_batches: list[dict], device: torch.device, dynamic: Optional[DynamicCP],
+               backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's loss sum and valid tokens over ``micro_batches`` (forward, and backward with ``backward``): each
+    micro-batch over the fixed CP group, or, with ``dynamic``, the step's documents over
+    the groups of their plan."""
     from megatron.core import parallel_state
-    from megatron.core.distributed import finalize_model_grads
 
+    if dynamic is not None:
+        return step_loss_sums(model, micro_batches, dynamic, device, backward)
     cp_group = parallel_state.get_context_parallel_group()
-    model.zero_grad_buffer()
-    optimizer.zero_grad()
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     num_tokens = torch.zeros((), dtype=torch.float32, device=device)
     for micro_batch in micro_batches:
         local_sum, local_tokens = _forward_loss_sum(model, micro_batch, cp_group, device)
-        local_sum.backward()  # per-token loss: divided by the global token count in finalize_model_grads
+        if backward:
+            local_sum.backward()  # per-token loss: divided by the global token count in finalize_model_grads
         loss_sum += local_sum.detach()
         num_tokens += local_tokens
+    return loss_sum, num_tokens
+
+
+def train_step(model, optimizer, scheduler, micro_batches: list[dict], device: torch.device,
+               dynamic: Optional[DynamicCP] = None) -> dict:
+    """One optimizer step on this rank's micro-batches (under ``dynamic``: the whole global batch); returns
+    loss, lr and grad norm (same on every rank)."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    loss_sum, num_tokens = _loss_sums(model, micro_batches, device, dynamic, backward=True)
     finalize_model_grads([model], num_tokens=num_tokens)  # all-reduces num_tokens over DP x CP in place
     dist.all_reduce(loss_sum, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     lr = optimizer.param_groups[0]["lr"]
@@ -117,21 +134,19 @@ def _weights_finite(model) -> bool:
 
 
 @torch.no_grad()
-def evaluate(model, dataset, cfg: RecipeConfig, device: torch.device) -> float:
+def evaluate(model, dataset, cfg: RecipeConfig, device: torch.device,
+             dynamic: Optional[DynamicCP] = None) -> float:
     """Mean loss over every valid token of the first ``train.eval_iters`` global batches of ``dataset``
     (the same samples at every evaluation, so the numbers compare across steps and layouts)."""
     from megatron.core import parallel_state
 
-    cp_group = parallel_state.get_context_parallel_group()
     sampler = _sampler(cfg, 0, cfg.train.eval_iters)
     totals = torch.zeros(2, dtype=torch.float32, device=device)
     model.eval()
     try:
         for micro_batches in step_batches(dataset, sampler, cfg.data.num_workers, device.type == "cuda",
                                           _packing(cfg, dataset)):
-            for micro_batch in micro_batches:
-                local_sum, local_tokens = _forward_loss_sum(model, micro_batch, cp_group, device)
-                totals += torch.stack([local_sum, local_tokens])
+            totals += torch.stack(_loss_sums(model, micro_batches, device, dynamic, backward=False))
     finally:
         model.train()
     dist.all_reduce(totals, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
@@ -139,11 +154,14 @@ def evaluate(model, dataset, cfg: RecipeConfig, device: torch.device) -> float:
 
 
 def _sampler(cfg: RecipeConfig, first_step: int, last_step: int) -> MicroBatchSampler:
+    """This rank's samples: its data parallel slice, or, under dynamic CP, the whole global batch (the plan spreads
+    its documents)."""
     from megatron.core import parallel_state
 
+    whole = cfg.model.hybrid_context_parallel
     return MicroBatchSampler(first_step, last_step, cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                             dp_rank=parallel_state.get_data_parallel_rank(),
-                             dp_size=parallel_state.get_data_parallel_world_size())
+                             dp_rank=0 if whole else parallel_state.get_data_parallel_rank(),
+                             dp_size=1 if whole else parallel_state.get_data_parallel_world_size())
 
 
 def _packing(cfg: RecipeConfig, dataset) -> Optional[DocumentPacking]:
@@ -151,7 +169,7 @@ def _packing(cfg: RecipeConfig, dataset) -> Optional[DocumentPacking]:
     end-of-document token, each padded to a multiple of 2 * CP (megatron-core's per-document zigzag),
     times TP under sequence parallelism (every rank's rows split evenly over the TP ranks)."""
     m = cfg.model
-    if not cfg.data.reset_attention_mask:
+    if not cfg.data.reset_attention_mask or m.hybrid_context_parallel:  # dynamic CP splits the documents itself
         return None
     multiple = document_multiple("zigzag", m.context_parallel_size) * (m.tensor_model_parallel_size
                                                                         if m.sequence_parallel else 1)
@@ -203,6 +221,7 @@ def train(cfg: RecipeConfig, run_dir: Path, progress: bool = False, resume_from:
         if checkpoint is None and cfg.checkpoint.pretrained is not None:  # before the optimizer copies weights
             load_pretrained_weights(cfg.checkpoint.pretrained, model)
         optimizer, scheduler = build.build_optimizer(cfg, model)
+        dynamic = start_dynamic_cp(cfg, tokenizer.eod) if cfg.model.hybrid_context_parallel else None
         rank0 = dist.get_rank() == 0
         notes = []
         if rank0:
@@ -233,12 +252,12 @@ def train(cfg: RecipeConfig, run_dir: Path, progress: bool = False, resume_from:
                                device.type == "cuda", _packing(cfg, train_ds))
         start = time.perf_counter()
         for step, micro_batches in enumerate(batches, start=first_step + 1):  # step time includes loading
-            record = {"step": step, **train_step(model, optimizer, scheduler, micro_batches, device)}
+            record = {"step": step, **train_step(model, optimizer, scheduler, micro_batches, device, dynamic)}
             _check_finite(record, cfg, checkpoint)
             elapsed = time.perf_counter() - start
             record.update(tokens_per_s=tokens_per_step / elapsed, step_time_s=elapsed)
             if valid_ds is not None and t.eval_iters > 0 and step % t.eval_interval == 0:
-                record["val_loss"] = evaluate(model, valid_ds, cfg, device)
+                record["val_loss"] = evaluate(model, valid_ds, cfg, device, dynamic)
             records.append(record)
             metrics.log(record)
             if c.save is not None and (step % c.save_interval == 0 or step == t.steps):

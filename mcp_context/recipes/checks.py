@@ -13,6 +13,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 from mcp_context.cp_rules import heads_per_tp_rank
@@ -51,8 +52,9 @@ def validate_recipe(cfg: RecipeConfig, world_size: Optional[int] = None) -> None
     # because mcp_context.megatron imports megatron-core (seconds), which loading a recipe does not need.
     from mcp_context.megatron.config import HCPConfigError, validate_cp_config
 
-    try:
-        validate_cp_config(m, seq_length=m.seq_length, prefix="model.")
+    try:  # our entry always trains with per-token loss (pretrain.build), which hybrid CP needs
+        validate_cp_config(SimpleNamespace(**vars(m), calculate_per_token_loss=True), seq_length=m.seq_length,
+                           prefix="model.")
     except HCPConfigError as err:
         raise RecipeError(str(err)) from err
     _validate_window_layers(m)
@@ -80,7 +82,9 @@ def validate_recipe(cfg: RecipeConfig, world_size: Optional[int] = None) -> None
             f"model.max_position_embeddings={m.max_position_embeddings} is smaller than "
             f"model.seq_length={m.seq_length}; raise it to at least {m.seq_length}"
         )
-    _validate_batch(cfg, _resolve_world_size(cfg, world_size))
+    world = _resolve_world_size(cfg, world_size)
+    _validate_dynamic_cp(cfg, world)
+    _validate_batch(cfg, world)
     _validate_schedule(cfg)
     _validate_data(cfg.data)
     _validate_paths(cfg)
@@ -199,6 +203,55 @@ def _validate_tensor_parallel_kv_heads(m: ModelConfig) -> None:
         raise RecipeError(str(err)) from None
 
 
+def _validate_dynamic_cp(cfg: RecipeConfig, world_size: Optional[int]) -> None:
+    """``model.hybrid_context_parallel`` as ``pretrain.dynamic`` runs it: the documents of a step (split at the
+    end-of-document tokens) spread over groups of the data parallel ranks, each document padded to a multiple
+    of 2 x the data parallel size (zigzag's two chunks a rank on the largest group), fp32, TP = PP = 1."""
+    m = cfg.model
+    budget = m.max_seqlen_per_dp_cp_rank
+    if not m.hybrid_context_parallel:
+        if budget is not None:
+            raise RecipeError(f"model.max_seqlen_per_dp_cp_rank={budget} is the budget of dynamic CP, which is off; "
+                              f"set model.hybrid_context_parallel=true, or model.max_seqlen_per_dp_cp_rank=null")
+        return
+    untested = [(f"model.{key}={value!r}", fix) for key, value, bad, fix in [
+        ("tensor_model_parallel_size", m.tensor_model_parallel_size, m.tensor_model_parallel_size != 1, "set it to 1"),
+        ("pipeline_model_parallel_size", m.pipeline_model_parallel_size, m.pipeline_model_parallel_size != 1,
+         "set it to 1"),
+        ("multi_latent_attention", m.multi_latent_attention, m.multi_latent_attention,
+         "megatron-core's MLA layer asserts local_cp_size is None; use a fixed context_parallel_size"),
+        ("num_moe_experts", m.num_moe_experts, m.num_moe_experts is not None, "set it to null"),
+        ("params_dtype", m.params_dtype, precision(m) != "fp32", "train in float32")] if bad]
+    if untested:
+        setting, fix = untested[0]
+        raise RecipeError(f"{setting} with model.hybrid_context_parallel=true: the dynamic CP step runner "
+                          f"(mcp_context.pretrain.dynamic) is built and tested for dense fp32 models at TP = PP = 1 "
+                          f"only; {fix}, or set model.hybrid_context_parallel=false")
+    if not cfg.data.reset_attention_mask:
+        raise RecipeError("model.hybrid_context_parallel=true spreads a step's documents (split at the end-of-document "
+                          "tokens) over groups of ranks, each attending only to itself; set "
+                          "data.reset_attention_mask=true (data.reset_attention_mask=false has no documents to spread)")
+    if world_size is None:
+        return
+    sizes = m.hierarchical_context_parallel_sizes
+    if sizes is not None and math.prod(sizes) != world_size:
+        raise RecipeError(f"model.hierarchical_context_parallel_sizes={sizes} multiplies to {math.prod(sizes)}, but with "
+                          f"model.hybrid_context_parallel=true it describes the data parallel group of all "
+                          f"{world_size} ranks; make the product {world_size} (level 0: one all-to-all domain)")
+    multiple = 2 * world_size
+    if budget % multiple:
+        raise RecipeError(f"model.max_seqlen_per_dp_cp_rank={budget} is not a multiple of 2 x {world_size} ranks = "
+                          f"{multiple}: every document is padded to that multiple (zigzag's two chunks a rank on the "
+                          f"largest group), so only multiples of it bound a group exactly; use "
+                          f"{' or '.join(str(b) for b in (budget - budget % multiple, budget + multiple - budget % multiple) if b)}")
+    longest = m.seq_length + (-m.seq_length % multiple)
+    if budget * world_size < longest:
+        raise RecipeError(f"model.max_seqlen_per_dp_cp_rank={budget}: a document as long as a sample "
+                          f"(model.seq_length={m.seq_length}, padded to {longest}) does not fit all {world_size} ranks "
+                          f"({budget * world_size} tokens at most); raise it to at least "
+                          f"{-(-longest // world_size // multiple) * multiple}")
+
+
 def _validate_batch(cfg: RecipeConfig, world_size: Optional[int]) -> None:
     m, t = cfg.model, cfg.train
     if t.global_batch_size % t.micro_batch_size:
@@ -215,6 +268,8 @@ def _validate_batch(cfg: RecipeConfig, world_size: Optional[int]) -> None:
             f"tensor * pipeline * context parallel sizes = {model_ranks}; launch a multiple of {model_ranks} ranks"
         )
     dp = world_size // model_ranks
+    if m.hybrid_context_parallel:  # every rank reads the whole global batch and plans its documents
+        return
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise RecipeError(
             f"train.global_batch_size={t.global_batch_size} is not divisible by "
@@ -383,6 +438,7 @@ RANGES: dict[str, Range] = {
     "model.context_parallel_size": _POSITIVE,
     "model.hierarchical_context_parallel_sizes": _POSITIVE,
     "model.recompute_num_layers": _POSITIVE,
+    "model.max_seqlen_per_dp_cp_rank": _POSITIVE,
     "data.tokenizer_vocab_size": Range(
         262, why="SentencePiece needs the 4 special ids, the newline piece and 256 byte-fallback pieces, plus one"),
     "data.seed": _SEED,

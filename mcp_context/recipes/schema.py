@@ -192,6 +192,14 @@ class ModelConfig:
     cp_comm_type a2a+p2p."""
     cp_comm_type: str = "a2a+p2p"
     """CP algorithm: p2p (ring), a2a (Ulysses), all_gather (alias allgather), a2a+p2p (hierarchical)."""
+    hybrid_context_parallel: bool = False
+    """Dynamic CP (megatron-core's name): each document of a step runs over the smallest group of the data
+    parallel ranks that holds it at max_seqlen_per_dp_cp_rank tokens a rank (docs/dynamic_cp.md). Needs
+    context_parallel_size 1 and data.reset_attention_mask; hierarchical_context_parallel_sizes then
+    describes the whole data parallel group (level 0: one all-to-all domain)."""
+    max_seqlen_per_dp_cp_rank: Optional[int] = None
+    """Dynamic CP's per-rank token budget (megatron-core's name): a document of n tokens runs on the
+    smallest allowed group of g ranks with g * budget >= n (documents padded to 2 * data parallel size)."""
     sequence_parallel: bool = False
     """Shard LayerNorm/dropout activations over the TP group (needs TP > 1)."""
     bf16: bool = False
