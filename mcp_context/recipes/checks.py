@@ -281,10 +281,11 @@ def _validate_batch(cfg: RecipeConfig, world_size: Optional[int]) -> None:
 def _validate_schedule(cfg: RecipeConfig) -> None:
     t, o = cfg.train, cfg.optimizer
     decay = t.lr_decay_iters if t.lr_decay_iters is not None else t.steps
-    if not 0 <= t.lr_warmup_iters <= decay:
+    if not 0 <= t.lr_warmup_iters < decay:
         raise RecipeError(
-            f"train.lr_warmup_iters={t.lr_warmup_iters} must be between 0 and the decay length "
-            f"(train.lr_decay_iters or train.steps = {decay})"
+            f"train.lr_warmup_iters={t.lr_warmup_iters} must be at least 0 and less than the decay length "
+            f"(train.lr_decay_iters or train.steps = {decay}: megatron-core's scheduler asserts warm-up < decay); "
+            f"lower train.lr_warmup_iters or raise train.steps / train.lr_decay_iters"
         )
     if t.lr_decay_style == "WSD":
         raise RecipeError(
