@@ -5,12 +5,14 @@ layers of 4, 16 experts in 8 groups with the top 4 groups and top 8, a shared ex
 tokenizer's 4096-row vocabulary, is converted, and the recipe ``tiny_mla_cpu.yaml`` with the converted shape as its
 ``model`` section starts from it (``checkpoint.pretrained``). The first step sees exactly the Hugging Face weights,
 the loss falls over 4 steps, and the trained checkpoint converts back to Hugging Face and passes ``verify``
-(logits within 1e-4 of transformers'). One family only: a training run costs ~1 min on 2 CPU cores.
+(logits within 1e-4 of transformers'). The other families train the same way from their converted weights
+(``test_every_converted_released_family_trains_at_cp4_and_converts_back``), gpt-oss excepted (see there).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -84,5 +86,61 @@ def test_converted_deepseek_v3_trains_at_cp4_from_its_weights_and_converts_back(
     mcore_to_hf(checkpoint, tmp_path / "trained_hf", hf_config=config, progress=False)
     trained = load_safetensors_dir(tmp_path / "trained_hf")
     assert not torch.equal(trained["model.layers.3.mlp.gate.weight"], hf["model.layers.3.mlp.gate.weight"])
+    status, err = run_distributed(1, _case_verify, str(tmp_path / "trained_hf"), checkpoint)[0]
+    assert status == 0, err
+
+
+def _train_family(rank, world, record, pretrained, run_dir, data_dir, recipe):
+    """Train ``recipe`` with a converted shape from ``pretrained``; return (losses, the first step's
+    embedding, the last checkpoint)."""
+    from mcp_context.pretrain import loop
+    from mcp_context.pretrain.checkpoint import checkpoint_name
+    from mcp_context.pretrain.launch import check_recipe_for_training, resolve_run_dir
+    from mcp_context.recipes import load_recipe
+
+    cfg = load_recipe(REPO / "recipes" / recipe, [
+        f"train.steps={STEPS}", "train.lr_warmup_iters=0", "train.eval_interval=100", "train.eval_iters=0",
+        "optimizer.lr=1e-2", "train.device=cpu", "train.global_batch_size=4", f"data.cache_dir={data_dir}",
+        f"checkpoint.save_interval={STEPS}", f"checkpoint.pretrained={pretrained}"])
+    layout = {k: getattr(cfg.model, k) for k in ("context_parallel_size", "hierarchical_context_parallel_sizes",
+                                                  "cp_comm_type")}
+    cfg.model = dataclasses.replace(HFModel.from_record(record).shape, seq_length=64, **layout)
+    check_recipe_for_training(cfg, world)
+    first, original_step = {}, loop.train_step
+
+    def train_step(model, optimizer, scheduler, micro_batches, device, dynamic=None):
+        if not first:
+            first["embedding"] = dict(model.module.named_parameters())[
+                "embedding.word_embeddings.weight"].detach().clone()
+        return original_step(model, optimizer, scheduler, micro_batches, device, dynamic)
+
+    loop.train_step = train_step
+    try:
+        records = loop.train(cfg, resolve_run_dir(cfg, run_dir)).records
+    finally:
+        loop.train_step = original_step
+    return [r["loss"] for r in records], first["embedding"], str(Path(cfg.checkpoint.save) / checkpoint_name(STEPS))
+
+
+@pytest.mark.parametrize("family,recipe", [("qwen3", "tiny_qwen3_cpu.yaml"), ("mixtral", "tiny_mixtral_cpu.yaml"),
+                                           ("qwen3_moe", "tiny_qwen3_moe_cpu.yaml")])
+def test_every_converted_released_family_trains_at_cp4_and_converts_back(tmp_path, family, recipe):
+    """The other released structures (Qwen3 with YaRN, Mixtral, Qwen3-MoE) start from their converted weights at
+    CP = 4 [2, 2] (the first step sees the Hugging Face embedding bit for bit), train 4 steps with a falling loss,
+    and the trained checkpoint converts back and passes ``verify``. Not gpt-oss: its released structure's
+    backward stops in megatron-core 0.16.1 (``mlp.py``: ``output += output_bias * per_token_scale`` modifies
+    the view a tensor-parallel reduction returned in place), an open bug of the converter's issue."""
+    config_cls, sizes = RELEASED[family]
+    seeded_hf_model(getattr(transformers, config_cls)(**{**sizes, "vocab_size": 4096})).save_pretrained(tmp_path / "hf")
+    arch = hf_to_mcore(tmp_path / "hf", tmp_path / "mcore", progress=False)
+    results = run_distributed(4, _train_family, arch.to_record(), str(tmp_path / "mcore"), str(tmp_path / "run"),
+                              str(tmp_path / "data"), recipe, timeout=600)
+    losses, embedding, checkpoint = results[0]
+    assert all(r[0] == losses for r in results), [r[0] for r in results]
+    assert len(losses) == STEPS and all(map(math.isfinite, losses)) and losses[-1] < losses[0], losses
+    hf = load_safetensors_dir(tmp_path / "hf")
+    assert torch.equal(embedding, hf["model.embed_tokens.weight"])
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    mcore_to_hf(checkpoint, tmp_path / "trained_hf", hf_config=config, progress=False)
     status, err = run_distributed(1, _case_verify, str(tmp_path / "trained_hf"), checkpoint)[0]
     assert status == 0, err
