@@ -14,6 +14,7 @@ from typing import Callable
 
 from megatron_patches.cpu_shims import DeviceLike, apply_cpu_shims, runs_on_cpu
 from megatron_patches.cpu_training import apply_cpu_training_shims
+from megatron_patches.expert_bias_in_place import apply_expert_bias_out_of_place
 from megatron_patches.hcp_groups import apply_hcp_groups_reset
 from megatron_patches.hybrid_cp_on_cpu import apply_hybrid_cp_on_cpu
 from megatron_patches.mla_without_te import apply_mla_without_te
@@ -29,6 +30,7 @@ CPU_PATCHES: dict[str, Callable[[DeviceLike], list[str]]] = {
 }
 PATCHES: dict[str, Callable[..., list[str]]] = {
     **CPU_PATCHES,
+    "expert_bias_in_place": apply_expert_bias_out_of_place,
     "hcp_groups": apply_hcp_groups_reset,
     "mla_without_te": apply_mla_without_te,
     "moe_router_without_te": apply_moe_router_without_te,
@@ -53,6 +55,7 @@ __all__ = [
     "apply_all",
     "apply_cpu_shims",
     "apply_cpu_training_shims",
+    "apply_expert_bias_out_of_place",
     "apply_hcp_groups_reset",
     "apply_hybrid_cp_on_cpu",
     "apply_per_layer_cp_comm_type_fix",

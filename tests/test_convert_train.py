@@ -6,7 +6,7 @@ tokenizer's 4096-row vocabulary, is converted, and the recipe ``tiny_mla_cpu.yam
 ``model`` section starts from it (``checkpoint.pretrained``). The first step sees exactly the Hugging Face weights,
 the loss falls over 4 steps, and the trained checkpoint converts back to Hugging Face and passes ``verify``
 (logits within 1e-4 of transformers'). The other families train the same way from their converted weights
-(``test_every_converted_released_family_trains_at_cp4_and_converts_back``), gpt-oss excepted (see there).
+(``test_every_converted_released_family_trains_at_cp4_and_converts_back``).
 """
 from __future__ import annotations
 
@@ -123,13 +123,13 @@ def _train_family(rank, world, record, pretrained, run_dir, data_dir, recipe):
 
 
 @pytest.mark.parametrize("family,recipe", [("qwen3", "tiny_qwen3_cpu.yaml"), ("mixtral", "tiny_mixtral_cpu.yaml"),
-                                           ("qwen3_moe", "tiny_qwen3_moe_cpu.yaml")])
+                                           ("qwen3_moe", "tiny_qwen3_moe_cpu.yaml"), ("gpt_oss", "tiny_gpt_oss_cpu.yaml")])
 def test_every_converted_released_family_trains_at_cp4_and_converts_back(tmp_path, family, recipe):
-    """The other released structures (Qwen3 with YaRN, Mixtral, Qwen3-MoE) start from their converted weights at
-    CP = 4 [2, 2] (the first step sees the Hugging Face embedding bit for bit), train 4 steps with a falling loss,
-    and the trained checkpoint converts back and passes ``verify``. Not gpt-oss: its released structure's
-    backward stops in megatron-core 0.16.1 (``mlp.py``: ``output += output_bias * per_token_scale`` modifies
-    the view a tensor-parallel reduction returned in place), an open bug of the converter's issue."""
+    """The other released structures (Qwen3 with YaRN, Mixtral, Qwen3-MoE, gpt-oss with YaRN, sinks, windows and
+    expert biases) start from their converted weights at CP = 4 [2, 2] (the first step sees the Hugging Face
+    embedding bit for bit), train 4 steps with a falling loss, and the trained checkpoint converts back and passes
+    ``verify``. gpt-oss trains through ``megatron_patches.expert_bias_in_place`` (megatron-core's expert MLP adds
+    its bias in place on a view autograd refuses)."""
     config_cls, sizes = RELEASED[family]
     seeded_hf_model(getattr(transformers, config_cls)(**{**sizes, "vocab_size": 4096})).save_pretrained(tmp_path / "hf")
     arch = hf_to_mcore(tmp_path / "hf", tmp_path / "mcore", progress=False)

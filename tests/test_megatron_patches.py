@@ -383,3 +383,30 @@ def test_per_layer_cp_comm_type_uses_global_layer_numbers_across_pipeline_stages
     stage0, stage1 = run_distributed(2, _cp_comm_type_per_pipeline_stage)
     assert stage0 == [(1, "p2p"), (2, "a2a")]
     assert stage1 == [(3, "all_gather"), (4, "a2a+p2p")]
+
+
+def test_expert_bias_patch_writes_the_one_in_place_add_out_of_place():
+    """megatron-core 0.16.1's expert MLP adds its bias in place; the patched method is the same source with that
+    statement out of place (and nothing else), and an expert with a bias and per-token scales now backpropagates
+    at one tensor-parallel rank (the converted gpt-oss trains: tests/test_convert_train.py)."""
+    import dis
+    import inspect
+
+    from megatron.core.transformer import mlp
+
+    from megatron_patches._patching import original_of
+    from megatron_patches.expert_bias_in_place import IN_PLACE, OUT_OF_PLACE, apply_expert_bias_out_of_place
+
+    original = inspect.getsource(original_of(mlp.MLP, "forward"))
+    assert IN_PLACE in original
+    apply_expert_bias_out_of_place()
+    assert apply_expert_bias_out_of_place() == []  # idempotent
+    patched = mlp.MLP.forward
+    assert patched is not original_of(mlp.MLP, "forward")
+    assert patched.__code__.co_firstlineno == original_of(mlp.MLP, "forward").__code__.co_firstlineno
+
+    def in_place_adds(fn):
+        return sum(i.argrepr == "+=" for i in dis.get_instructions(fn))
+
+    assert in_place_adds(patched) == in_place_adds(original_of(mlp.MLP, "forward")) - 1  # that one statement
+    assert OUT_OF_PLACE not in original
