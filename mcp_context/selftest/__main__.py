@@ -172,6 +172,12 @@ def build_setup(args: argparse.Namespace, world_size: Optional[int]) -> Setup:
     # upstream trains with no CP at all when a hierarchical scheme gets one level (Megatron-Bridge #2667)
     check_levels(comm, sizes, comm_name="cp_comm_type", sizes_name="hierarchical CP sizes",
                  fix=f"pass --hcp-sizes (e.g. 2,{cp_size // 2}) or set model.hierarchical_context_parallel_sizes")
+    model = values.get("model")
+    if getattr(model, "hybrid_context_parallel", False) and args.cp_size is None and args.hcp_sizes is None:
+        raise ValueError(f"{values['source']} trains with dynamic CP (model.hybrid_context_parallel=true), whose "
+                         f"groups change per batch; the self-test checks one fixed CP layout: pass --cp-size N "
+                         f"(and --hcp-sizes) to check the engine at that layout (dynamic CP's groups against CP=1: "
+                         f"tests/test_dynamic_cp.py)")
     if cp_size < 2:
         raise ValueError(f"CP size {cp_size}: a self-test of context parallelism needs at least 2 CP ranks; launch "
                          f"with torchrun --nproc-per-node N (N >= 2) or pass --simulate --cp-size N")
