@@ -37,15 +37,15 @@ WATCHED = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
            "decoder.layers.3.self_attention.linear_kv_up_proj.weight": "model.layers.3.self_attn.kv_b_proj.weight"}
 
 
-def _train_from(rank, world, record, pretrained, run_dir, data_dir):
-    """Train ``tiny_mla_cpu.yaml`` with the converted shape, from ``pretrained``; return (losses, the watched
-    parameters at the first step, the last checkpoint)."""
+def _train_from(rank, world, record, pretrained, run_dir, data_dir, recipe="tiny_mla_cpu.yaml", watched=WATCHED):
+    """Train ``recipe`` with the converted shape, from ``pretrained``; return (losses, the ``watched`` parameters
+    at the first step, the last checkpoint)."""
     from mcp_context.pretrain import loop
     from mcp_context.pretrain.checkpoint import checkpoint_name
     from mcp_context.pretrain.launch import check_recipe_for_training, resolve_run_dir
     from mcp_context.recipes import load_recipe
 
-    cfg = load_recipe(REPO / "recipes" / "tiny_mla_cpu.yaml", [
+    cfg = load_recipe(REPO / "recipes" / recipe, [
         f"train.steps={STEPS}", "train.lr_warmup_iters=0", "train.eval_interval=100", "train.eval_iters=0",
         "optimizer.lr=1e-2", "train.device=cpu", "train.global_batch_size=4", f"data.cache_dir={data_dir}",
         f"checkpoint.save_interval={STEPS}", f"checkpoint.pretrained={pretrained}"])
@@ -58,7 +58,7 @@ def _train_from(rank, world, record, pretrained, run_dir, data_dir):
     def train_step(model, optimizer, scheduler, micro_batches, device, dynamic=None):
         if not first:
             params = dict(model.module.named_parameters())
-            first.update({name: params[name].detach().clone() for name in WATCHED})
+            first.update({name: params[name].detach().clone() for name in watched})
         return original_step(model, optimizer, scheduler, micro_batches, device, dynamic)
 
     loop.train_step = train_step
@@ -90,38 +90,6 @@ def test_converted_deepseek_v3_trains_at_cp4_from_its_weights_and_converts_back(
     assert status == 0, err
 
 
-def _train_family(rank, world, record, pretrained, run_dir, data_dir, recipe):
-    """Train ``recipe`` with a converted shape from ``pretrained``; return (losses, the first step's
-    embedding, the last checkpoint)."""
-    from mcp_context.pretrain import loop
-    from mcp_context.pretrain.checkpoint import checkpoint_name
-    from mcp_context.pretrain.launch import check_recipe_for_training, resolve_run_dir
-    from mcp_context.recipes import load_recipe
-
-    cfg = load_recipe(REPO / "recipes" / recipe, [
-        f"train.steps={STEPS}", "train.lr_warmup_iters=0", "train.eval_interval=100", "train.eval_iters=0",
-        "optimizer.lr=1e-2", "train.device=cpu", "train.global_batch_size=4", f"data.cache_dir={data_dir}",
-        f"checkpoint.save_interval={STEPS}", f"checkpoint.pretrained={pretrained}"])
-    layout = {k: getattr(cfg.model, k) for k in ("context_parallel_size", "hierarchical_context_parallel_sizes",
-                                                  "cp_comm_type")}
-    cfg.model = dataclasses.replace(HFModel.from_record(record).shape, seq_length=64, **layout)
-    check_recipe_for_training(cfg, world)
-    first, original_step = {}, loop.train_step
-
-    def train_step(model, optimizer, scheduler, micro_batches, device, dynamic=None):
-        if not first:
-            first["embedding"] = dict(model.module.named_parameters())[
-                "embedding.word_embeddings.weight"].detach().clone()
-        return original_step(model, optimizer, scheduler, micro_batches, device, dynamic)
-
-    loop.train_step = train_step
-    try:
-        records = loop.train(cfg, resolve_run_dir(cfg, run_dir)).records
-    finally:
-        loop.train_step = original_step
-    return [r["loss"] for r in records], first["embedding"], str(Path(cfg.checkpoint.save) / checkpoint_name(STEPS))
-
-
 @pytest.mark.parametrize("family,recipe", [("qwen3", "tiny_qwen3_cpu.yaml"), ("mixtral", "tiny_mixtral_cpu.yaml"),
                                            ("qwen3_moe", "tiny_qwen3_moe_cpu.yaml"), ("gpt_oss", "tiny_gpt_oss_cpu.yaml")])
 def test_every_converted_released_family_trains_at_cp4_and_converts_back(tmp_path, family, recipe):
@@ -133,13 +101,15 @@ def test_every_converted_released_family_trains_at_cp4_and_converts_back(tmp_pat
     config_cls, sizes = RELEASED[family]
     seeded_hf_model(getattr(transformers, config_cls)(**{**sizes, "vocab_size": 4096})).save_pretrained(tmp_path / "hf")
     arch = hf_to_mcore(tmp_path / "hf", tmp_path / "mcore", progress=False)
-    results = run_distributed(4, _train_family, arch.to_record(), str(tmp_path / "mcore"), str(tmp_path / "run"),
-                              str(tmp_path / "data"), recipe, timeout=600)
-    losses, embedding, checkpoint = results[0]
+    embedding = {"embedding.word_embeddings.weight": "model.embed_tokens.weight"}
+    results = run_distributed(4, _train_from, arch.to_record(), str(tmp_path / "mcore"), str(tmp_path / "run"),
+                              str(tmp_path / "data"), recipe, embedding, timeout=600)
+    losses, first, checkpoint = results[0]
     assert all(r[0] == losses for r in results), [r[0] for r in results]
     assert len(losses) == STEPS and all(map(math.isfinite, losses)) and losses[-1] < losses[0], losses
     hf = load_safetensors_dir(tmp_path / "hf")
-    assert torch.equal(embedding, hf["model.embed_tokens.weight"])
+    for name, hf_name in embedding.items():
+        assert torch.equal(first[name], hf[hf_name]), name
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     mcore_to_hf(checkpoint, tmp_path / "trained_hf", hf_config=config, progress=False)
     status, err = run_distributed(1, _case_verify, str(tmp_path / "trained_hf"), checkpoint)[0]
