@@ -357,4 +357,5 @@ for name, mask in allowed.items():
     plain = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask).permute(2, 0, 1, 3)  # [s, b, h, d]
     if rank == 0:
         print(f"{name} max error {(full.reshape(plain.shape) - plain).abs().max().item():.1e}")
+dist.barrier()  # rank 0 printed after the last gather: no rank tears gloo down under a peer still reading
 """
