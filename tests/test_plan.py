@@ -23,7 +23,7 @@ from mcp_context.plan import Candidate, PlanRequest, RankShape, dry_run_rank, ev
 from mcp_context.plan.planner import explain
 from mcp_context.plan.report import plan_table
 from mcp_context.plan.__main__ import main
-from mcp_context.plan.cost import Fabric, call_seconds, layer_bytes, predict, step_compute
+from mcp_context.plan.cost import Accumulation, Fabric, call_seconds, layer_bytes, predict, step_compute
 from mcp_context.plan.model import parameters, planning_shape
 from mcp_context.plan.profiles import PROFILE_DIR, MachineProfile
 from mcp_context.recipes.schema import ModelConfig
@@ -172,7 +172,8 @@ def test_cost_model_overlap_arithmetic(h100):
     assert pred.forward_s == pytest.approx(max(c0, transfer) + c1, rel=1e-12)
     assert pred.forward_no_overlap_s == pytest.approx(c0 + transfer + c1, rel=1e-12)
     assert pred.total_s < pred.total_no_overlap_s
-    extra = max(layer_bytes(shape, H, 2, tr.q_rows, tr.kv_rows) for tr in traffics) / (h100.memory_bandwidth_gbps * 1e9)
+    extra = max(layer_bytes(shape, H, 2, tr.q_rows, tr.kv_rows, Accumulation.of(tr.tasks, tr.q_rows, tr.kv_rows))
+                for tr in traffics) / (h100.memory_bandwidth_gbps * 1e9)
     assert pred.compute_s == pytest.approx(sum(c_fwd) + sum(c_bwd) + extra, rel=1e-12)
 
 
@@ -394,6 +395,18 @@ def test_a_quarter_shard_window_plans_the_halo_minimum_and_its_skipped_steps(h10
     reasons = explain(req, row, [row, full])
     assert any(f"window_size=({w}, 0): {steps} of the ring's {p} steps have work; the other {p - steps} are skipped "
                f"(no compute, no transfer)" in r for r in reasons), reasons
+
+
+def test_a_cp_size_with_one_layout_that_fits_is_not_reported_as_not_fitting(h100):
+    """The recommendation's reasons list the smaller CP sizes of which no layout fits: CP 1 (its one layout
+    too large), not CP 2, where one layout fits even though another does not."""
+    req = _request(h100, seq=64, gpus=4)
+    best = dataclasses.replace(evaluate(req, Candidate(4, (4,), "p2p", "zigzag")), fits=True)
+    cp2 = evaluate(req, Candidate(2, (2,), "p2p", "zigzag"))
+    rows = [best, dataclasses.replace(cp2, fits=True), dataclasses.replace(cp2, fits=False),
+            dataclasses.replace(evaluate(req, Candidate(1, (1,), "none", "contiguous")), fits=False)]
+    reasons = explain(req, best, rows)
+    assert any(r.startswith("CP sizes [1] do not fit") for r in reasons), reasons
 
 
 def test_the_plan_names_a_layout_that_needs_fewer_bytes(h100):

@@ -34,7 +34,7 @@ import torch  # noqa: E402
 
 from mcp_context.kernels.torch_sdpa import FUSED_OPS, TorchKernel  # noqa: E402
 from mcp_context.masks import CAUSAL  # noqa: E402
-from mcp_context.plan.cost import layer_bytes, step_compute  # noqa: E402
+from mcp_context.plan.cost import Accumulation, layer_bytes, step_compute  # noqa: E402
 from mcp_context.plan.dryrun import RankShape, RankTraffic  # noqa: E402
 from mcp_context.plan.profiles import MachineProfile, load_profile  # noqa: E402
 from tools.rank_step import rank_step  # noqa: E402
@@ -45,14 +45,21 @@ def _lines(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+MEASURED_ENGINE = Accumulation(direct=False, lone_q=False, lone_kv=False)
+"""How the engine of the shipped H200 runs (docs/gpu, 2026-11-25) held every plan's results: in fp32
+accumulators, with result copies; a single-call plan's direct results came after them, so the fit prices
+the steps that were measured."""
+
+
 def predicted_step(profile: MachineProfile, comm: str, seq_len: int, cp: int, heads: int, kv_heads: int,
                    head_dim: int) -> tuple[float, int, int]:
-    """``(seconds, calls, bytes)`` of one rank's fwd+bwd of ``comm`` (rank 0, batch 1, bf16), compute only."""
+    """``(seconds, calls, bytes)`` of one rank's fwd+bwd of ``comm`` (rank 0, batch 1, bf16), compute only,
+    as the measured engine ran it (``MEASURED_ENGINE``)."""
     step = rank_step(comm, cp, seq_len, CAUSAL, TorchKernel(FUSED_OPS["cudnn"]), heads, kv_heads, head_dim)
     shape = RankShape(seq_len, 1, step.heads, step.kv_heads, head_dim, torch.bfloat16)
     traffic = RankTraffic(0, {}, {}, tasks=tuple(step.plan.tasks), q_rows=step.q_rows, kv_rows=step.kv_rows)
-    fwd, bwd = step_compute([traffic], shape, 1, profile)
-    extra = layer_bytes(shape, step.heads, step.kv_heads, step.q_rows, step.kv_rows)
+    fwd, bwd = step_compute([traffic], shape, 1, profile, MEASURED_ENGINE)
+    extra = layer_bytes(shape, step.heads, step.kv_heads, step.q_rows, step.kv_rows, MEASURED_ENGINE)
     return sum(fwd) + sum(bwd) + extra / (profile.memory_bandwidth_gbps * 1e9), step.calls, extra
 
 

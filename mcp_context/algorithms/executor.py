@@ -65,6 +65,9 @@ class RingPlan:
     """What one member executes: its tasks per ring step, how shards arrive, and the kernel.
 
     ``first``, ``covered`` and ``kv_sums_exact`` are derived from ``tasks`` once (``RingPlan.build``).
+    ``merges``: some query row meets more than one block. Without merges (a ring of one running one call,
+    or disjoint query runs) every row's result is one block's, so ``out`` and dQ are written straight in
+    the inputs' dtype (no fp32 round trip, no final copy where the kernel's output is already token-major).
     ``kv_sums_exact``: every dK/dV sum is complete on this member (``rotation.complete_sums``) and adds at
     most two blocks, so summing in the inputs' half precision rounds exactly as fp32 then one cast would
     (two bf16 numbers add exactly in fp32 arithmetic before the one rounding): the all-gather's plans, whose
@@ -79,6 +82,10 @@ class RingPlan:
     dropout_p: float = 0.0
     dropout_seed: Optional[int] = None  # already distinct per rank; mixed with step and task here
     kv_sums_exact: bool = False
+
+    @property
+    def merges(self) -> bool:
+        return not all(all(step) for step in self.first)
 
     @classmethod
     def build(cls, tasks, rotation, kernel: Kernel, scale: float, rows: int, dropout_p: float = 0.0,
@@ -105,9 +112,19 @@ def _bhsd(x: torch.Tensor) -> torch.Tensor:
     return x.permute(1, 2, 0, 3)
 
 
+def _token_major(x: torch.Tensor) -> Optional[torch.Tensor]:
+    """``x [b, h, s, d]`` as an ``[s, b, h, d]`` view when its storage is token-major and packed (the
+    executor's accumulators; a fused op's output for token-major inputs), else None."""
+    y = x.permute(2, 0, 1, 3)
+    return y if y.is_contiguous() else None
+
+
 def _sbhd(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x [b, h, s, d]`` as a new ``[s, b, h, d]``-contiguous tensor of ``dtype``: one copy kernel (the
-    transpose and the cast together)."""
+    """``x [b, h, s, d]`` as an ``[s, b, h, d]``-contiguous tensor of ``dtype``: a view when ``x`` is already
+    that (a result written straight in the inputs' dtype), else one copy kernel (transpose and cast together)."""
+    same = _token_major(x) if x.dtype == dtype else None
+    if same is not None:
+        return same
     b, h, s, d = x.shape
     out = x.new_empty((s, b, h, d), dtype=dtype)
     _copy_(_bhsd(out), x)
@@ -169,31 +186,40 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPl
 
     Work outside the attention calls: a first write copies a block's ``out`` into the fp32 accumulator
     (its ``lse`` is adopted as the accumulator when it covers every row), every later block is one
-    fused merge, and the result is one copy into ``[s, b, h, dv]``."""
+    fused merge, and the result is one copy into ``[s, b, h, dv]``. A plan without merges (and no sink)
+    writes ``out`` in q's dtype: one copy per block, none for one token-major block over every row."""
     qb = _bhsd(q)
     acc = accum_dtype(q.dtype)
     b, h, sq, _ = qb.shape
-    out = _accumulator(qb, (b, h, sq, v.shape[-1]), acc, 0.0, plan.covered)
+    direct = not plan.merges and sink is None  # every row is one block's: no accumulation, no rounding
+    shape, dtype = (b, h, sq, v.shape[-1]), q.dtype if direct else acc
+    out: Optional[torch.Tensor] = None
     lse: Optional[torch.Tensor] = None
     for step, kb, vb in plan.rotation.blocks(_bhsd(k), _bhsd(v)):
         t0 = trace.now()
         for i, t in enumerate(plan.tasks[step]):
             o, l = plan.kernel.forward(_rows(qb, t.q), _rows(kb, t.kv), _rows(vb, t.kv), t.mask, plan.scale,
                                        plan.dropout(step, i))
-            if lse is None:
-                lse = l if plan.first[step][i] and _adopt_lse(l, sq, acc) else \
-                    _accumulator(qb, (b, h, sq), acc, float("-inf"), plan.covered)
-                if lse is l:
+            if lse is None and plan.first[step][i] and _adopt_lse(l, sq, acc):  # a first block over every row
+                lse = l
+                if direct and o.dtype == q.dtype and _token_major(o) is not None:
+                    out = o  # the one block over every row is the result
+                else:
+                    out = _accumulator(qb, shape, dtype, 0.0, True)
                     _copy_(out, o)
-                    continue
+                continue
+            if out is None:
+                out = _accumulator(qb, shape, dtype, 0.0, plan.covered)
+            if lse is None:
+                lse = _accumulator(qb, (b, h, sq), acc, float("-inf"), plan.covered)
             if plan.first[step][i]:
                 _copy_(_rows(out, t.q), o)
                 _copy_(lse.narrow(2, t.q[0], t.q[1] - t.q[0]), l)
             else:
                 merge_(_rows(out, t.q), lse.narrow(2, t.q[0], t.q[1] - t.q[0]), o, l)
         trace.record("forward_compute", step, t0)
-    if lse is None:  # no task at all (every row masked): out was filled with 0
-        lse = qb.new_full((b, h, sq), float("-inf"), dtype=acc)
+    if lse is None:  # no task at all (every row masked): zeros, lse -inf
+        out, lse = _accumulator(qb, shape, dtype, 0.0, False), qb.new_full((b, h, sq), float("-inf"), dtype=acc)
     if sink is not None:
         add_sink_(out, lse, sink)
     return _sbhd(out, q.dtype), lse
@@ -208,12 +234,15 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 
     Work outside the attention calls: one kernel per distinct query span for the blocks' ``lse``, one
     per block for dQ (a copy on a first write, else an add) and one per block for dK/dV (``Gradients.add``),
-    and one copy each for the ``[s, b, h, d]`` results."""
+    and one copy each for the ``[s, b, h, d]`` results. Without merges dQ is written in q's dtype (none
+    for one token-major block over every row), and a gradient walk may hand a lone block's dK/dV back
+    as they are (``LocalGradients``)."""
     dout = _contiguous(dout.to(q.dtype))
     qb, ob, dob = _bhsd(q), _bhsd(out), _bhsd(dout)
     block_lse = _BackwardLse(lse)
     acc = accum_dtype(q.dtype)
-    dq = _accumulator(qb, tuple(qb.shape), acc, 0.0, plan.covered)
+    direct = not plan.merges
+    dq: Optional[torch.Tensor] = None
     kb_all, vb_all = _bhsd(k), _bhsd(v)
     grads = plan.rotation.gradients(kb_all, vb_all, plan.kv_dtype(k.dtype))
     for step, kb, vb in grads.blocks(kb_all, vb_all):
@@ -222,6 +251,12 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
             gq, gk, gv = plan.kernel.backward(_rows(dob, t.q), _rows(qb, t.q), _rows(kb, t.kv), _rows(vb, t.kv),
                                               _rows(ob, t.q), block_lse.rows(t.q), t.mask, plan.scale,
                                               plan.dropout(step, i))
+            if direct and t.q == (0, qb.shape[2]) and gq.dtype == q.dtype and _token_major(gq) is not None:
+                dq = gq  # the one block over every row is the result
+                grads.add(step, t.kv, gk, gv)
+                continue
+            if dq is None:
+                dq = _accumulator(qb, tuple(qb.shape), q.dtype if direct else acc, 0.0, plan.covered)
             if plan.first[step][i]:
                 _copy_(_rows(dq, t.q), gq)
             else:
@@ -230,6 +265,8 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         trace.record("backward_compute", step, t0)
         grads.done(step)
         del kb, vb  # the walk frees a shard's message once it is sent, not when the next one arrives
+    if dq is None:  # no task at all: no gradient reaches q
+        dq = _accumulator(qb, tuple(qb.shape), q.dtype, 0.0, False)
     dk, dv = grads.result()
     dsink = None if sink is None else sink_grad(dob, ob, finite_lse_for_backward(lse), sink).to(sink.dtype)
     return _sbhd(dq, q.dtype), _sbhd(dk, k.dtype), _sbhd(dv, v.dtype), dsink

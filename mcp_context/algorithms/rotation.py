@@ -244,29 +244,42 @@ class LocalRotation:
 class LocalGradients:
     """dK/dV straight into slices of one ``[b, h_kv, rows, dqk + dv]`` buffer, made at the first add: in
     ``dtype``, unless that is a half dtype the blocks' gradients do not come in (a kernel that returns fp32
-    partials): then in fp32, so a sum is never rounded more often than in fp32 (``RingPlan.kv_sums_exact``)."""
+    partials): then in fp32, so a sum is never rounded more often than in fp32 (``RingPlan.kv_sums_exact``).
+
+    A first block over every row is held as it is (``lone``), not added into a fresh buffer: when no other
+    block follows (a ring of one running one call) its dK/dV are the result, with no fill, add or copy."""
 
     def __init__(self, rotation: LocalRotation, k: torch.Tensor, dims: int, dqk: int, dtype: torch.dtype):
         self.rotation, self.k, self.dims, self.dqk, self.dtype = rotation, k, dims, dqk, dtype
         self._dkv: Optional[torch.Tensor] = None
+        self._lone: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     def _buffer(self, block_dtype: torch.dtype) -> torch.Tensor:
         if self._dkv is None:
             half = self.dtype in (torch.bfloat16, torch.float16)
             dtype = torch.float32 if half and block_dtype != self.dtype else self.dtype
             self._dkv = bhsd(token_major_zeros(self.k, self.dims, dtype))
+            if self._lone is not None:
+                add_kv_(self._dkv, *self._lone)
+                self._lone = None
         return self._dkv
 
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         return self.rotation.blocks(k, v)
 
     def add(self, step: int, rows: tuple[int, int], dk: torch.Tensor, dv: torch.Tensor) -> None:
-        dkv = self._buffer(dk.dtype)
-        shard = self.rotation.rows(dkv.shape[2], step)
-        add_kv_(rows_of(dkv, (shard.start + rows[0], shard.start + rows[1])), dk, dv)
+        total = self.k.shape[2]
+        shard = self.rotation.rows(total, step)
+        start, stop = shard.start + rows[0], shard.start + rows[1]
+        if self._dkv is None and self._lone is None and (start, stop) == (0, total):
+            self._lone = (dk, dv)
+            return
+        add_kv_(rows_of(self._buffer(dk.dtype), (start, stop)), dk, dv)
 
     def done(self, step: int) -> None:
         """Nothing to do: every block was added straight into the shard's own accumulator."""
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._lone is not None:
+            return self._lone
         return split_kv(self._buffer(self.dtype), self.dqk)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 from ..algorithms.executor import first_writes
 from ..schedule import BlockTask
@@ -68,27 +68,60 @@ def call_seconds(profile: MachineProfile, task: BlockTask, flops_per_pair: float
     return fwd, both - fwd
 
 
-def task_bytes(task: BlockTask, first: bool, shape: RankShape, heads: int, kv_heads: int) -> tuple[int, int]:
+@dataclass(frozen=True)
+class Accumulation:
+    """How the executor holds a plan's results (``algorithms/executor.py``, ``rotation.LocalGradients``).
+
+    ``direct``: no query row meets two blocks (``RingPlan.merges`` is false), so out and dQ are written in
+    the inputs' dtype, with no fp32 accumulator and no result copy; ``lone_q``: one block covers every query
+    row, whose own out and dQ are the results; ``lone_kv``: one block covers every key row of a ring of one,
+    whose own dK/dV are the results (no buffer, fill, add or copy). A sink turns ``direct`` off in the
+    executor's forward; the model leaves that out."""
+
+    direct: bool
+    lone_q: bool
+    lone_kv: bool
+
+    @classmethod
+    def of(cls, tasks: Sequence[Sequence[BlockTask]], q_rows: int, kv_rows: int) -> "Accumulation":
+        flat = [task for step in tasks for task in step]
+        direct = all(all(step) for step in first_writes(tasks))
+        one = len(flat) == 1
+        return cls(direct, direct and one and flat[0].q == (0, q_rows),
+                   len(tasks) == 1 and one and flat[0].kv == (0, kv_rows))
+
+
+def task_bytes(task: BlockTask, first: bool, shape: RankShape, heads: int, kv_heads: int,
+               accumulation: Accumulation) -> tuple[int, int]:
     """``(forward, backward)`` bytes the executor moves around one task's call: the output's first copy into
-    the fp32 accumulator (read the block, write fp32) or its merge (read and write fp32, read the block),
-    and backward the same for dQ, plus the fused dK/dV add (read and write fp32, read the block)."""
+    the fp32 accumulator (read the block, write fp32; in the inputs' dtype for a ``direct`` plan, nothing
+    for a lone block) or its merge (read and write fp32, read the block), and backward the same for dQ,
+    plus the fused dK/dV add (read and write fp32, read the block; nothing for a lone block)."""
     e = shape.dtype.itemsize
     acc = 8 if e == 8 else 4
     rows, keys = task.q[1] - task.q[0], task.kv[1] - task.kv[0]
-    per = (e + acc) if first else (e + 2 * acc)
-    forward = shape.batch * rows * heads * (shape.dv * per + 3 * acc)
-    backward = shape.batch * (rows * heads * shape.head_dim * per
-                              + keys * kv_heads * (shape.head_dim + shape.dv) * (e + 2 * acc))
+    if accumulation.lone_q:
+        per = 0
+    elif accumulation.direct:
+        per = 2 * e
+    else:
+        per = (e + acc) if first else (e + 2 * acc)
+    forward = shape.batch * rows * heads * (shape.dv * per + (0 if accumulation.lone_q else 3 * acc))
+    dkv = 0 if accumulation.lone_kv else keys * kv_heads * (shape.head_dim + shape.dv) * (e + 2 * acc)
+    backward = shape.batch * (rows * heads * shape.head_dim * per + dkv)
     return forward, backward
 
 
-def layer_bytes(shape: RankShape, heads: int, kv_heads: int, q_rows: int, kv_rows: int) -> int:
-    """Bytes of a layer's work outside the steps: the out, dQ, dK and dV result copies (read fp32, write
-    the input dtype) and the fill of the dK/dV buffer."""
+def layer_bytes(shape: RankShape, heads: int, kv_heads: int, q_rows: int, kv_rows: int,
+                accumulation: Accumulation) -> int:
+    """Bytes of a layer's work outside the steps: the out and dQ result copies (read fp32, write the inputs'
+    dtype; none for a ``direct`` plan), the dK and dV result copies and the fill of the dK/dV buffer (none
+    for a lone block)."""
     e = shape.dtype.itemsize
     acc = 8 if e == 8 else 4
-    kv = shape.batch * kv_rows * kv_heads * (shape.head_dim + shape.dv)
-    return shape.batch * q_rows * heads * (shape.dv + shape.head_dim) * (acc + e) + kv * (acc + e) + kv * acc
+    kv = 0 if accumulation.lone_kv else shape.batch * kv_rows * kv_heads * (shape.head_dim + shape.dv)
+    qo = 0 if accumulation.direct else shape.batch * q_rows * heads * (shape.dv + shape.head_dim) * (acc + e)
+    return qo + kv * (acc + e) + kv * acc
 
 
 @dataclass(frozen=True)
@@ -149,20 +182,23 @@ class Fabric:
         return round(intra), round(sum(ops.values()) - intra)
 
 
-def step_compute(traffics: Sequence[RankTraffic], shape: RankShape, a2a_degree: int, profile: MachineProfile
-                 ) -> tuple[list[float], list[float]]:
-    """Forward and backward compute seconds of each step, the slowest rank's (ranks move in lockstep)."""
+def step_compute(traffics: Sequence[RankTraffic], shape: RankShape, a2a_degree: int, profile: MachineProfile,
+                 accumulation: Optional[Accumulation] = None) -> tuple[list[float], list[float]]:
+    """Forward and backward compute seconds of each step, the slowest rank's (ranks move in lockstep).
+    ``accumulation``: how the results are held, by default as the executor holds them for these tasks
+    (a calibration against steps measured on an older engine passes that engine's)."""
     heads, kv_heads = shape.heads // a2a_degree, max(1, shape.kv_heads // a2a_degree)
     flops_per_pair = 2 * (shape.head_dim + shape.dv) * shape.batch * heads  # QK^T and PV
     bandwidth = profile.memory_bandwidth_gbps * 1e9
     steps = len(traffics[0].tasks)
     fwd, bwd = [0.0] * steps, [0.0] * steps
     for tr in traffics:
+        held = accumulation or Accumulation.of(tr.tasks, tr.q_rows, tr.kv_rows)
         for t, (tasks, firsts) in enumerate(zip(tr.tasks, first_writes(tr.tasks))):
             f = b = 0.0
             for task, first in zip(tasks, firsts):
                 cf, cb = call_seconds(profile, task, flops_per_pair)
-                bf, bb = task_bytes(task, first, shape, heads, kv_heads)
+                bf, bb = task_bytes(task, first, shape, heads, kv_heads, held)
                 f, b = f + cf + bf / bandwidth, b + cb + bb / bandwidth
             fwd[t], bwd[t] = max(fwd[t], f), max(bwd[t], b)
     return fwd, bwd
@@ -178,7 +214,8 @@ def predict(shape: RankShape, a2a_degree: int, traffics: Sequence[RankTraffic], 
     p = fabric.profile
     c_fwd, c_bwd = step_compute(traffics, shape, a2a_degree, p)
     heads, kv_heads = shape.heads // a2a_degree, max(1, shape.kv_heads // a2a_degree)
-    extra = max(layer_bytes(shape, heads, kv_heads, tr.q_rows, tr.kv_rows) for tr in traffics) / (
+    extra = max(layer_bytes(shape, heads, kv_heads, tr.q_rows, tr.kv_rows,
+                            Accumulation.of(tr.tasks, tr.q_rows, tr.kv_rows)) for tr in traffics) / (
         p.memory_bandwidth_gbps * 1e9)
     c_bwd[-1] += extra  # the result copies and the dK/dV fill, once per layer (counted with the backward)
     steps = len(c_fwd)

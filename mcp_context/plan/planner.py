@@ -239,7 +239,8 @@ def explain(req: PlanRequest, best: PlanRow, rows: list[PlanRow]) -> list[str]:
                        f"shrinks the model state, not the first stage's activations: under 1F1B it holds "
                        f"{req.model.num_layers} layers' inputs whatever the PP size)")
     else:
-        smaller = sorted({r.candidate.cp_size for r in rows if not r.fits and r.candidate.cp_size < c.cp_size})
+        fits_at = {r.candidate.cp_size for r in fitting}  # a size fits when any of its layouts does
+        smaller = sorted({r.candidate.cp_size for r in rows if r.candidate.cp_size < c.cp_size} - fits_at)
         if smaller:
             reasons.append(f"CP sizes {smaller} do not fit in {mem:.0f} GiB per GPU (model state + activations); "
                            f"CP {c.cp_size} needs {best.memory_bytes / GIB:.1f} GiB")
