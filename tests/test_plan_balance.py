@@ -116,3 +116,16 @@ def test_cli_refuses_a_recipe_without_a_budget_and_a_step_outside_the_run(capsys
         capsys.readouterr().err
     assert main(["balance", "--recipe", "recipes/tiny_dynamic_cp_cpu.yaml", "--step", "51"]) == 2
     assert "step=51 is not a step of the recipe's train.steps=50; choose one from 1 to 50" in capsys.readouterr().err
+
+
+def test_the_table_and_the_json_show_each_schemes_max_mean_and_ratio(balance):
+    from mcp_context.plan.report import balance_dict, balance_table
+
+    table = balance_table(balance, "hand")
+    assert table.splitlines()[0].startswith("hand: 2 samples, 11 documents, 8192 tokens; 8 data x context parallel")
+    attention = next(line for line in table.splitlines() if line.startswith("attention GFLOP")).split()
+    assert attention[2:] == ["3.759", "2.174", "1.729", "2.35", "2.174", "1.081"]
+    assert table.endswith("fixed: 2 samples on 4 ranks; dynamic: 8 documents on 1 rank, 2 on 2 ranks, 1 on 8 ranks")
+    data = balance_dict(balance)
+    assert data["dynamic"]["per_rank"]["bytes_sent"] == list(balance.dynamic.bytes_sent)
+    assert data["fixed"]["spread"]["bytes_sent"]["max_over_mean"] == 1.0

@@ -117,10 +117,10 @@ BALANCE_ROWS = {"attention_flops": ("attention GFLOP", 1e9), "linear_flops": ("l
                 "flops": ("all GFLOP", 1e9), "bytes_sent": ("CP MiB sent", MIB)}
 
 
-def _groups(sizes: tuple[int, ...], what: str) -> str:
-    """``"8 documents on 1 rank, 3 on 4"``: how many placements ran on each group size."""
+def _groups(sizes: tuple[int, ...], noun: str) -> str:
+    """``"8 documents on 1 rank, 3 on 4 ranks"``: how many placements ran on each group size."""
     counts = sorted((n, sizes.count(n)) for n in set(sizes))
-    return ", ".join(f"{c}{f' {what}' if i == 0 else ''} on {n} rank{'s' if n > 1 else ''}"
+    return ", ".join(f"{c}{f' {noun}' + 's' * (c != 1) if i == 0 else ''} on {n} rank{'s' * (n != 1)}"
                      for i, (n, c) in enumerate(counts))
 
 
@@ -142,6 +142,6 @@ def balance_table(balance: Balance, title: str) -> str:
              " " * fixed_at + f"{heading} dynamic ({req.budget} tokens a rank)"]
     lines += ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths)))
               for r in rows]
-    lines.append(f"\nfixed: {_groups(balance.fixed.group_sizes, 'samples')}; "
-                 f"dynamic: {_groups(balance.dynamic.group_sizes, 'documents')}")
+    lines.append(f"\nfixed: {_groups(balance.fixed.group_sizes, 'sample')}; "
+                 f"dynamic: {_groups(balance.dynamic.group_sizes, 'document')}")
     return "\n".join(lines)
