@@ -7,6 +7,7 @@ right after parsing: flags, values and choices as the CLI sees them); then
 - cheap ones run for real in this process, through their CLI's ``main``: ``recipes show / validate``,
   ``megatron_lm`` (a recipe's Megatron-LM command); data preparation of the bundled corpus (into a temporary cache); the planner, restricted with ``--cp-sizes`` to the smallest CP sizes (the
   candidates of a full plan take minutes) and writing any ``--json`` under a temporary directory;
+  the planner's step balance (``plan balance``) on the bundled corpus, tokenised into a temporary cache;
   ``--help`` of every converter sub-command used, which must list each flag the docs give it;
 - commands that train, benchmark for minutes, need a GPU or a downloaded model are checked without
   running: the module or script exists, the arguments parse, and a recipe with its overrides loads
@@ -159,6 +160,10 @@ def _check_python(argv: list[str], tmp_path: Path, world_size=None) -> None:
         status, out, err = _call(main, args)
         assert status == 0, err
         assert out.strip()
+    elif name in ("mcp_context.plan", "tools.plan") and getattr(ns, "command", None) == "balance":
+        status, out, err = _call(main, args + [f"data.cache_dir={tmp_path}"])  # the corpus tokenised afresh
+        assert status == 0, err
+        assert "max/mean" in out
     elif name in ("mcp_context.plan", "tools.plan"):
         from mcp_context.plan.__main__ import _request
         from mcp_context.plan.candidates import cp_sizes_for

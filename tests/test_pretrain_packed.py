@@ -59,7 +59,8 @@ def test_a_row_with_eod_tokens_packs_into_padded_documents():
     """EOD = 0, padded to multiples of 4: sample 0 holds documents [5 6 0] [7 0] [0] [8 9] (the last
     one cut by the sample's end), sample 1 one document ending at its last token; the dataset's loss
     mask (here the EOD masked, as eod_mask_loss does) and position ids are kept, padding rows are 0."""
-    from mcp_context.pretrain.packing import POSITIONS, DocumentPacking, document_offsets
+    from mcp_context.data.documents import document_offsets
+    from mcp_context.pretrain.packing import POSITIONS, DocumentPacking
 
     tokens = torch.tensor([[5, 6, 0, 7, 0, 0, 8, 9], [1, 2, 3, 4, 5, 6, 7, 0]])
     assert document_offsets(tokens[0], 0, 4) == ([0, 3, 5, 6, 8], [0, 4, 8, 12, 16])

@@ -1,10 +1,12 @@
-"""``python -m mcp_context.plan``: plan context parallelism for a model, a sequence and a machine.
+"""``python -m mcp_context.plan``: plan context parallelism for a model, a sequence and a machine;
+``python -m mcp_context.plan balance``: a training step's per-rank work under dynamic CP and a fixed CP size.
 
 Examples::
 
     python -m mcp_context.plan --recipe recipes/llama3_70b_1m_hcp.yaml --gpus 64 --tp 8 --pp 1
     python -m mcp_context.plan --layers 80 --hidden 8192 --heads 64 --kv-heads 8 --ffn-hidden 28672 \\
         --seq-len 1048576 --gpus 64 --tp 8 --profile h200_nvlink_ib --json plan.json
+    python -m mcp_context.plan balance --recipe recipes/tiny_dynamic_cp_cpu.yaml --cp 4
 """
 from __future__ import annotations
 
@@ -48,6 +50,8 @@ MAX_VALUES: dict[str, tuple[int, str]] = {
     "--micro-batch-size": (2**20, "2**20"),
     "--cp-sizes": (2**24, "2**24"),
     "--jobs": (2**10, "2**10 processes"),
+    "--cp": (2**24, "2**24"),
+    "--budget": (2**26, "2**26 tokens, as --seq-len"),
 }
 
 
@@ -89,7 +93,8 @@ def _window(text: str) -> tuple[int, int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = _OneLineParser(prog="python -m mcp_context.plan", description=__doc__.split("\n")[0],
+    ap = _OneLineParser(prog="python -m mcp_context.plan", description=__doc__.split(";")[0],
+                        epilog="python -m mcp_context.plan balance --help: a step's per-rank work, dynamic vs fixed CP",
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", help="recipe YAML: model shape, seq_length, TP and PP (--seq-len, --vocab, --tp and "
                                      "--pp override it)")
@@ -158,7 +163,79 @@ def _request(args: argparse.Namespace) -> PlanRequest:
     return request
 
 
+def _balance_parser() -> argparse.ArgumentParser:
+    ap = _OneLineParser(prog="python -m mcp_context.plan balance",
+                        description="Per-rank attention FLOPs, linear FLOPs and CP bytes of one training step's global "
+                                    "batch from the recipe's corpus, under dynamic CP (our plan) and under a fixed CP "
+                                    "size; max, mean and max/mean over the data x context parallel ranks "
+                                    "(train.world_size / (TP * PP)).")
+    ap.set_defaults(command="balance")
+    ap.add_argument("--recipe", required=True, help="recipe YAML: model, corpus, seq_length, global batch, world size")
+    ap.add_argument("--cp", type=_bounded_int("--cp"), help="the fixed context_parallel_size compared "
+                                                                   "(default: the recipe's)")
+    ap.add_argument("--budget", type=_bounded_int("--budget"),
+                    help="dynamic CP's tokens a rank (default: the recipe's model.max_seqlen_per_dp_cp_rank)")
+    ap.add_argument("--step", type=int, default=1, help="the training step whose global batch is read (from 1)")
+    ap.add_argument("--json", metavar="PATH", help="also write the figures, per rank, as JSON ('-' for stdout only)")
+    ap.add_argument("overrides", nargs="*", help="dotted recipe overrides, e.g. model.seq_length=8192")
+    return ap
+
+
+def _balance(args: argparse.Namespace):
+    """The step's ``Balance`` from the recipe (its corpus tokenised first if need be)."""
+    import torch
+
+    from ..recipes import load_recipe
+    from .balance import BalanceRequest, work_balance
+    from .batch import step_document_lengths
+
+    if args.json not in (None, "-") and not Path(args.json).parent.is_dir():
+        raise ValueError(f"--json={args.json}: directory {Path(args.json).parent} does not exist; create it first "
+                         f"or give a path in an existing directory")
+    cfg = load_recipe(args.recipe, args.overrides)
+    m = cfg.model
+    budget = args.budget or m.max_seqlen_per_dp_cp_rank
+    if budget is None:
+        raise ValueError(f"--recipe={args.recipe} sets no model.max_seqlen_per_dp_cp_rank; give dynamic CP's tokens "
+                         f"a rank with --budget")
+    if cfg.train.world_size % (m.tensor_model_parallel_size * m.pipeline_model_parallel_size):
+        raise ValueError(f"train.world_size={cfg.train.world_size} is not a multiple of TP x PP = "
+                         f"{m.tensor_model_parallel_size} x {m.pipeline_model_parallel_size}; fix the recipe")
+    samples, vocab = step_document_lengths(cfg, args.step)
+    levels = m.hierarchical_context_parallel_sizes
+    request = BalanceRequest(samples, cfg.train.world_size // (m.tensor_model_parallel_size *
+                                                               m.pipeline_model_parallel_size),
+                             budget, args.cp or m.context_parallel_size, dataclasses.replace(m, vocab_size=vocab),
+                             m.cp_comm_type, levels[0] if levels else None, getattr(torch, m.params_dtype))
+    return work_balance(request)
+
+
+def balance_main(argv: Sequence[str]) -> int:
+    args = _balance_parser().parse_args(argv)
+    from .report import balance_dict, balance_table
+
+    try:
+        result = _balance(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    data = balance_dict(result)
+    if args.json == "-":
+        print(json.dumps(data, indent=1))
+        return 0
+    print(balance_table(result, f"step {args.step} of {args.recipe}"))
+    if args.json:
+        from ..atomic import write_atomic
+
+        write_atomic(args.json, json.dumps(data, indent=1).encode())
+        print(f"\nwrote {args.json}")
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["balance"]:
+        return balance_main(argv[1:])
     args = _parser().parse_args(argv)
     try:
         result = plan(_request(args), progress=False if args.no_progress else None, jobs=args.jobs)

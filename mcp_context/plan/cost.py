@@ -182,13 +182,20 @@ class Fabric:
         return round(intra), round(sum(ops.values()) - intra)
 
 
+def flops_per_pair(shape: RankShape, a2a_degree: int) -> int:
+    """Forward FLOPs of one visible (query, key) pair of a rank's tasks (QK^T and PV, every head it holds:
+    after an all-to-all of ``a2a_degree`` ranks its tasks have that many times the rows and that many
+    times fewer heads)."""
+    return 2 * (shape.head_dim + shape.dv) * shape.batch * (shape.heads // a2a_degree)
+
+
 def step_compute(traffics: Sequence[RankTraffic], shape: RankShape, a2a_degree: int, profile: MachineProfile,
                  accumulation: Optional[Accumulation] = None) -> tuple[list[float], list[float]]:
     """Forward and backward compute seconds of each step, the slowest rank's (ranks move in lockstep).
     ``accumulation``: how the results are held, by default as the executor holds them for these tasks
     (a calibration against steps measured on an older engine passes that engine's)."""
     heads, kv_heads = shape.heads // a2a_degree, max(1, shape.kv_heads // a2a_degree)
-    flops_per_pair = 2 * (shape.head_dim + shape.dv) * shape.batch * heads  # QK^T and PV
+    per_pair = flops_per_pair(shape, a2a_degree)
     bandwidth = profile.memory_bandwidth_gbps * 1e9
     steps = len(traffics[0].tasks)
     fwd, bwd = [0.0] * steps, [0.0] * steps
@@ -197,7 +204,7 @@ def step_compute(traffics: Sequence[RankTraffic], shape: RankShape, a2a_degree: 
         for t, (tasks, firsts) in enumerate(zip(tr.tasks, first_writes(tr.tasks))):
             f = b = 0.0
             for task, first in zip(tasks, firsts):
-                cf, cb = call_seconds(profile, task, flops_per_pair)
+                cf, cb = call_seconds(profile, task, per_pair)
                 bf, bb = task_bytes(task, first, shape, heads, kv_heads, held)
                 f, b = f + cf + bf / bandwidth, b + cb + bb / bandwidth
             fwd[t], bwd[t] = max(fwd[t], f), max(bwd[t], b)

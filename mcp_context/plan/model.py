@@ -1,4 +1,5 @@
-"""The model the planner plans for: the package's model shape with its sizes written out, and its memory.
+"""The model the planner plans for: the package's model shape with its sizes written out, its memory, and
+the FLOPs a token costs in its linear layers.
 
 The shape is ``mcp_context.recipes.schema.ModelConfig``, the one pretraining and the converter use;
 ``planning_shape`` fills the sizes megatron-core derives when they are left unset (from command-line
@@ -10,6 +11,7 @@ not estimated here but measured by the dry run.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 from mcp_context.recipes.schema import ModelConfig
 
@@ -82,6 +84,19 @@ def parameters(model: ModelConfig) -> int:
         layers += moe_layers * moe
     layers += (model.num_layers - moe_layers) * dense
     return layers + 2 * model.vocab_size * h + h
+
+
+LINEAR_FWD_BWD_FLOP_FACTOR = 3  # forward + backward FLOPs of a matmul over its forward's (dX and dW)
+
+
+def linear_flops_per_token(model: ModelConfig) -> Optional[int]:
+    """Forward+backward FLOPs one token of a ``planning_shape`` costs outside the attention core: 2 per
+    parameter it passes through (every one of ``parameters`` but the input embedding, a lookup; the norms'
+    few counted as if matmuls), times ``LINEAR_FWD_BWD_FLOP_FACTOR``. None for an MoE model: its tokens pass
+    through the experts their routing picks, which is not modelled."""
+    if model.num_moe_experts is not None:
+        return None
+    return 2 * LINEAR_FWD_BWD_FLOP_FACTOR * (parameters(model) - model.vocab_size * model.hidden_size)
 
 
 def _moe_layers(model: ModelConfig) -> int:

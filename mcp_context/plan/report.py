@@ -1,8 +1,9 @@
-"""A plan as a text table (for people) and as a JSON-ready dict (for tools)."""
+"""A plan, and a step's work balance, as a text table (for people) and as a JSON-ready dict (for tools)."""
 from __future__ import annotations
 
 import dataclasses
 
+from .balance import Balance, RankWork
 from .model import PLANNED_FIELDS
 from .planner import GIB, Plan, PlanRow
 
@@ -93,3 +94,54 @@ def _head_dims(model) -> str:
     if model.v_head_dim == model.kv_channels:
         return str(model.kv_channels)
     return f"q/k {model.kv_channels}, v {model.v_head_dim}"
+
+
+def _work_dict(work: RankWork) -> dict:
+    return {"per_rank": {"attention_flops": list(work.attention_flops),
+                         "linear_flops": None if work.linear_flops is None else list(work.linear_flops),
+                         "bytes_sent": list(work.bytes_sent), "tokens": list(work.tokens)},
+            "group_sizes": list(work.group_sizes),
+            "spread": {name: {"max": s.max, "mean": s.mean, "max_over_mean": s.ratio}
+                       for name, s in work.spreads().items()}}
+
+
+def balance_dict(balance: Balance) -> dict:
+    req = balance.request
+    return {"request": {"samples": [list(s) for s in req.samples], "world": req.world, "budget": req.budget,
+                        "cp": req.cp, "cp_comm_type": req.comm, "level0": req.level0 or req.world,
+                        "dtype": str(req.dtype), "model": {name: getattr(req.model, name) for name in PLANNED_FIELDS}},
+            "fixed": _work_dict(balance.fixed), "dynamic": _work_dict(balance.dynamic)}
+
+
+BALANCE_ROWS = {"attention_flops": ("attention GFLOP", 1e9), "linear_flops": ("linear GFLOP", 1e9),
+                "flops": ("all GFLOP", 1e9), "bytes_sent": ("CP MiB sent", MIB)}
+
+
+def _groups(sizes: tuple[int, ...], noun: str) -> str:
+    """``"8 documents on 1 rank, 3 on 4 ranks"``: how many placements ran on each group size."""
+    counts = sorted((n, sizes.count(n)) for n in set(sizes))
+    return ", ".join(f"{c}{f' {noun}' + 's' * (c != 1) if i == 0 else ''} on {n} rank{'s' * (n != 1)}"
+                     for i, (n, c) in enumerate(counts))
+
+
+def balance_table(balance: Balance, title: str) -> str:
+    """The fixed and the dynamic figures side by side (max, mean, max/mean per rank), then the group sizes."""
+    req, docs = balance.request, sum(len(s) for s in balance.request.samples)
+    fixed, dynamic = balance.fixed.spreads(), balance.dynamic.spreads()
+    rows = [[f"per rank, {req.model.num_layers} layers fwd+bwd"] + ["max", "mean", "max/mean"] * 2]
+    for key, (label, unit) in BALANCE_ROWS.items():
+        if key in fixed:
+            rows.append([label] + [cell for s in (fixed[key], dynamic[key]) for cell in (
+                f"{s.max / unit:.4g}", f"{s.mean / unit:.4g}", "-" if s.ratio is None else f"{s.ratio:.3f}")])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    fixed_at = widths[0] + 2  # the schemes' names over their three columns
+    dynamic_at = fixed_at + sum(widths[1:4]) + 6
+    heading = f"fixed CP={req.cp} (DP {req.data_parallel_size})".ljust(dynamic_at - fixed_at - 1)
+    lines = [f"{title}: {len(req.samples)} samples, {docs} documents, {sum(map(sum, req.samples))} tokens; "
+             f"{req.world} data x context parallel ranks, {req.comm} (all-to-all domains of {req.level0 or req.world})",
+             " " * fixed_at + f"{heading} dynamic ({req.budget} tokens a rank)"]
+    lines += ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths)))
+              for r in rows]
+    lines.append(f"\nfixed: {_groups(balance.fixed.group_sizes, 'sample')}; "
+                 f"dynamic: {_groups(balance.dynamic.group_sizes, 'document')}")
+    return "\n".join(lines)

@@ -22,10 +22,10 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from mcp_context.cp_rules import dynamic_cp_sizes
+from mcp_context.data.documents import document_offsets
 from mcp_context.megatron.dynamic_groups import build_sub_groups
 from mcp_context.megatron.dynamic_plan import Plan, plan_sub_samples
 from mcp_context.megatron.dynamic_schedule import agree_on_schedule, check_runs_in_order
-from mcp_context.pretrain.packing import document_offsets
 from mcp_context.recipes import RecipeConfig
 
 

@@ -19,23 +19,11 @@ from typing import Any
 
 import torch
 
+from mcp_context.data.documents import document_offsets
+
 POSITIONS = "dataset_position_ids"
 """The packed batch's key for the dataset's position ids (``slice_batch_for_cp`` would replace a
 ``position_ids`` entry with positions restarting per document, whatever ``reset_position_ids`` says)."""
-
-
-def document_offsets(tokens: torch.Tensor, eod: int, multiple: int) -> tuple[list[int], list[int]]:
-    """``(cu_seqlens, cu_seqlens_padded)`` of one ``[s]`` token row: a document ends at each ``eod``
-    token (inclusive) and at the row's end; each padded length is the next multiple of ``multiple``."""
-    ends = (torch.nonzero(tokens == eod).flatten() + 1).tolist()
-    if not ends or ends[-1] != tokens.numel():
-        ends.append(tokens.numel())
-    cu, padded = [0], [0]
-    for end in ends:
-        length = end - cu[-1]
-        cu.append(end)
-        padded.append(padded[-1] + length + (-length % multiple))
-    return cu, padded
 
 
 @dataclass(frozen=True)
