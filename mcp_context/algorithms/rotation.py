@@ -50,7 +50,7 @@ class Gradients(Protocol):
 
 def rows_of(x: torch.Tensor, rows: tuple[int, int]) -> torch.Tensor:
     """Rows ``rows`` (dim 2) of a ``[b, h, n, ...]`` tensor, as a view (``narrow``: see executor._rows)."""
-    return x.narrow(2, rows[0], rows[1] - rows[0])
+    return x if rows[0] == 0 and rows[1] == x.shape[2] else x.narrow(2, rows[0], rows[1] - rows[0])
 
 
 class Rotation(Protocol):
