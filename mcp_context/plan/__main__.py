@@ -15,7 +15,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import NoReturn, Optional, Sequence
+from typing import Callable, NoReturn, Optional, Sequence
 
 from ..recipes.schema import ModelConfig
 from .dryrun import check_dry_run_fits
@@ -210,6 +210,21 @@ def _balance(args: argparse.Namespace):
     return work_balance(request)
 
 
+def _emit(data: dict, table: Callable[[], str], json_path: Optional[str]) -> int:
+    """What both commands print: the JSON alone on stdout for ``--json -``; else the table, and the JSON
+    written (atomically) to ``--json PATH`` when given."""
+    if json_path == "-":
+        print(json.dumps(data, indent=1))
+        return 0
+    print(table())
+    if json_path:
+        from ..atomic import write_atomic
+
+        write_atomic(json_path, json.dumps(data, indent=1).encode())
+        print(f"\nwrote {json_path}")
+    return 0
+
+
 def balance_main(argv: Sequence[str]) -> int:
     args = _balance_parser().parse_args(argv)
     from .report import balance_dict, balance_table
@@ -219,17 +234,7 @@ def balance_main(argv: Sequence[str]) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    data = balance_dict(result)
-    if args.json == "-":
-        print(json.dumps(data, indent=1))
-        return 0
-    print(balance_table(result, f"step {args.step} of {args.recipe}"))
-    if args.json:
-        from ..atomic import write_atomic
-
-        write_atomic(args.json, json.dumps(data, indent=1).encode())
-        print(f"\nwrote {args.json}")
-    return 0
+    return _emit(balance_dict(result), lambda: balance_table(result, f"step {args.step} of {args.recipe}"), args.json)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -242,17 +247,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    data = plan_dict(result)
-    if args.json == "-":
-        print(json.dumps(data, indent=1))
-        return 0
-    print(plan_table(result))
-    if args.json:
-        from ..atomic import write_atomic
-
-        write_atomic(args.json, json.dumps(data, indent=1).encode())
-        print(f"\nwrote {args.json}")
-    return 0
+    return _emit(plan_dict(result), lambda: plan_table(result), args.json)
 
 
 if __name__ == "__main__":
