@@ -150,7 +150,7 @@ def build_setup(args: argparse.Namespace, world_size: Optional[int]) -> Setup:
         v_head_dim = head_dim
         if getattr(m, "multi_latent_attention", False):  # MLA: q/k carry the RoPE dims too
             head_dim, v_head_dim = m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim
-        # dynamic CP: the hierarchy describes the data parallel group, its largest sub-group (the fixed checks' CP)
+        # dynamic CP: its largest group is the whole data parallel world, which the fixed checks run over
         dynamic = m.hybrid_context_parallel
         values.update(heads=heads, kv_heads=kv, head_dim=head_dim, v_head_dim=v_head_dim,
                       softmax_type=getattr(m, "softmax_type", "vanilla"),

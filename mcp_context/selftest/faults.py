@@ -23,7 +23,7 @@ FAULTS = {
 WRONG_SCALE = 1.05
 
 
-def check_fault(fault: Optional[str], sink: bool, packed: bool, dynamic: bool = False) -> None:
+def check_fault(fault: Optional[str], sink: bool, packed: bool, dynamic: bool) -> None:
     """A fault must have something to act on: a sink to drop, documents to move, a dynamic-CP plan."""
     if fault is None:
         return
