@@ -138,8 +138,9 @@ class RankStep:
 
 
 def step_on_rank(setup: Setup, world_group: Any, alone: Any, fault: Optional[str] = None) -> RankStep:
-    """This rank's part (collective over ``world_group``): the start-up groups, the model; on rank 0 the CP = 1
-    run (every document alone, no communication); then the planned, agreed step and the gradients' all-reduce."""
+    """This rank's part (collective over ``world_group``): the start-up groups, the model, the planned and agreed
+    step and the gradients' all-reduce; then on rank 0 the CP = 1 run (every document alone), which
+    communicates nothing, so that a failure there leaves no rank waiting in a collective."""
     from ..megatron.dynamic_groups import build_sub_groups
     from ..pretrain.dynamic import agreed_plan, run_plan
 
@@ -151,13 +152,6 @@ def step_on_rank(setup: Setup, world_group: Any, alone: Any, fault: Optional[str
     model = dynamic_model(setup, budget, world_group, alone).to(device)
     documents = [{key: x.to(device) for key, x in doc.items()}
                  for doc in step_documents_of(setup, step_lengths(budget, sizes))]
-    reference, reference_grads = None, None
-    if me == 0:
-        alone_plan = [[list(range(len(documents)))] + [[] for _ in range(world - 1)]]
-        _, _, ran = run_plan(with_loss(model), documents, alone_plan, groups, world_group)
-        reference = {x.doc: x.per_token for x in ran}
-        reference_grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
-        model.zero_grad(set_to_none=True)
     plan = agreed_plan([int(doc["tokens"].numel()) for doc in documents], budget, planned_sizes(sizes, me, fault),
                        world_group)
     _, _, ran = run_plan(with_loss(model), documents, plan, groups, world_group)
@@ -166,9 +160,12 @@ def step_on_rank(setup: Setup, world_group: Any, alone: Any, fault: Optional[str
     left = [(x.doc, x.positions.tolist(), x.per_token.tolist(), x.group_size) for x in ran]
     if me != 0:
         return RankStep(left)
-    gradients = {name: error_and_bound(p.grad.cpu(), reference_grads[name].cpu())
-                 for name, p in model.named_parameters()}
-    return RankStep(left, reference, gradients)
+    summed = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    alone_plan = [[list(range(len(documents)))] + [[] for _ in range(world - 1)]]
+    _, _, alone = run_plan(with_loss(model), documents, alone_plan, groups, world_group)
+    gradients = {name: error_and_bound(summed[name].cpu(), p.grad.cpu()) for name, p in model.named_parameters()}
+    return RankStep(left, {x.doc: x.per_token for x in alone}, gradients)
 
 
 def simulated_step(setup: Setup, fault: Optional[str] = None) -> list[RankStep]:
