@@ -4,8 +4,11 @@ Documents end at the end-of-document token (megatron-core ``GPTDataset`` semanti
 micro-batch become one packed sequence (b = 1, thd) with each document padded to a multiple of 2·CP.
 The tiny recipe at CP = 4 as [2, 2] (a2a+p2p) repeats the same run at CP = 1 (DP = 4) within 1e-4
 relative per step (loss, gradient norm, learning rate, validation loss), and differs from the run
-without document masks (so the documents really are masked). The packing of a token row with EOD
-tokens (offsets, padding, loss mask, positions) is checked directly.
+without document masks (so the documents really are masked). Dynamic CP (``model.hybrid_context_parallel``:
+each document on its own group of the data parallel ranks) trains the same steps as a fixed CP: over 4 ranks
+as CP = 4 [2, 2], and over 8 ranks (documents on groups of 1, 2, 4 and 8) as CP = 8 [2, 4], losses and
+gradients within 1e-5. The packing of a token row with EOD tokens (offsets, padding, loss mask, positions)
+and the split of a global batch into documents are checked directly.
 """
 from __future__ import annotations
 
@@ -111,21 +114,31 @@ DYNAMIC = ["model.hybrid_context_parallel=true", "model.max_seqlen_per_dp_cp_ran
            "model.hierarchical_context_parallel_sizes=[2, 2]", "model.cp_comm_type=a2a+p2p"]
 
 
-def _train_recording_group_sizes(rank, world, run_dir, overrides, save):
-    """``_train``, and the sizes of the groups the dynamic plans gave the documents."""
-    from mcp_context.pretrain import dynamic
+def _train_recording(rank, world, run_dir, overrides):
+    """``_train`` (no checkpoints); the sizes of the groups the dynamic plans gave the documents, and rank 0's
+    gradients of the first step (DDP's ``main_grad``: reduced over the ranks, per token; later steps' gradients
+    are taken at weights that Adam's update of nearly-zero gradients already moved apart by fp32 round-off)."""
+    from mcp_context.pretrain import dynamic, loop
 
-    sizes, original = set(), dynamic.run_plan
+    sizes, gradients = set(), {}
+    original_plan, original_step = dynamic.run_plan, loop.train_step
 
     def run_plan(model, documents, plan, *args):
         sizes.update(sum(sid in ids for ids in plan[0]) for sid in range(len(documents)))
-        return original(model, documents, plan, *args)
+        return original_plan(model, documents, plan, *args)
 
-    dynamic.run_plan = run_plan
+    def train_step(model, *args):
+        record = original_step(model, *args)
+        if rank == 0 and not gradients:
+            gradients.update({name: p.main_grad.detach().clone() for name, p in model.module.named_parameters()})
+        return record
+
+    dynamic.run_plan, loop.train_step = run_plan, train_step
     try:
-        return _train(rank, world, run_dir, overrides, save), sorted(sizes)
+        records, _ = _train(rank, world, run_dir, overrides, False)
+        return records, sorted(sizes), gradients
     finally:
-        dynamic.run_plan = original
+        dynamic.run_plan, loop.train_step = original_plan, original_step
 
 
 def test_dynamic_cp_trains_the_same_steps_as_fixed_cp4(data_dir, packed_hcp, tmp_path):
@@ -134,16 +147,51 @@ def test_dynamic_cp_trains_the_same_steps_as_fixed_cp4(data_dir, packed_hcp, tmp
     (here groups of 2, all-to-all only, and of 4, all-to-all in pairs and a ring), and the 3 steps' loss,
     gradient norm, learning rate and validation loss equal the packed run at a fixed CP = 4 [2, 2] within
     1e-5 relative, fp32 (measured: <= 1.2e-7)."""
-    results = run_distributed(4, _train_recording_group_sizes, str(tmp_path / "dynamic"),
-                              STEPS + PACKED + DYNAMIC + [f"data.cache_dir={data_dir}"], False)
-    dynamic = _records([result for result, _ in results])
+    results = run_distributed(4, _train_recording, str(tmp_path / "dynamic"),
+                              STEPS + PACKED + DYNAMIC + [f"data.cache_dir={data_dir}"])
+    dynamic = _records([(records, None) for records, _, _ in results])
     # these steps' documents are 65 to 256 tokens (none fits one rank at 64); groups of 1: tests/test_dynamic_cp.py
-    assert set().union(*(sizes for _, sizes in results)) == {2, 4}, [sizes for _, sizes in results]
+    assert set().union(*(sizes for _, sizes, _ in results)) == {2, 4}, [sizes for _, sizes, _ in results]
     assert [r["step"] for r in dynamic] == [1, 2, 3] and "val_loss" in dynamic[2]
     for rec, ref in zip(dynamic, packed_hcp):
         for key in ("loss", "grad_norm", "lr", "val_loss"):
             if key in ref:
                 assert rec[key] == pytest.approx(ref[key], rel=1e-5, abs=0), (rec["step"], key, rec[key], ref[key])
+
+
+FIXED_CP8 = ["model.context_parallel_size=8", "model.hierarchical_context_parallel_sizes=[2, 4]",
+             "model.cp_comm_type=a2a+p2p"]
+DYNAMIC8 = ["model.hybrid_context_parallel=true", "model.max_seqlen_per_dp_cp_rank=16", "model.context_parallel_size=1",
+            "model.hierarchical_context_parallel_sizes=[2, 4]", "model.cp_comm_type=a2a+p2p"]
+# data.seed=10: these two steps' 16 samples hold scene ends that cut documents of 16, 32, 64, 80 and 112 tokens
+# (padded), so at 16 tokens a rank every group size runs (the bundled scenes are mostly longer than a sample)
+SHORT8 = ["model.seq_length=128", "train.world_size=8", "train.steps=2", "train.lr_warmup_iters=0",
+          "train.lr_decay_iters=2", "train.eval_iters=0", "data.seed=10"]
+
+
+def test_dynamic_cp_over_8_ranks_trains_the_same_losses_and_gradients_as_fixed_cp8(data_dir, tmp_path):
+    """8 ranks, samples of 128 tokens, 2 steps: the packed run at a fixed CP = 8 as [2, 4] (a2a+p2p: all-to-all
+    in pairs, a ring of 4) and dynamic CP over the 8 data parallel ranks at 16 tokens a rank (each document on
+    the smallest of groups of 1, 2, 4 and 8 that holds it; pairs all-to-all only) train the same data to the same
+    loss, gradient norm and learning rate at both steps within 1e-5 relative (measured: equal), and to the same
+    first-step gradients (DDP's, reduced over the ranks) within 1e-5 of each tensor's largest, fp32 (measured:
+    <= 2e-7)."""
+    common = SHORT8 + PACKED + [f"data.cache_dir={data_dir}"]
+    fixed = run_distributed(8, _train_recording, str(tmp_path / "fixed"), common + FIXED_CP8)
+    dynamic = run_distributed(8, _train_recording, str(tmp_path / "dynamic"), common + DYNAMIC8)
+    assert set().union(*(sizes for _, sizes, _ in dynamic)) == {1, 2, 4, 8}, [sizes for _, sizes, _ in dynamic]
+    fixed_records, dynamic_records = (_records([(records, None) for records, _, _ in results])
+                                      for results in (fixed, dynamic))
+    assert [r["step"] for r in dynamic_records] == [r["step"] for r in fixed_records] == [1, 2]
+    for rec, ref in zip(dynamic_records, fixed_records):
+        for key in ("loss", "grad_norm", "lr"):
+            assert rec[key] == pytest.approx(ref[key], rel=1e-5, abs=0), (rec["step"], key, rec[key], ref[key])
+    got, want = dynamic[0][2], fixed[0][2]
+    assert got.keys() == want.keys() and len(want) > 0
+    for name, grad in want.items():
+        assert float(grad.abs().max()) > 0, name  # every parameter takes part
+        error = float((got[name] - grad).abs().max() / grad.abs().max())
+        assert error <= 1e-5, (name, error)
 
 
 def test_dynamic_cp_splits_a_global_batch_into_padded_documents():

@@ -8,11 +8,14 @@ Passing (CPU, fp64 within 1e-10 * max(1, max|ref|), fp32 within 1e-5 * max(1, ma
   and packed documents, and CP=4 p2p with MLA head dims from flags, across 4 gloo ranks, through the
   same ``main`` a torchrun launch calls; with the model's transformer layer (dense, MoE, MLA) at CP=4
   against CP=1 for each attention kind (MLA head dims from flags: no layer to build, accepted with
-  --allow-unchecked).
+  --allow-unchecked);
+- the dynamic-CP recipe (simulated at every layout, and across 4 gloo ranks with a2a+p2p [2, 2]): its
+  step of documents on groups of every size against each document alone (``dynamic.step``).
 Failing: each planted fault (data sliced in another layout, a wrong softmax scale on one rank, a
-dropped sink, another cu_seqlens on one rank) exits 1 naming the check that caught it, simulated and
-across ranks. The 4-rank cases run ``main`` in the gloo worker pool (a torchrun launch costs ~45 s on
-the 2-core machine; the README's sample output is such a launch).
+dropped sink, another cu_seqlens on one rank, a dynamic-CP document in another group on one rank)
+exits 1 naming the check that caught it, simulated and across ranks. The 4-rank cases run ``main`` in
+the gloo worker pool (a torchrun launch costs ~45 s on the 2-core machine; the README's sample output
+is such a launch).
 """
 from __future__ import annotations
 
@@ -79,14 +82,16 @@ LAYOUTS = {"own": [], "cp4-hcp": ["--hcp-sizes", "2,2", "--comm", "a2a+p2p"], "c
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
 def test_every_recipe_passes_simulated(recipe, layout):
-    """At the recipe's own CP layout and at CP=4 [2, 2], CP=4 p2p and CP=8 [2, 2, 2]. A dynamic-CP recipe has no
-    fixed layout of its own: it is refused at "own" naming the field and the flags that give one."""
+    """At the recipe's own CP layout and at CP=4 [2, 2], CP=4 p2p and CP=8 [2, 2, 2]. A dynamic-CP recipe's own
+    layout is its data parallel group (4 ranks); at every layout its step of documents on groups of every size
+    passes against each document alone (``dynamic.step``, every rank a thread)."""
     status, text = _run(["--simulate", "--recipe", str(recipe), "--seq-len", "256", "--dtype", "fp64",
                          "--repeats", "1", *LAYOUTS[layout]])
-    if layout == "own" and "hybrid_context_parallel: true" in recipe.read_text():
-        assert status == 2 and "model.hybrid_context_parallel=true" in text and "--cp-size N" in text, text
-        return
     _assert_all_pass(status, text)
+    if "hybrid_context_parallel: true" in recipe.read_text():
+        world = 8 if layout == "cp8-hcp" else 4
+        sizes = ", ".join(str(n) for n in (1, 2, 4, 8) if n <= world)
+        assert _rows(text)["dynamic.step"] == "pass" and f"on groups of {sizes} of {world} ranks" in text, text
 
 
 CONFIGS = {
@@ -133,6 +138,8 @@ FAULT_CASES = [
     ("wrong-scale", [], "attention[causal] fp64"),
     ("dropped-sink", ["--softmax-type", "learnable"], "attention[causal+sinks:learnable] fp64"),
     ("cu-seqlens-differ", ["--packed"], "plan.agreement"),
+    ("dynamic-group-moved", ["--recipe", str(ROOT / "recipes" / "tiny_dynamic_cp_cpu.yaml"), "--comm", "a2a+p2p"],
+     "dynamic.step"),
 ]
 
 
@@ -144,6 +151,8 @@ def test_a_planted_fault_fails_simulated_naming_the_check(fault, flags, caught_b
     assert status == 1 and rows[caught_by] == "FAIL", text
     assert text.strip().splitlines()[-1].endswith(f"{sum(v == 'FAIL' for v in rows.values())} failed")
     assert rows["boundaries.unslice"] == "pass"  # a fault in the attention does not smear over other checks
+    if fault == "dynamic-group-moved":  # every rank's plan is checked before any collective: rank 1's is named
+        assert "ranks [1] disagree with the other ranks on the dynamic-CP schedule" in text, text
 
 
 def _distributed_main(rank, world, argv):
@@ -166,6 +175,9 @@ DISTRIBUTED = {
                                "--dtype", "fp64", "--repeats", "1"],
     "cp4-p2p-mla": ["--comm", "p2p", "--seq-len", "64", "--dtype", "fp64", "--head-dim", "24", "--v-head-dim", "16",
                     "--allow-unchecked"],
+    "dynamic-hcp-recipe": ["--recipe", str(ROOT / "recipes" / "tiny_dynamic_cp_cpu.yaml"), "model.cp_comm_type=a2a+p2p",
+                           "model.hierarchical_context_parallel_sizes=[2,2]", "--seq-len", "128", "--dtype", "fp64",
+                           "--repeats", "1"],
 }
 
 
@@ -182,6 +194,8 @@ def test_passes_across_four_gloo_ranks(case):
     assert "(trace, every rank)" in text
     layer_rows = {name: v for name, v in _rows(text).items() if name.startswith("boundaries.layer[")}
     assert layer_rows and set(layer_rows.values()) == {"pass"}  # the model's layer per kind against CP=1
+    if case == "dynamic-hcp-recipe":  # the fixed checks at the whole group, and a step on groups of 1, 2 and 4
+        assert _rows(text)["dynamic.step"] == "pass" and "on groups of 1, 2, 4 of 4 ranks" in text, text
 
 
 @pytest.mark.parametrize("fault,flags,caught_by", FAULT_CASES, ids=[f for f, _, _ in FAULT_CASES])
@@ -194,6 +208,8 @@ def test_a_planted_fault_fails_across_ranks_naming_the_check(fault, flags, caugh
         assert "softmax_offset presence" in results[0][1]
     if fault == "layout-mismatch":  # the layer's hidden states are sliced the wrong way too
         assert _rows(results[0][1])["boundaries.layer[causal]"] == "FAIL", results[0][1]
+    if fault == "dynamic-group-moved":  # refused on every rank before the step's first collective, not a hang
+        assert "ranks [1] disagree with the other ranks on the dynamic-CP schedule" in results[0][1], results[0][1]
 
 
 def test_table_on_stdout_progress_on_stderr_summary_last():
@@ -293,6 +309,7 @@ REFUSED = {
     "negative-hcp-sizes": (["--hcp-sizes", "-2,2"], "--hcp-sizes -2,2 must be positive"),
     "zero-seq-len": (["--seq-len", "0"], "--seq-len 0 must be a positive integer"),
     "balanced-unpacked": (["--layout", "balanced"], "--layout balanced"),
+    "dynamic-fault-without-dynamic-cp": (["--plant", "dynamic-group-moved"], "--plant dynamic-group-moved needs"),
 }
 
 

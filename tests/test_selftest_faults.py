@@ -3,9 +3,10 @@
 Each fault is planted by swapping the code of one package function in place (``planted``: every
 reference to the function, a table's included, runs the faulty code) for one run of the self-test,
 then put back. Planted: two CP ranks' zigzag chunks swapped in ``layouts.layout_spans`` (dense, MoE and
-MLA tiny recipes), the loss averaged per rank in ``masked_token_mean``, the all-to-all output left out
-of position order (``schemes._member_pieces``), and the a2a+all_gather gather over the outer members in
-the wrong order (``schemes._gathered_kv``). Every run must exit 1 with the named check failed, with
+MLA tiny recipes, and the dynamic-CP one, whose step of documents over groups of 2 and 4 ranks it puts
+off), the loss averaged per rank in ``masked_token_mean``, the all-to-all output left out of position
+order (``schemes._member_pieces``), and the a2a+all_gather gather over the outer members in the wrong
+order (``schemes._gathered_kv``). Every run must exit 1 with the named check failed, with
 ``--simulate`` (one process) and across 4 gloo ranks (the worker pool, the fault planted in every
 worker). The gather fault must be a named failure before any engine call, not a gloo error.
 """
@@ -19,7 +20,7 @@ from typing import Callable, Iterator
 import pytest
 import torch
 
-from mcp_context import layouts
+from mcp_context import api, layouts
 from mcp_context.algorithms import schemes
 from mcp_context.megatron import batch
 from tests._dist import run_distributed
@@ -39,22 +40,26 @@ def _one_thread():
 @contextlib.contextmanager
 def planted(fn: Callable, faulty: Callable) -> Iterator[None]:
     """``fn`` runs ``faulty``'s code wherever it is referenced; ``faulty`` resolves names in ``fn``'s
-    module and reaches the original as ``_planted_original``."""
+    module and reaches the original as ``_planted_original``. The engines ``engine_for`` keeps per group
+    are dropped on the way in and out: one made before the plant would not run it, and one made under it
+    would keep what it resolved there (a worker's next case over the same group would inherit the fault)."""
     original = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     fn.__globals__["_planted_original"] = original
     code = fn.__code__
     fn.__code__ = faulty.__code__
+    api._engine.cache_clear()
     try:
         yield
     finally:
         fn.__code__ = code
         del fn.__globals__["_planted_original"]
+        api._engine.cache_clear()
 
 
 # The faults, each written as the faulty version of the package function (names resolve in its module).
 
 def _zigzag_ranks_0_and_1_swapped(layout, cp_size, cp_rank, seq_len, documents=None):
-    if layout == "zigzag" and cp_rank in (0, 1):
+    if layout == "zigzag" and cp_size > 1 and cp_rank in (0, 1):
         cp_rank = 1 - cp_rank
     return _planted_original(layout, cp_size, cp_rank, seq_len, documents)  # noqa: F821
 
@@ -86,12 +91,13 @@ FAULTS = {
 
 RUN = ["--hcp-sizes", "2,2", "--seq-len", "256", "--dtype", "fp64", "--repeats", "1"]
 RECIPE = {name: ["--recipe", str(ROOT / "recipes" / f"{name}.yaml"), "--seq-len", "256", "--dtype", "fp64",
-                 "--repeats", "1"] for name in ("tiny_cpu", "tiny_mixtral_cpu", "tiny_mla_cpu")}
+                 "--repeats", "1"] for name in ("tiny_cpu", "tiny_mixtral_cpu", "tiny_mla_cpu", "tiny_dynamic_cp_cpu")}
 # case: (fault, argv, check that must fail simulated, check that must fail across ranks)
 CASES = {
     "layout-swap-dense": ("layout-swap", RECIPE["tiny_cpu"], "boundaries.layout", "boundaries.layout"),
     "layout-swap-moe": ("layout-swap", RECIPE["tiny_mixtral_cpu"], "boundaries.layout", "boundaries.layout"),
     "layout-swap-mla": ("layout-swap", RECIPE["tiny_mla_cpu"], "boundaries.layout", "boundaries.layout"),
+    "layout-swap-dynamic": ("layout-swap", RECIPE["tiny_dynamic_cp_cpu"], "dynamic.step", "dynamic.step"),
     "loss-per-rank": ("loss-per-rank", RUN, "boundaries.loss", "boundaries.loss"),
     "a2a-order": ("a2a-order", RUN, "exchange[causal]", "attention[causal] fp64"),
     "gather-order": ("gather-order", RUN + ["--comm", "a2a+all_gather"], "exchange[causal]", "exchange[causal]"),
@@ -108,11 +114,19 @@ def _planted_main(rank: int, world: int, fault: str, argv: list[str]) -> tuple[i
     return status, text if rank == 0 else ""
 
 
+def _assert_dynamic_step_off_by_numbers(text: str) -> None:
+    """The swap shows in the numbers of the groups of several ranks (one-rank groups hold no chunk to swap)."""
+    row = next(line for line in text.splitlines() if line.startswith("dynamic.step"))
+    assert "per-token loss error" in row and "on groups of [2, 4] ranks" in row and "gradients off" in row, row
+
+
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 def test_a_planted_fault_fails_simulated(case):
     fault, argv, caught_by, _ = CASES[case]
     status, text = _planted_run(fault, ["--simulate", *argv])
     assert status == 1 and _rows(text).get(caught_by) == "FAIL", text
+    if case == "layout-swap-dynamic":
+        _assert_dynamic_step_off_by_numbers(text)
 
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
@@ -127,6 +141,8 @@ def test_a_planted_fault_fails_across_four_gloo_ranks(case):
     if fault == "layout-swap":  # the model's layer (dense, MoE, MLA) at CP 4 against CP 1 sees it too
         layer = next(name for name in _rows(text) if name.startswith("boundaries.layer["))
         assert _rows(text)[layer] == "FAIL", text
+    if case == "layout-swap-dynamic":
+        _assert_dynamic_step_off_by_numbers(text)
 
 
 def test_the_plants_are_undone():

@@ -89,3 +89,21 @@ def test_torch_distributed_is_itself_again_after_a_run():
     with pytest.raises(ExchangeError):
         run_ranks(2, lambda rank: dist.all_reduce(torch.zeros(rank + 1), group=SimGroup(range(2))))
     assert {name: getattr(dist, name) for name in functions} == functions
+
+
+def test_an_initialized_world_makes_its_groups_and_a_plain_one_refuses_to():
+    """``initialized=True`` (dynamic CP's start-up groups, megatron-core's modules): ``dist.is_initialized()``
+    and ``dist.new_group`` answer as in a process group, and the groups made carry collectives; without it
+    ``new_group`` raises (the engine must be handed its groups)."""
+    def rank_fn(rank: int):
+        pair = dist.new_group([rank // 2 * 2, rank // 2 * 2 + 1])
+        x = torch.tensor([float(rank)])
+        dist.all_reduce(x, group=pair)
+        return dist.is_initialized(), pair.ranks, float(x)
+
+    is_initialized = dist.is_initialized
+    assert run_ranks(4, rank_fn, initialized=True) == [(True, (0, 1), 1.0), (True, (0, 1), 1.0),
+                                                       (True, (2, 3), 5.0), (True, (2, 3), 5.0)]
+    with pytest.raises(RuntimeError, match="the in-process world builds no groups"):
+        run_ranks(2, rank_fn)
+    assert dist.is_initialized is is_initialized

@@ -136,7 +136,7 @@ def build_setup(args: argparse.Namespace, world_size: Optional[int]) -> Setup:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     values = {"heads": 8, "kv_heads": 2, "head_dim": 64, "v_head_dim": None, "window": None, "skip": None, "softmax_type": "vanilla",
               "packed": False, "cp_size": None, "sizes": None, "comm": None, "seq_len": None, "batch": 2,
-              "source": "flags", "half": torch.bfloat16, "model": None}
+              "source": "flags", "half": torch.bfloat16, "model": None, "dynamic_budget": None}
     if args.recipe is not None or args.overrides:
         from ..plan.candidates import heads_per_tp_rank
         from ..recipes import load_recipe, validate_recipe
@@ -150,10 +150,14 @@ def build_setup(args: argparse.Namespace, world_size: Optional[int]) -> Setup:
         v_head_dim = head_dim
         if getattr(m, "multi_latent_attention", False):  # MLA: q/k carry the RoPE dims too
             head_dim, v_head_dim = m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim
+        # dynamic CP: its largest group is the whole data parallel world, which the fixed checks run over
+        dynamic = m.hybrid_context_parallel
         values.update(heads=heads, kv_heads=kv, head_dim=head_dim, v_head_dim=v_head_dim,
                       softmax_type=getattr(m, "softmax_type", "vanilla"),
                       window=m.window_size, skip=m.window_attn_skip_freq, packed=cfg.data.reset_attention_mask,
-                      cp_size=m.context_parallel_size, sizes=m.hierarchical_context_parallel_sizes,
+                      cp_size=(world_size or cfg.train.world_size) if dynamic else m.context_parallel_size,
+                      dynamic_budget=m.max_seqlen_per_dp_cp_rank if dynamic else None,
+                      sizes=m.hierarchical_context_parallel_sizes,
                       comm=m.cp_comm_type, seq_len=m.seq_length, batch=cfg.train.micro_batch_size, source=cfg.name,
                       half=torch.float16 if m.params_dtype == "float16" else torch.bfloat16, model=m)
     flags = {"heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
@@ -172,12 +176,6 @@ def build_setup(args: argparse.Namespace, world_size: Optional[int]) -> Setup:
     # upstream trains with no CP at all when a hierarchical scheme gets one level (Megatron-Bridge #2667)
     check_levels(comm, sizes, comm_name="cp_comm_type", sizes_name="hierarchical CP sizes",
                  fix=f"pass --hcp-sizes (e.g. 2,{cp_size // 2}) or set model.hierarchical_context_parallel_sizes")
-    model = values.get("model")
-    if getattr(model, "hybrid_context_parallel", False) and args.cp_size is None and args.hcp_sizes is None:
-        raise ValueError(f"{values['source']} trains with dynamic CP (model.hybrid_context_parallel=true), whose "
-                         f"groups change per batch; the self-test checks one fixed CP layout: pass --cp-size N "
-                         f"(and --hcp-sizes) to check the engine at that layout (dynamic CP's groups against CP=1: "
-                         f"tests/test_dynamic_cp.py)")
     if cp_size < 2:
         raise ValueError(f"CP size {cp_size}: a self-test of context parallelism needs at least 2 CP ranks; launch "
                          f"with torchrun --nproc-per-node N (N >= 2) or pass --simulate --cp-size N")
@@ -202,7 +200,7 @@ def build_setup(args: argparse.Namespace, world_size: Optional[int]) -> Setup:
     setup = Setup(cp_size, tuple(sizes), comm, args.layout, seq_len, values["batch"], values["heads"],
                   values["kv_heads"], values["head_dim"], values["v_head_dim"] or values["head_dim"], kinds,
                   tuple(DTYPES[d] for d in dtypes), device, args.seed, args.repeats, values["source"],
-                  model=values["model"])
+                  model=values["model"], dynamic_budget=values["dynamic_budget"])
     return with_documents(replace(setup, batch=1) if values["packed"] else setup)
 
 
@@ -231,7 +229,8 @@ def describe(setup: Setup, simulate: bool) -> str:
     return (f"selftest of {setup.source}: CP {setup.cp_size} {list(setup.sizes)} {setup.comm} {setup.layout}, "
             f"{mode}, {setup.device}; S={setup.seq_len} b={setup.batch} heads {setup.heads}/{setup.kv_heads} "
             f"head dim {setup.head_dim}" + (f"/{setup.v_head_dim}" if setup.v_head_dim != setup.head_dim else "")
-            + f"; kinds: {kinds}")
+            + f"; kinds: {kinds}" + (f"; dynamic CP over the {setup.cp_size} ranks, at most {setup.dynamic_budget} "
+                                     f"tokens a rank" if setup.dynamic_budget is not None else ""))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -253,7 +252,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 raise ValueError("no process group: launch with torchrun --nproc-per-node N -m mcp_context.selftest "
                                  "..., or pass --simulate to run every CP member on this one device")
             setup = build_setup(args, world)
-            check_fault(args.plant, any(k.sink for k in setup.kinds), any(k.packed for k in setup.kinds))
+            check_fault(args.plant, any(k.sink for k in setup.kinds), any(k.packed for k in setup.kinds),
+                        setup.dynamic_budget is not None)
             if args.plant == "cu-seqlens-differ" and not args.simulate and dist.get_rank() == 1:
                 from .setup import perturbed_documents
 

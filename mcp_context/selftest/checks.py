@@ -2,7 +2,8 @@
 
 Order: the ranks' agreement first (nothing collective runs on a disagreement: a wrong plan would hang
 or be silently wrong), the kernel per dtype, then per attention kind the engine against the reference
-in each dtype and its bytes and time, then the model's boundaries. Every check ends as one
+in each dtype and its bytes and time, then the model's boundaries, and for a dynamic-CP recipe one
+step of documents over groups of every size (``dynamic``). Every check ends as one
 ``CheckResult`` that is the same on every rank: what needs the gathered data is computed on rank 0
 and broadcast; an exception in a check fails that check (on every rank) and the run goes on.
 """
@@ -352,6 +353,9 @@ def run_checks(setup: Setup, ranks: Ranks, simulate: bool, fault: Optional[str] 
                 continue
             ranks.say(f"one layer {setup.kind_name(kind)} at CP {setup.cp_size} vs CP 1 ...")
             results.append(layer_check(setup, kind, ranks, groups, fault))
+    if setup.dynamic_budget is not None:
+        ranks.say(f"one dynamic-CP step over {setup.cp_size} ranks vs CP 1 ...")
+        results.append(dynamic_check(setup, ranks, simulate, fault))
     return results
 
 
@@ -387,6 +391,32 @@ def layer_check(setup: Setup, kind: AttentionKind, ranks: Ranks, groups, fault: 
         return CheckResult(name, not bad, "; ".join(bad) or summary,
                            {n: {"error": e, "bound": b} for n, (e, b) in figures.items()})
     return ranks.from_rank0(verdict, name)
+
+
+def dynamic_check(setup: Setup, ranks: Ranks, simulate: bool, fault: Optional[str] = None) -> CheckResult:
+    """One dynamic-CP step of the model (documents on groups of every size) against each document alone
+    (``dynamic``): across the ranks, or with ``--simulate`` every rank a thread of this process."""
+    from . import dynamic
+
+    if simulate:
+        def simulated() -> CheckResult:
+            steps = dynamic.simulated_step(setup, fault)
+            return dynamic.verdict(setup, steps[0], [step.left for step in steps])
+        return ranks.from_rank0(simulated, dynamic.NAME)
+    import megatron_patches
+
+    error, step = None, None
+    try:
+        megatron_patches.apply_all(device=torch.device(setup.device))
+        alone = [dist.new_group([r]) for r in range(ranks.size)][ranks.rank]
+        step = dynamic.step_on_rank(setup, ranks.group, alone, fault)
+    except Exception as err:  # a plan the ranks disagree on raises alike on every rank, before any collective
+        error = _first_line(err)
+    error = ranks.first_error(error)
+    if error is not None:
+        return CheckResult(dynamic.NAME, False, error)
+    lefts = ranks.gather(step.left)
+    return ranks.from_rank0(lambda: dynamic.verdict(setup, step, lefts), dynamic.NAME)
 
 
 def _boundaries_guarded(setup: Setup, ranks: Ranks, groups) -> list[CheckResult]:

@@ -16,13 +16,15 @@ FAULTS = {
     "wrong-scale": f"CP rank {FAULTY_RANK} uses a softmax scale 5 % too large",
     "dropped-sink": f"CP rank {FAULTY_RANK} passes no softmax_offset (attention sinks)",
     "cu-seqlens-differ": f"CP rank {FAULTY_RANK} reads a packing with one document boundary moved",
+    "dynamic-group-moved": f"rank {FAULTY_RANK} plans dynamic CP without one-rank groups: a short document lands "
+                           f"in a group of several ranks there",
 }
 
 WRONG_SCALE = 1.05
 
 
-def check_fault(fault: Optional[str], sink: bool, packed: bool) -> None:
-    """A fault must have something to act on: a sink to drop, documents to move."""
+def check_fault(fault: Optional[str], sink: bool, packed: bool, dynamic: bool) -> None:
+    """A fault must have something to act on: a sink to drop, documents to move, a dynamic-CP plan."""
     if fault is None:
         return
     if fault not in FAULTS:
@@ -31,6 +33,9 @@ def check_fault(fault: Optional[str], sink: bool, packed: bool) -> None:
         raise ValueError("--plant dropped-sink needs sinks: add --softmax-type learnable")
     if fault == "cu-seqlens-differ" and not packed:
         raise ValueError("--plant cu-seqlens-differ needs packed documents: add --packed")
+    if fault == "dynamic-group-moved" and not dynamic:
+        raise ValueError("--plant dynamic-group-moved needs dynamic CP: use a recipe with "
+                         "model.hybrid_context_parallel=true, e.g. --recipe recipes/tiny_dynamic_cp_cpu.yaml")
 
 
 def sliced_layout(layout: str, packed: bool, fault: Optional[str]) -> str:

@@ -79,8 +79,8 @@ class _P2POp:
 class _World:
     """The threads' shared state: collective slots, mailboxes, who waits for what."""
 
-    def __init__(self, size: int):
-        self.size = size
+    def __init__(self, size: int, initialized: bool = False):
+        self.size, self.initialized = size, initialized
         self.cond = threading.Condition()
         self.broken: Optional[str] = None
         self.culprit: Optional[int] = None                       # the rank that found what broke the run
@@ -235,15 +235,17 @@ def _patched(world: _World) -> dict[str, Callable]:
     def irecv(tensor, src, group=None, tag=0):
         return _Work(world.post_recv(tensor, src))
 
-    def new_group(*args, **kwargs):
-        raise RuntimeError("the in-process world builds no groups: pass SimGroup values")
+    def new_group(ranks=None, *args, **kwargs):
+        if not world.initialized:
+            raise RuntimeError("the in-process world builds no groups: pass SimGroup values")
+        return SimGroup(range(world.size) if ranks is None else sorted(ranks))
 
     return {"get_rank": rank_of, "get_world_size": world_size, "get_process_group_ranks": lambda g: list(g.ranks),
             "get_backend": lambda group=None: "gloo",
             "all_to_all_single": all_to_all_single, "all_gather_into_tensor": all_gather_into_tensor,
             "reduce_scatter_tensor": reduce_scatter_tensor, "all_reduce": all_reduce,
             "batch_isend_irecv": batch_isend_irecv, "P2POp": _P2POp, "isend": isend, "irecv": irecv,
-            "new_group": new_group}
+            "new_group": new_group, "is_initialized": lambda: world.initialized}
 
 
 @contextlib.contextmanager
@@ -261,12 +263,16 @@ def _serving(world: _World) -> Iterator[None]:
             setattr(dist, name, fn)
 
 
-def run_ranks(size: int, fn: Callable[[int], object], log: Optional[list] = None) -> list:
+def run_ranks(size: int, fn: Callable[[int], object], log: Optional[list] = None, initialized: bool = False) -> list:
     """``fn(rank)`` on ``size`` threads, each playing one rank of an in-process world; every rank's
     result, in rank order. The failure that broke the run (an ``ExchangeError`` naming the rank and
     the call, or what a rank raised) is raised once every thread has stopped. ``log``: filled with
-    every collective call and send, sorted (what the ranks compare across processes)."""
-    world = _World(size)
+    every collective call and send, sorted (what the ranks compare across processes). ``initialized``:
+    the world looks like an initialised process group to code that asks (``dist.is_initialized()``,
+    megatron-core's modules) and ``dist.new_group(ranks)`` makes a ``SimGroup`` (code that builds its groups
+    at start-up, as dynamic CP's ``build_sub_groups``); without it, ``new_group`` raises (the engine must be
+    handed its groups)."""
+    world = _World(size, initialized)
     results: list = [None] * size
     errors: dict[int, BaseException] = {}
 

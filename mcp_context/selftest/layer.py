@@ -47,7 +47,7 @@ def level_groups(sizes: tuple[int, ...], cp_rank: int) -> list:
 
 def model_config(setup: Setup, recipe_model, kind: AttentionKind):
     """The recipe's model (or one built from the attention flags) at TP = PP = 1 in fp32, at this CP."""
-    from ..recipes.schema import ModelConfig, transformer_config_class, transformer_config_kwargs
+    from ..recipes.schema import ModelConfig
 
     if recipe_model is None:
         hidden = setup.heads * setup.head_dim
@@ -55,16 +55,25 @@ def model_config(setup: Setup, recipe_model, kind: AttentionKind):
                                    num_attention_heads=setup.heads, num_query_groups=setup.kv_heads,
                                    kv_channels=setup.head_dim, window_size=None if kind.window is None
                                    else list(kind.window))
+    m = dataclasses.replace(recipe_model, context_parallel_size=setup.cp_size, window_attn_skip_freq=None,
+                            window_size=None if kind.window is None else list(kind.window),
+                            hybrid_context_parallel=False, max_seqlen_per_dp_cp_rank=None)
+    return fp32_config(m, setup, softmax_type=kind.softmax_type)
+
+
+def fp32_config(recipe_model, setup: Setup, **fields):
+    """``(model, TransformerConfig)``: ``recipe_model`` at TP = PP = 1 in fp32 on CPU-built weights, without
+    dropout or recomputation, with the setup's hierarchy and comm (``fields`` over the config's): the model
+    the layer and dynamic checks build (the CP size, window and dynamic CP are the caller's)."""
+    from ..recipes.schema import transformer_config_class, transformer_config_kwargs
+
     m = dataclasses.replace(recipe_model, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                             virtual_pipeline_model_parallel_size=None, sequence_parallel=False, bf16=False,
-                            params_dtype="float32", context_parallel_size=setup.cp_size,
+                            params_dtype="float32",
                             hierarchical_context_parallel_sizes=list(setup.sizes) if len(setup.sizes) > 1 else None,
-                            cp_comm_type=setup.comm, window_attn_skip_freq=None,
-                            window_size=None if kind.window is None else list(kind.window),
-                            attention_dropout=0.0, hidden_dropout=0.0, recompute_granularity=None,
-                            recompute_method=None, recompute_num_layers=None)
-    kwargs = transformer_config_kwargs(m)
-    kwargs["softmax_type"] = kind.softmax_type
+                            cp_comm_type=setup.comm, attention_dropout=0.0, hidden_dropout=0.0,
+                            recompute_granularity=None, recompute_method=None, recompute_num_layers=None)
+    kwargs = {**transformer_config_kwargs(m), **fields}
     return m, transformer_config_class(m)(**kwargs, use_cpu_initialization=True, masked_softmax_fusion=False,
                                           bias_activation_fusion=False, apply_rope_fusion=False,
                                           bias_dropout_fusion=False, gradient_accumulation_fusion=False)
@@ -136,13 +145,14 @@ def layer_parity(setup: Setup, kind: AttentionKind, groups: HCPGroups, recipe_mo
     parts = [torch.empty_like(y_local) for _ in range(cp)]
     dist.all_gather(parts, y_local.detach().contiguous(), group=groups.cp_group)
     y_gathered = unshard_sequence([p.cpu() for p in parts], "zigzag", 0, cu, padded)
-    figures = {"forward": _pair(y_gathered, y_full.detach().cpu())}
+    figures = {"forward": error_and_bound(y_gathered, y_full.detach().cpu())}
     for (name, param), (_, ref_param) in zip(layer.named_parameters(), reference.named_parameters()):
         grad = param.grad.detach().clone()
         dist.all_reduce(grad, group=groups.cp_group)
-        figures[name] = _pair(grad.cpu(), ref_param.grad.detach().cpu())
+        figures[name] = error_and_bound(grad.cpu(), ref_param.grad.detach().cpu())
     return figures
 
 
-def _pair(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+def error_and_bound(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """Max abs error of ``got`` against the CP = 1 ``ref``, and its bound ``LAYER_TOL * max(1, max|ref|)``."""
     return float((got.double() - ref.double()).abs().max()), LAYER_TOL * max(1.0, float(ref.abs().max()))

@@ -73,6 +73,7 @@ class Setup:
     source: str = "flags"                         # the recipe's name, or "flags"
     documents: tuple[tuple[int, ...], tuple[int, ...]] = field(default=((), ()))  # (cu_seqlens, padded)
     model: Optional[object] = field(default=None, compare=False)  # the recipe's ModelConfig (the layer check)
+    dynamic_budget: Optional[int] = None          # dynamic CP's max_seqlen_per_dp_cp_rank; None: fixed CP only
 
     def kind_name(self, kind: AttentionKind) -> str:
         return kind.name(self.head_dim, self.v_head_dim)
@@ -83,7 +84,7 @@ class Setup:
                 "seq_len": self.seq_len, "batch": self.batch, "heads": [self.heads, self.kv_heads],
                 "head_dims": [self.head_dim, self.v_head_dim],
                 "kinds": [self.kind_name(k) for k in self.kinds], "dtypes": [str(d) for d in self.dtypes],
-                "seed": self.seed,
+                "seed": self.seed, "dynamic_budget": self.dynamic_budget,
                 "packing": zlib.crc32(repr(self.documents).encode()) if self.documents[0] else 0}
 
 
