@@ -380,3 +380,17 @@ def test_logs_off_a_terminal_are_one_plain_line_per_log_interval_and_no_bar(tmp_
 def test_logs_on_a_terminal_are_a_progress_bar(tmp_path):
     text = _log_steps(tmp_path, _Terminal())
     assert "\r" in text and "7/7" in text and "step 3/7 |" not in text
+
+
+def test_a_run_directory_honours_checkpoint_save_null(tmp_path):
+    """``--run-dir`` puts checkpoints in RUN_DIR/checkpoints, unless ``checkpoint.save=null`` says to save none:
+    the override is honoured, not replaced by the run directory's default."""
+    from mcp_context.pretrain.launch import resolve_run_dir
+    from mcp_context.recipes import load_recipe
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny_cpu.yaml"
+    saving = load_recipe(recipe)
+    assert resolve_run_dir(saving, str(tmp_path)) == tmp_path
+    assert saving.checkpoint.save == str(tmp_path / "checkpoints")
+    silent = load_recipe(recipe, ["checkpoint.save=null"])
+    assert resolve_run_dir(silent, str(tmp_path)) == tmp_path and silent.checkpoint.save is None

@@ -25,12 +25,14 @@ def launched_world_size() -> int:
 def resolve_run_dir(cfg: RecipeConfig, run_dir: Optional[str]) -> Path:
     """The run directory; sets ``cfg.checkpoint.save`` to match it.
 
-    ``run_dir`` given: checkpoints go to ``run_dir/checkpoints``. Otherwise the recipe decides: the
-    parent of ``checkpoint.save`` (``runs/tiny_cpu`` for the tiny recipe), or ``runs/<name>`` without
-    checkpoints when ``checkpoint.save`` is null.
+    ``run_dir`` given: checkpoints go to ``run_dir/checkpoints``, or nowhere when ``checkpoint.save`` is
+    null (the recipe's or an override's: null disables saving, with or without a run directory).
+    Otherwise the recipe decides: the parent of ``checkpoint.save`` (``runs/tiny_cpu`` for the tiny
+    recipe), or ``runs/<name>`` without checkpoints when ``checkpoint.save`` is null.
     """
     if run_dir is not None:
-        cfg.checkpoint.save = str(Path(run_dir) / CHECKPOINTS_SUBDIR)
+        if cfg.checkpoint.save is not None:
+            cfg.checkpoint.save = str(Path(run_dir) / CHECKPOINTS_SUBDIR)
         return Path(run_dir)
     if cfg.checkpoint.save is not None:
         return Path(cfg.checkpoint.save).parent
