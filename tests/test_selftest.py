@@ -360,3 +360,14 @@ def test_the_layout_definitions_are_the_written_out_rows_and_megatron_cores():
     assert expected_rows("balanced", 2, 0, 12, padded) is None
     assert [megatron_rope_positions(8, 2, r, cpu) for r in (0, 1)] == [[0, 1, 6, 7], [2, 3, 4, 5]]
     assert megatron_rope_positions(12, 2, 0, cpu, padded) == [0, 1, 6, 7, 0, 3]
+
+
+def test_a_dynamic_recipe_with_a_cp_size_other_than_the_world_is_told_to_drop_it():
+    """A dynamic-CP recipe's checks run over every launched rank, so the fix for a --cp-size that differs from
+    the world is to drop the flag, not to set model.context_parallel_size (1 under dynamic CP)."""
+    from mcp_context.selftest.__main__ import _parser, build_setup
+
+    args = _parser().parse_args(["--recipe", str(ROOT / "recipes" / "tiny_dynamic_cp_cpu.yaml"), "--cp-size", "4"])
+    with pytest.raises(ValueError, match="the world has 2 ranks but the CP size is 4") as refused:
+        build_setup(args, world_size=2)  # as under torchrun --nproc-per-node 2
+    assert "drop --cp-size" in str(refused.value) and "model.context_parallel_size" not in str(refused.value)

@@ -180,9 +180,11 @@ def build_setup(args: argparse.Namespace, world_size: Optional[int]) -> Setup:
         raise ValueError(f"CP size {cp_size}: a self-test of context parallelism needs at least 2 CP ranks; launch "
                          f"with torchrun --nproc-per-node N (N >= 2) or pass --simulate --cp-size N")
     if not args.simulate and world_size != cp_size:
+        layout = (f"drop --cp-size (a dynamic-CP recipe's checks run over every launched rank)"
+                  if values["dynamic_budget"] is not None else
+                  f"set model.context_parallel_size={world_size} (with --cp-size {world_size} for flags)")
         raise ValueError(f"the world has {world_size} ranks but the CP size is {cp_size}: launch with torchrun "
-                         f"--nproc-per-node {cp_size}, pass --simulate to check it on one device, or set "
-                         f"model.context_parallel_size={world_size} (with --cp-size {world_size} for flags)")
+                         f"--nproc-per-node {cp_size}, pass --simulate to check it on one device, or {layout}")
     refuse_bad_heads(values["heads"], values["kv_heads"], comm, sizes)
     if args.layout in PACKED_LAYOUTS and not values["packed"]:
         raise ValueError(f"--layout {args.layout} places the documents of a packed sequence: add --packed, or use "
