@@ -294,6 +294,7 @@ def test_every_megatron_model_the_package_builds_comes_from_the_one_translation(
         ("convert", "GPTModel", ["gpt_model_kwargs"]), ("convert", "TransformerConfig", ["transformer_config_kwargs"]),
         ("convert", "TransformerConfig", ["transformer_config_kwargs"]),  # model_config: refused before converting
         ("pretrain", "GPTModel", ["gpt_model_kwargs"]), ("pretrain", "TransformerConfig", ["transformer_config_kwargs"]),
+        ("selftest", "GPTModel", ["gpt_model_kwargs"]),  # dynamic.step's model
         ("selftest", "TransformerConfig", ["transformer_config_kwargs"]),
     ]
 

@@ -73,7 +73,8 @@ def fp32_config(recipe_model, setup: Setup, **fields):
                             hierarchical_context_parallel_sizes=list(setup.sizes) if len(setup.sizes) > 1 else None,
                             cp_comm_type=setup.comm, attention_dropout=0.0, hidden_dropout=0.0,
                             recompute_granularity=None, recompute_method=None, recompute_num_layers=None)
-    kwargs = {**transformer_config_kwargs(m), **fields}
+    kwargs = transformer_config_kwargs(m)  # the one translation (tests/test_recipes.py checks every builder)
+    kwargs.update(fields)
     return m, transformer_config_class(m)(**kwargs, use_cpu_initialization=True, masked_softmax_fusion=False,
                                           bias_activation_fusion=False, apply_rope_fusion=False,
                                           bias_dropout_fusion=False, gradient_accumulation_fusion=False)
