@@ -548,3 +548,30 @@ def test_the_documented_plans_memory_peaks_are_what_this_torch_allocates(name, d
         pytest.skip(f"the plan JSONs' memory peaks were made with torch {PLAN_TORCH}; this is {torch.__version__}")
     for label, now, shipped in documented_rows(name):
         assert now["memory_bytes_per_rank"] == shipped["memory_bytes_per_rank"], label
+
+
+def test_the_cost_model_holds_results_as_the_executor_does():
+    """``Accumulation.of`` reads from the tasks what the executor does with them: a2a's one call is the result
+    (no copy, no buffer), an all-gather's few calls merge out and dQ in fp32 but sum dK/dV in bf16 and hand
+    them on as views, a ring accumulates everything in fp32; layer_bytes follows (bf16, Llama heads)."""
+    import sys
+
+    sys.path.insert(0, str(REPO))
+    from mcp_context.kernels.torch_sdpa import FUSED_OPS, TorchKernel
+    from tools.rank_step import rank_step
+
+    shape = RankShape(32768, 1, 32, 8, 128, torch.bfloat16)
+    held = {}
+    for comm in ("a2a", "all_gather", "p2p"):
+        step = rank_step(comm, 8, 32768, CAUSAL, TorchKernel(FUSED_OPS["cudnn"]), 32, 8, 128)
+        held[comm] = (Accumulation.of(step.plan.tasks, step.q_rows, step.kv_rows), step)
+    assert held["a2a"][0] == Accumulation(direct=True, lone_q=True, lone_kv=True, kv_exact=True)
+    assert held["all_gather"][0] == Accumulation(direct=False, lone_q=False, lone_kv=False, kv_exact=True)
+    assert held["p2p"][0] == Accumulation(direct=False, lone_q=False, lone_kv=False, kv_exact=False)
+    assert held["all_gather"][1].plan.kv_sums_exact and not held["p2p"][1].plan.kv_sums_exact
+    a2a, step = held["a2a"]
+    assert layer_bytes(shape, step.heads, step.kv_heads, step.q_rows, step.kv_rows, a2a) == 0
+    gathered, step = held["all_gather"]
+    kv = step.kv_rows * step.kv_heads * 256  # dK and dV of every key row, elements
+    qo = step.q_rows * step.heads * 256      # out and dQ
+    assert layer_bytes(shape, step.heads, step.kv_heads, step.q_rows, step.kv_rows, gathered) == qo * 6 + kv * 2

@@ -131,6 +131,14 @@ def _sbhd(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
+def _sbhd_view(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x [b, h, s, d]`` as ``[s, b, h, d]``: a view when it is already in ``dtype`` (dK or dV as columns of a
+    token-major packed buffer: strided, not packed), else ``_sbhd``'s copy. For the gradients of K and V:
+    whatever reads them next copies anyway (the all-gather's reorder, a collective's ``contiguous``), so a
+    packing copy here would move every byte twice."""
+    return x.permute(2, 0, 1, 3) if x.dtype == dtype else _sbhd(x, dtype)
+
+
 # Rows are taken with ``narrow`` and copied with the aten op: Python indexing, ``Tensor.copy_`` and
 # ``Tensor.contiguous`` take a device guard that fake CUDA tensors on a CPU-only torch (the rehearsal,
 # tests/test_cuda_rehearsal.py) do not have.
@@ -270,7 +278,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         dq = _accumulator(qb, tuple(qb.shape), q.dtype, 0.0, False)
     dk, dv = grads.result()
     dsink = None if sink is None else sink_grad(dob, ob, finite_lse_for_backward(lse), sink).to(sink.dtype)
-    return _sbhd(dq, q.dtype), _sbhd(dk, k.dtype), _sbhd(dv, v.dtype), dsink
+    return _sbhd(dq, q.dtype), _sbhd_view(dk, k.dtype), _sbhd_view(dv, v.dtype), dsink
 
 
 class RingAttention(torch.autograd.Function):

@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..algorithms.executor import first_writes
+from ..algorithms.executor import first_writes, most_blocks_per_key
 from ..schedule import BlockTask
 from .dryrun import RankShape, RankTraffic
 from .profiles import MachineProfile
@@ -75,12 +75,15 @@ class Accumulation:
     ``direct``: no query row meets two blocks (``RingPlan.merges`` is false), so out and dQ are written in
     the inputs' dtype, with no fp32 accumulator and no result copy; ``lone_q``: one block covers every query
     row, whose own out and dQ are the results; ``lone_kv``: one block covers every key row of a ring of one,
-    whose own dK/dV are the results (no buffer, fill, add or copy). A sink turns ``direct`` off in the
-    executor's forward; the model leaves that out."""
+    whose own dK/dV are the results (no buffer, fill, add or copy); ``kv_exact``: dK/dV are summed in the
+    inputs' half dtype (``RingPlan.kv_sums_exact``: a ring of one, at most two blocks a key row) and handed
+    on as views of that buffer, with no result copy. A sink turns ``direct`` off in the executor's forward;
+    the model leaves that out."""
 
     direct: bool
     lone_q: bool
     lone_kv: bool
+    kv_exact: bool = False
 
     @classmethod
     def of(cls, tasks: Sequence[Sequence[BlockTask]], q_rows: int, kv_rows: int) -> "Accumulation":
@@ -88,7 +91,8 @@ class Accumulation:
         direct = all(all(step) for step in first_writes(tasks))
         one = len(flat) == 1
         return cls(direct, direct and one and flat[0].q == (0, q_rows),
-                   len(tasks) == 1 and one and flat[0].kv == (0, kv_rows))
+                   len(tasks) == 1 and one and flat[0].kv == (0, kv_rows),
+                   len(tasks) == 1 and most_blocks_per_key(tasks) <= 2)
 
 
 def task_bytes(task: BlockTask, first: bool, shape: RankShape, heads: int, kv_heads: int,
@@ -96,9 +100,11 @@ def task_bytes(task: BlockTask, first: bool, shape: RankShape, heads: int, kv_he
     """``(forward, backward)`` bytes the executor moves around one task's call: the output's first copy into
     the fp32 accumulator (read the block, write fp32; in the inputs' dtype for a ``direct`` plan, nothing
     for a lone block) or its merge (read and write fp32, read the block), and backward the same for dQ,
-    plus the fused dK/dV add (read and write fp32, read the block; nothing for a lone block)."""
+    plus the fused dK/dV add (read and write fp32, or the inputs' dtype for ``kv_exact``, read the block;
+    nothing for a lone block)."""
     e = shape.dtype.itemsize
     acc = 8 if e == 8 else 4
+    kv_acc = e if accumulation.kv_exact else acc
     rows, keys = task.q[1] - task.q[0], task.kv[1] - task.kv[0]
     if accumulation.lone_q:
         per = 0
@@ -107,7 +113,7 @@ def task_bytes(task: BlockTask, first: bool, shape: RankShape, heads: int, kv_he
     else:
         per = (e + acc) if first else (e + 2 * acc)
     forward = shape.batch * rows * heads * (shape.dv * per + (0 if accumulation.lone_q else 3 * acc))
-    dkv = 0 if accumulation.lone_kv else keys * kv_heads * (shape.head_dim + shape.dv) * (e + 2 * acc)
+    dkv = 0 if accumulation.lone_kv else keys * kv_heads * (shape.head_dim + shape.dv) * (e + 2 * kv_acc)
     backward = shape.batch * (rows * heads * shape.head_dim * per + dkv)
     return forward, backward
 
@@ -115,13 +121,16 @@ def task_bytes(task: BlockTask, first: bool, shape: RankShape, heads: int, kv_he
 def layer_bytes(shape: RankShape, heads: int, kv_heads: int, q_rows: int, kv_rows: int,
                 accumulation: Accumulation) -> int:
     """Bytes of a layer's work outside the steps: the out and dQ result copies (read fp32, write the inputs'
-    dtype; none for a ``direct`` plan), the dK and dV result copies and the fill of the dK/dV buffer (none
-    for a lone block)."""
+    dtype; none for a ``direct`` plan or an accumulator in the inputs' dtype), the dK and dV result copies
+    (none for ``kv_exact`` or fp32 inputs: views) and the fill of the dK/dV buffer (none for a lone block)."""
     e = shape.dtype.itemsize
     acc = 8 if e == 8 else 4
+    kv_acc = e if accumulation.kv_exact else acc
     kv = 0 if accumulation.lone_kv else shape.batch * kv_rows * kv_heads * (shape.head_dim + shape.dv)
-    qo = 0 if accumulation.direct else shape.batch * q_rows * heads * (shape.dv + shape.head_dim) * (acc + e)
-    return qo + kv * (acc + e) + kv * acc
+    # an accumulator already in the inputs' dtype (fp32 or fp64 inputs) is handed on as it is: no copy
+    copied = not accumulation.direct and acc != e
+    qo = shape.batch * q_rows * heads * (shape.dv + shape.head_dim) * (acc + e) if copied else 0
+    return qo + (0 if kv_acc == e else kv * (kv_acc + e)) + kv * kv_acc
 
 
 @dataclass(frozen=True)
