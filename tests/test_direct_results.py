@@ -49,3 +49,45 @@ def test_a_plan_without_merges_returns_the_fused_ops_results_bit_for_bit(dtype, 
         got = [x[rows[0]:rows[1]] for x in (out, q.grad, k.grad, v.grad)]
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
             assert torch.equal(a, b), (name, rows, (a.float() - b.float()).abs().max().item())
+
+
+def _cudnn_alone(q, k, v, dout, rows):
+    """cuDNN's aten op pair called by hand on rows ``rows`` (the schema FIELD_NOTES records), causal."""
+    aten = torch.ops.aten
+    qb, kb, vb, db = (x.detach()[rows[0]:rows[1]].permute(1, 2, 0, 3) for x in (q, k, v, dout))
+    n = rows[1] - rows[0]
+    out, lse, *_ = aten._scaled_dot_product_cudnn_attention(qb, kb, vb, None, True, 0.0, True, False, scale=D ** -0.5)
+    zero = torch.zeros((), dtype=torch.int64, device=q.device)
+    dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(db, qb, kb, vb, out, lse, zero, zero, None, None,
+                                                                   None, n, n, 0.0, True, scale=D ** -0.5)
+    return [x.permute(2, 0, 1, 3) for x in (out, dq, dk, dv)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (cuDNN's fused op)")
+@pytest.mark.parametrize("runs", [[(0, S)], [(0, 24), (24, S)]], ids=["one-call", "two-documents"])
+def test_on_cuda_a_plan_without_merges_returns_cudnns_results_bit_for_bit(runs):
+    """The same on an NVIDIA GPU with ``torch:cudnn``, bf16 (not yet run on one: no GPU in the session that
+    wrote it). The one-call plan's out is cuDNN's own output, token-major as cuDNN lays it out for
+    token-major inputs: no copy between the op and the caller."""
+    from mcp_context.algorithms.executor import ring_backward, ring_forward
+    from mcp_context.kernels.torch_sdpa import FUSED_OPS, TorchKernel
+    from tools.step_ops import counting
+
+    q, k, v, dout = (x.detach().cuda().requires_grad_(x.requires_grad) for x in _inputs(torch.bfloat16))
+    plan = RingPlan.build([[BlockTask(r, r, CAUSAL_BLOCK) for r in runs]], LocalRotation(0, 1),
+                          TorchKernel(FUSED_OPS["cudnn"]), D ** -0.5, S)
+    out, _ = RingAttention.apply(q, k, v, plan)
+    out.backward(dout)
+    assert out.is_contiguous() and q.grad.is_contiguous()
+    if len(runs) == 1:  # nothing runs around the op but the backward's finite lse (tools/step_ops.py counts)
+        with counting() as forward:
+            o, lse = ring_forward(q.detach(), k.detach(), v.detach(), plan)
+        with counting() as backward:
+            ring_backward(dout, q.detach(), k.detach(), v.detach(), o, lse, plan)
+        assert forward.tally.ops == 0 and dict(backward.tally.by_op) == {"nan_to_num": 1}, (
+            forward.tally.by_op, backward.tally.by_op)
+    for rows in runs:
+        want = _cudnn_alone(q, k, v, dout, rows)
+        got = [x[rows[0]:rows[1]] for x in (out, q.grad, k.grad, v.grad)]
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            assert torch.equal(a, b), (name, rows, (a.float() - b.float()).abs().max().item())
