@@ -24,8 +24,9 @@ test: $(STAMP)
 # its own timeout, results in $(GPU_RESULTS). make test-gpu PYTHON=/path/to/the/python/with/cuda/torch
 PYTHON ?= python3
 GPU_RESULTS ?= runs/gpu_checks
+SUITE ?= 1
 test-gpu:
-	PYTHON=$(PYTHON) bash tools/gpu_checks.sh $(GPU_RESULTS)
+	PYTHON=$(PYTHON) SUITE=$(SUITE) bash tools/gpu_checks.sh $(GPU_RESULTS)
 
 # The main job: a tiny Llama-style GPT on the bundled Shakespeare corpus, 4 CPU processes, CP=4 as a
 # hierarchy [2, 2] (all-to-all pairs, a ring of 2). A second run resumes from $(RUN). A longer run is a

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The checks to run first on a CUDA machine, in order, each under its own timeout:
 #   1. the kernel report (which fused op serves each dtype, and why the others do not)
-#   2. the GPU tests (tests/test_gpu.py, tests/test_kernels.py)
+#   2. the GPU tests (tests/test_gpu.py, tests/test_kernels.py, tests/test_direct_results.py)
 #   3. a representative subset of the member-schedule cases (P = 4, 8, 16; ring and a2a+p2p; bf16, fp16)
 #   4. the benchmark at S = 32K and 128K, P = 8, every scheme, Llama-3-8B heads (32/8, d = 128), bf16
 #   5. a 30-step bf16 pretrain of the tiny recipe on one GPU (CP 1), then its first and last loss
 #   6. the whole suite as a GPU user's pytest runs it: the CPU tests with CUDA present (pytest -n, half
-#      the cores, when pytest-xdist is installed), up to 10 minutes
+#      the cores, when pytest-xdist is installed), up to 10 minutes; SUITE=0 leaves it out (a device loan of
+#      15 minutes holds steps 1-5 after the machine's start, not step 6 too)
 #
 # Usage: PYTHON=/path/to/python tools/gpu_checks.sh [RESULTS_DIR]   (or: make test-gpu PYTHON=...)
 # PYTHON is the interpreter that holds CUDA torch (default python3). The repository is prepended to
@@ -48,7 +49,7 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run it, log it, record rc and second
 }
 
 step 1_kernel_report 45 "$PYTHON" -m mcp_context.kernels
-step 2_gpu_tests 150 "$PYTHON" -m pytest -q -rs tests/test_gpu.py tests/test_kernels.py
+step 2_gpu_tests 150 "$PYTHON" -m pytest -q -rs tests/test_gpu.py tests/test_kernels.py tests/test_direct_results.py
 step 3_member_schedules 90 "$PYTHON" -m pytest -q -rs tests/test_member_schedules.py -k \
     "on_cuda and (P4-contiguous-ring-full-hkv1 or P8-zigzag-ring-causal-hkv8 or P8-striped-a2a+p2p-full-hkv2 \
 or P16-zigzag-ring-causal-hkv2)"
@@ -67,6 +68,10 @@ print(f'{len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}')
 sys.exit(0 if len(losses) == 30 and all(map(math.isfinite, losses)) and losses[-1] < losses[0] else 1)
 " "$RESULTS/pretrain/metrics.jsonl"
 
+if [ "${SUITE:-1}" = 0 ]; then
+    echo "results: $RESULTS (summary.jsonl, one log per step, bench/bench_attention_p8_gpu_checks.jsonl); SUITE=0: no step 6"
+    exit $failed
+fi
 workers=$(( $(nproc) / 2 ))
 xdist=$("$PYTHON" -c "import xdist" 2>/dev/null && [ "$workers" -gt 1 ] && echo "-n $workers")
 # shellcheck disable=SC2086  # $xdist is empty or two words
