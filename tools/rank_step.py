@@ -16,24 +16,49 @@ a2a+all_gather  h / inner        the whole sequence in position order, one step
 ==============  ===============  =========================================================
 
 The collectives themselves, and the all-to-all's reorder of rows around them, are not run: their
-time is modelled from the bytes at stated link rates (``transfer_bytes``).
+time is modelled from the bytes at stated link rates (``transfer_bytes``). Where the work around the
+calls is counted rather than timed (``tools/step_ops.py``, ``tools/rehearse_memory.py``), a ring runs as
+the rank runs it, through ``RingRotation`` with transfers that move nothing (``NoWireExchange``,
+``RankStep.ring_plan``): its messages are packed, filled and handed on as on the wire.
 """
 from __future__ import annotations
 
 import os
 import sys
 from dataclasses import dataclass
+from typing import Optional
+
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mcp_context.algorithms.executor import RingPlan  # noqa: E402
-from mcp_context.algorithms.rotation import LocalRotation  # noqa: E402
+from mcp_context.algorithms.rotation import LocalRotation, RingRotation  # noqa: E402
 from mcp_context.cp_rules import a2a_degree, comm_rule  # noqa: E402
 from mcp_context.kernels import Kernel  # noqa: E402
 from mcp_context.masks import Mask  # noqa: E402
 from mcp_context.schedule import gathered_tasks, layout_schedule, position_pieces  # noqa: E402
 
 SCHEMES = ("p2p", "all_gather", "a2a", "a2a+p2p", "a2a+all_gather")
+
+
+class _Received:
+    def __init__(self, recv: torch.Tensor, send: torch.Tensor):
+        self.recv, self.send = recv, send  # the send buffer stays alive until the transfer is waited on
+
+    def wait(self) -> torch.Tensor:
+        self.send = None
+        return self.recv
+
+
+class NoWireExchange:
+    """Allocates what a ``RingExchange`` transfer allocates (a receive buffer like the message), sends nothing."""
+
+    def __init__(self, ring_size: int, member: int):
+        self.peers, self.member, self.group, self.op = list(range(ring_size)), member, None, "rehearsal"
+
+    def start(self, send: torch.Tensor, step: int, recv: Optional[torch.Tensor] = None, parts=None) -> _Received:
+        return _Received(torch.empty_like(send) if recv is None else recv, send)
 
 
 @dataclass(frozen=True)
@@ -50,11 +75,24 @@ class RankStep:
     kv_rows: int
     useful_pairs: int
     gathered: bool   # K/V in position order (all_gather kinds), else member order
+    ring_size: int   # members of the ring (1: a ring of one)
 
     @property
     def calls(self) -> int:
         """Attention calls of one forward (the backward makes as many)."""
         return sum(len(step) for step in self.plan.tasks)
+
+    @property
+    def ring(self) -> bool:
+        """K/V travel member to member (p2p, a2a+p2p), where the other kinds hold them all."""
+        return not self.gathered and self.ring_size > 1
+
+    def ring_plan(self) -> RingPlan:
+        """The same tasks walked as the member walks its ring (``RingRotation``, transfers that move nothing):
+        K/V of its own shard only (``q_rows`` rows), packed into messages as on the wire."""
+        wire = NoWireExchange(self.ring_size, self.member)
+        rotation = RingRotation(wire, wire, self.ring_size)
+        return RingPlan.build(self.plan.tasks, rotation, self.plan.kernel, self.plan.scale, self.q_rows)
 
 
 def hierarchy(comm: str, cp: int, inner: int) -> tuple[int, ...]:
@@ -79,7 +117,7 @@ def rank_step(comm: str, cp: int, seq_len: int, mask: Mask, kernel: Kernel, head
         tasks, rotation = schedule.tasks[member], LocalRotation(member, ring)
     plan = RingPlan.build(tasks, rotation, kernel, head_dim ** -0.5, rows)
     return RankStep(comm, sizes, member, plan, heads // degree, max(1, kv_heads // degree), rows, seq_len,
-                    schedule.useful_pairs()[member], gathered)
+                    schedule.useful_pairs()[member], gathered, ring)
 
 
 def transfer_bytes(comm: str, cp: int, seq_len: int, heads: int, kv_heads: int, head_dim: int,

@@ -36,28 +36,10 @@ from mcp_context.algorithms.rotation import RingRotation  # noqa: E402
 from mcp_context.kernels import get_kernel  # noqa: E402
 from mcp_context.masks import CAUSAL, CAUSAL_BLOCK  # noqa: E402
 from mcp_context.schedule import layout_schedule  # noqa: E402
+from tools.rank_step import NoWireExchange  # noqa: E402
 
 CUDA = torch.device("cuda")
 MIB = 2 ** 20
-
-
-class _Received:
-    def __init__(self, recv: torch.Tensor, send: torch.Tensor):
-        self.recv, self.send = recv, send  # the send buffer stays alive until the transfer is waited on
-
-    def wait(self) -> torch.Tensor:
-        self.send = None
-        return self.recv
-
-
-class NoWireExchange:
-    """Allocates what a ``RingExchange`` transfer allocates (a receive buffer like the message), sends nothing."""
-
-    def __init__(self, ring_size: int, member: int):
-        self.peers, self.member, self.group, self.op = list(range(ring_size)), member, None, "rehearsal"
-
-    def start(self, send: torch.Tensor, step: int, recv=None, parts=None) -> _Received:
-        return _Received(torch.empty_like(send) if recv is None else recv, send)
 
 
 def rank_step_peak(seq_len: int, cp: int, rank: int, heads: int, kv_heads: int, head_dim: int,

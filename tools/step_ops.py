@@ -135,7 +135,7 @@ class StepCount:
     forward: Tally
     backward: Tally
     output_bytes: int
-    """out + lse + dq + dk + dv of the rank (the dK/dV of every row its plan reads)."""
+    """out + lse + dq + dk + dv of the rank: its own shard's, what the step hands back to the layer."""
 
     @property
     def ops(self) -> int:
@@ -148,7 +148,9 @@ class StepCount:
 
 def count_step(comm: str, seq_len: int, cp: int, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
                mask: Mask = CAUSAL, inner: int = 2, rank: int = 0, op: str = "cudnn") -> StepCount:
-    """Count rank ``rank``'s forward and backward of ``comm`` on fake CUDA bf16 tensors (batch 1)."""
+    """Count rank ``rank``'s forward and backward of ``comm`` on fake CUDA bf16 tensors (batch 1): a ring as the
+    member walks it (``RankStep.ring_plan``: its own shard's K/V, packed into messages), the other kinds over
+    the K/V they hold after their collectives."""
     kernel = TorchKernel(FUSED_OPS[op])
     step = rank_step(comm, cp, seq_len, mask, kernel, heads, kv_heads, head_dim, inner, rank=rank)
     dtype = torch.bfloat16
@@ -156,14 +158,16 @@ def count_step(comm: str, seq_len: int, cp: int, heads: int = 32, kv_heads: int 
         def empty(*shape):
             return torch.empty(*shape, device=CUDA, dtype=dtype)
 
+        plan, kv_rows = (step.ring_plan(), step.q_rows) if step.ring else (step.plan, step.kv_rows)
         q, dout = empty(step.q_rows, 1, step.heads, head_dim), empty(step.q_rows, 1, step.heads, head_dim)
-        k, v = empty(step.kv_rows, 1, step.kv_heads, head_dim), empty(step.kv_rows, 1, step.kv_heads, head_dim)
-        ring_backward(dout, q, k, v, *ring_forward(q, k, v, step.plan), step.plan)  # warm: per-process constants
+        k, v = empty(kv_rows, 1, step.kv_heads, head_dim), empty(kv_rows, 1, step.kv_heads, head_dim)
+        ring_backward(dout, q, k, v, *ring_forward(q, k, v, plan), plan)  # warm: per-process constants
         with counting() as fwd:
-            out, lse = ring_forward(q, k, v, step.plan)
+            out, lse = ring_forward(q, k, v, plan)
         with counting() as bwd:
-            ring_backward(dout, q, k, v, out, lse, step.plan)
-        outputs = 2 * _nbytes(q) + _nbytes(lse) + 2 * _nbytes(k)  # out, dq; lse; dk, dv
+            ring_backward(dout, q, k, v, out, lse, plan)
+        own_kv = seq_len // cp * kv_heads * head_dim * dtype.itemsize  # the rank's own K (or V) shard
+        outputs = 2 * _nbytes(q) + _nbytes(lse) + 2 * own_kv  # out, dq; lse; the rank's own dk, dv
     return StepCount(comm, step.calls, fwd.tally, bwd.tally, outputs)
 
 
