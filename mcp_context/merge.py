@@ -8,7 +8,8 @@ with no NaN, which is what a fully masked causal chunk needs.
 On CUDA the merge is one fused kernel (``torch.compile``): eager it is about ten elementwise kernels,
 0.98 ms for a ``[1, 32, 16384, 128]`` block on an H100 against 0.26 ms compiled (memory-bound floor
 0.23 ms). If compiling fails the eager form is used, with one warning naming the reason. The ring's
-backward adds each block's dK and dV into one packed fp32 accumulator the same way (``add_kv_``).
+backward adds each block's dK and dV into one packed fp32 accumulator the same way (``add_kv_``; a sum's
+first block, when it covers every row, is written instead of added to zeros: ``copy_kv_``).
 
 An attention sink (gpt-oss's learned softmax offset, or off-by-one's zero) is one more key per head
 with score ``s_h`` and a zero value: ``add_sink_`` merges it into the final result once
@@ -103,6 +104,22 @@ def add_kv_(dkv: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
     """Add a block's ``dk [b, h_kv, n, dqk]`` and ``dv [b, h_kv, n, dv]`` into ``dkv [b, h_kv, n, dqk + dv]``
     (fp32) in place: one fused kernel on CUDA, where eagerly it is two adds with a cast each."""
     _add_kv(dkv, dk, dv)
+
+
+def copy_kv_eager_(dkv: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+    """``dkv [..., dqk + dv] = [dk, dv]``, cast to ``dkv``'s dtype; see ``copy_kv_``."""
+    dqk = dk.shape[-1]
+    torch.ops.aten.copy_(dkv.narrow(-1, 0, dqk), dk)  # not Tensor.copy_: see algorithms/executor.py's _copy_
+    torch.ops.aten.copy_(dkv.narrow(-1, dqk, dkv.shape[-1] - dqk), dv)
+
+
+_copy_kv = _Fused(copy_kv_eager_, "dK/dV first write")
+
+
+def copy_kv_(dkv: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+    """Write a block's ``dk``, ``dv`` into an unwritten packed accumulator ``dkv [b, h_kv, n, dqk + dv]`` (the
+    first block of a sum that covers all its rows): one fused kernel on CUDA, where a fill and an add were two."""
+    _copy_kv(dkv, dk, dv)
 
 
 def add_sink_(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> None:

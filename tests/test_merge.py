@@ -55,3 +55,17 @@ def test_compiled_merge_equals_eager_merge_on_views_with_masked_rows():
     assert torch.equal(lse.isinf(), eager_lse.isinf())
     finite = lse.isfinite()
     assert torch.allclose(lse[finite], eager_lse[finite], atol=1e-6, rtol=1e-6)
+
+
+def test_a_first_write_of_dk_dv_equals_adding_them_to_zeros():
+    """``copy_kv_`` (a member's own dK/dV sum, started by a block over every row) leaves the packed fp32
+    accumulator exactly as a zero fill then ``add_kv_`` did, MLA head dims (dqk 12, dv 6), bf16 blocks."""
+    from mcp_context.merge import add_kv_, copy_kv_
+
+    g = torch.Generator().manual_seed(0)
+    dk, dv = torch.randn(1, 2, 8, 12, generator=g).bfloat16(), torch.randn(1, 2, 8, 6, generator=g).bfloat16()
+    added = torch.zeros(1, 2, 8, 18)
+    add_kv_(added, dk, dv)
+    written = torch.full((1, 2, 8, 18), float("nan"))  # unwritten memory: every element must be overwritten
+    copy_kv_(written, dk, dv)
+    assert torch.equal(written, added)

@@ -26,7 +26,7 @@ import torch
 
 from ..comm.primitives import PeerExchange, PendingExchange, RingExchange
 from .. import trace
-from ..merge import add_kv_
+from ..merge import add_kv_, copy_kv_
 
 
 class Gradients(Protocol):
@@ -139,7 +139,8 @@ class RingGradients:
     """The backward ring walk, K/V and dK/dV in one message per step (as TE's ring does).
 
     At step 0 a member sends its own K/V and receives the previous member's into a ``_Message`` whose
-    dK/dV part (zeroed) takes this member's step-0 blocks. At each later step it forwards the message it
+    dK/dV part takes this member's step-0 blocks (the first written straight in when it covers the shard,
+    ``merge.copy_kv_``; zeroed first otherwise). At each later step it forwards the message it
     received the step before, which holds exactly what the next member needs: the K/V it computes with at
     its next step, and the partial dK/dV sum of the shard it holds now. The message received in turn
     brings the partial sum of the shard held at this step (waited for at this step's first add, while the
@@ -157,6 +158,7 @@ class RingGradients:
         self.pending: Optional[PendingExchange[torch.Tensor]] = None  # the transfer of the step's message
         self.waited = True
         self.home: Optional[_Message] = None  # a walk of one step: the own shard's dK/dV stays here
+        self.unwritten = False  # the step-0 message's dK/dV part holds nothing yet (not even zeros)
         self.final: Optional[tuple[PendingExchange, torch.Tensor]] = None
 
     def _wait(self, step: int, kind: str) -> None:
@@ -177,7 +179,7 @@ class RingGradients:
             last = step + 1 == self.steps  # the last step's message carries no K/V (no step follows)
             message = _Message(self.k, self.dims, k.dtype, self.dtype, with_kv=not last or step == 0)
             if step == 0:
-                torch.ops.aten.fill_.Scalar(message.dkv, 0.0)  # this member's own part starts the sum
+                self.unwritten = True  # this member's own blocks start the sum: written, or zeroed, at the first add
                 if self.steps == 1:
                     self.home = message
                 else:  # own K/V out, the previous member's in (K/V only: no partial sum exists yet)
@@ -195,11 +197,21 @@ class RingGradients:
     def add(self, step: int, rows: tuple[int, int], dk: torch.Tensor, dv: torch.Tensor) -> None:
         if step > 0:
             self._wait(step, "dkv_wait")  # the partial sum of the shard held at this step
-        add_kv_(rows_of(bhsd(self.current.dkv), rows), dk, dv)
+        dkv = bhsd(self.current.dkv)
+        if self.unwritten:
+            self.unwritten = False
+            if rows == (0, dkv.shape[2]):  # the first block covers the shard: it is the sum so far
+                copy_kv_(dkv, dk, dv)
+                return
+            torch.ops.aten.fill_.Scalar(self.current.dkv, 0.0)
+        add_kv_(rows_of(dkv, rows), dk, dv)
 
     def done(self, step: int) -> None:
-        """Nothing to do: the step's message is sent on at the next step (or home by ``result``), whose
-        wait covers a step without blocks too."""
+        """The step-0 sum zeroed if no block wrote it; otherwise nothing: the step's message is sent on at
+        the next step (or home by ``result``), whose wait covers a step without blocks too."""
+        if self.unwritten:
+            self.unwritten = False
+            torch.ops.aten.fill_.Scalar(self.current.dkv, 0.0)
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.home is not None:
