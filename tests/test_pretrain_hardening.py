@@ -394,3 +394,16 @@ def test_a_run_directory_honours_checkpoint_save_null(tmp_path):
     assert saving.checkpoint.save == str(tmp_path / "checkpoints")
     silent = load_recipe(recipe, ["checkpoint.save=null"])
     assert resolve_run_dir(silent, str(tmp_path)) == tmp_path and silent.checkpoint.save is None
+
+
+def test_overrides_may_come_before_and_after_the_flags(finished_run, data_dir, capsys):
+    """``--recipe R a=b --run-dir D c=d``: dotted overrides on either side of a flag are all read (argparse's
+    plain parse refused the second group as 'unrecognized arguments'); the launch check sees both, so the
+    changed ``train.steps`` after ``--run-dir`` is refused as when it comes last."""
+    from mcp_context.pretrain.cli import main
+
+    recipe = ["--check-launch", "1", "--recipe", str(REPO / "recipes" / "tiny_cpu.yaml")]
+    rest = ["train.device=cpu", *ONE_RANK, "checkpoint.save_interval=1", f"data.cache_dir={data_dir}"]
+    assert main(recipe + rest + ["--run-dir", str(finished_run), "train.steps=3"]) == 0, capsys.readouterr().err
+    assert main(recipe + rest + ["--run-dir", str(finished_run), "train.steps=4"]) == 2
+    assert "train.steps" in capsys.readouterr().err

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("recipe", help="recipe YAML file, or - for the embedded tiny CPU default")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.corpus=docs.jsonl")
     parser.add_argument("--force", action="store_true", help="re-tokenise (and retrain a tokenizer trained from the corpus) even if the files exist")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     try:
         cfg = load_recipe(None if args.recipe == "-" else args.recipe, args.overrides)
         validate_recipe(cfg)

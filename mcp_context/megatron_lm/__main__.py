@@ -26,7 +26,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mcp_context.megatron_lm", description=__doc__.splitlines()[0])
     parser.add_argument("recipe", help="recipe YAML file, or - for the embedded tiny CPU default")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.context_parallel_size=8")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     try:
         cfg = load_recipe(None if args.recipe == "-" else args.recipe, args.overrides)
         validate_recipe(cfg)

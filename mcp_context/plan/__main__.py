@@ -226,7 +226,7 @@ def _emit(data: dict, table: Callable[[], str], json_path: Optional[str]) -> int
 
 
 def balance_main(argv: Sequence[str]) -> int:
-    args = _balance_parser().parse_args(argv)
+    args = _balance_parser().parse_intermixed_args(argv)
     from .report import balance_dict, balance_table
 
     try:

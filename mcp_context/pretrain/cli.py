@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="check the recipe at N ranks and the run directory's resume in this one process, "
                              "then exit (0: the launch would train; 2: the error)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     die_with_launcher()
     try:
         cfg = load_recipe(args.recipe, args.overrides)

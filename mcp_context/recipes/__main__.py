@@ -24,7 +24,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("recipe", help="recipe YAML file, or - for the embedded tiny CPU default")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.context_parallel_size=8")
     parser.add_argument("--world-size", type=int, default=None, help="ranks to check the layout against")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     path = None if args.recipe == "-" else args.recipe
     try:
         cfg = load_recipe(path, args.overrides)

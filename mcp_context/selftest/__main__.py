@@ -239,7 +239,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from . import report
     from .checks import Ranks, run_checks
 
-    args = _parser().parse_args(_joined_lists(sys.argv[1:] if argv is None else argv))
+    args = _parser().parse_intermixed_args(_joined_lists(sys.argv[1:] if argv is None else argv))
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) .*not installed")
     warnings.filterwarnings("ignore", message="full scope is deprecated")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
