@@ -79,17 +79,22 @@ class _Parsed(Exception):
 
 @contextlib.contextmanager
 def _stop_after_parsing():
-    """The CLI's own ``parse_args`` runs, then raises ``_Parsed`` with its namespace instead of returning."""
-    original = argparse.ArgumentParser.parse_args
+    """The CLI's own ``parse_args`` (or ``parse_intermixed_args``: overrides on both sides of a flag) runs, then
+    raises ``_Parsed`` with its namespace instead of returning."""
+    originals = {name: getattr(argparse.ArgumentParser, name) for name in ("parse_args", "parse_intermixed_args")}
 
-    def parse_args(self, args=None, namespace=None):
-        raise _Parsed(original(self, args, namespace))
+    def stopping(original):
+        def parse(self, args=None, namespace=None):
+            raise _Parsed(original(self, args, namespace))
+        return parse
 
-    argparse.ArgumentParser.parse_args = parse_args
+    for name, original in originals.items():
+        setattr(argparse.ArgumentParser, name, stopping(original))
     try:
         yield
     finally:
-        argparse.ArgumentParser.parse_args = original
+        for name, original in originals.items():
+            setattr(argparse.ArgumentParser, name, original)
 
 
 def _call(main, argv: list[str]) -> tuple[int, str, str]:
