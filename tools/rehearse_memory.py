@@ -31,12 +31,10 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mcp_context.algorithms.executor import RingPlan, ring_backward, ring_forward  # noqa: E402
-from mcp_context.algorithms.rotation import RingRotation  # noqa: E402
+from mcp_context.algorithms.executor import ring_backward, ring_forward  # noqa: E402
 from mcp_context.kernels import get_kernel  # noqa: E402
 from mcp_context.masks import CAUSAL, CAUSAL_BLOCK  # noqa: E402
-from mcp_context.schedule import layout_schedule  # noqa: E402
-from tools.rank_step import NoWireExchange  # noqa: E402
+from tools.rank_step import rank_step  # noqa: E402
 
 CUDA = torch.device("cuda")
 MIB = 2 ** 20
@@ -48,16 +46,14 @@ def rank_step_peak(seq_len: int, cp: int, rank: int, heads: int, kv_heads: int, 
     dtype = torch.bfloat16
     with FakeTensorMode():
         kernel = get_kernel(backend, CUDA, dtype, head_dim=head_dim)
-        schedule = layout_schedule("zigzag", cp, seq_len, CAUSAL, 1, kernel.capabilities.masks)
-        rows = seq_len // cp
-        useful = schedule.useful_pairs()[rank]
-        n = int(round(math.sqrt(2 * useful)))
+        step = rank_step("p2p", cp, seq_len, CAUSAL, kernel, heads, kv_heads, head_dim, rank=rank)
+        rows = step.q_rows
+        n = int(round(math.sqrt(2 * step.useful_pairs)))
 
         def ring_step() -> None:
             q, dout = (torch.empty(rows, 1, heads, head_dim, device=CUDA, dtype=dtype) for _ in range(2))
             k, v = (torch.empty(rows, 1, kv_heads, head_dim, device=CUDA, dtype=dtype) for _ in range(2))
-            rotation = RingRotation(NoWireExchange(cp, rank), NoWireExchange(cp, rank), cp)
-            plan = RingPlan.build(schedule.tasks[rank], rotation, kernel, head_dim ** -0.5, rows)
+            plan = step.ring_plan()
             out, lse = ring_forward(q, k, v, plan)
             ring_backward(dout, q, k, v, out, lse, plan)
 

@@ -21,7 +21,7 @@ from ..kernels import Dropout, Kernel, accum_dtype, finite_lse_for_backward
 from ..merge import add_sink_, merge_, sink_grad
 from ..schedule import BlockTask
 from .. import trace
-from .rotation import Rotation
+from .rotation import Rotation, rows_of
 
 
 def first_writes(tasks: Sequence[Sequence[BlockTask]]) -> tuple[tuple[bool, ...], ...]:
@@ -139,16 +139,10 @@ def _sbhd_view(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.permute(2, 0, 1, 3) if x.dtype == dtype else _sbhd(x, dtype)
 
 
-# Rows are taken with ``narrow`` and copied with the aten op: Python indexing, ``Tensor.copy_`` and
-# ``Tensor.contiguous`` take a device guard that fake CUDA tensors on a CPU-only torch (the rehearsal,
-# tests/test_cuda_rehearsal.py) do not have.
+# Rows are taken with ``narrow`` (``rotation.rows_of``) and copied with the aten op: Python indexing,
+# ``Tensor.copy_`` and ``Tensor.contiguous`` take a device guard that fake CUDA tensors on a CPU-only torch
+# (the rehearsal, tests/test_cuda_rehearsal.py) do not have.
 _copy_ = torch.ops.aten.copy_.default
-
-
-def _rows(x: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
-    """Rows ``span`` (dim 2) of a ``[b, h, s, d]`` tensor, as a view (``x`` itself for all of them: a
-    ``narrow`` costs the host about 1-2 µs, and a step takes some hundred)."""
-    return x if span[0] == 0 and span[1] == x.shape[2] else x.narrow(2, span[0], span[1] - span[0])
 
 
 def _contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -207,7 +201,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPl
     for step, kb, vb in plan.rotation.blocks(_bhsd(k), _bhsd(v)):
         t0 = trace.now()
         for i, t in enumerate(plan.tasks[step]):
-            o, l = plan.kernel.forward(_rows(qb, t.q), _rows(kb, t.kv), _rows(vb, t.kv), t.mask, plan.scale,
+            o, l = plan.kernel.forward(rows_of(qb, t.q), rows_of(kb, t.kv), rows_of(vb, t.kv), t.mask, plan.scale,
                                        plan.dropout(step, i))
             if lse is None and plan.first[step][i] and _adopt_lse(l, sq, acc):  # a first block over every row
                 lse = l
@@ -222,10 +216,10 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPl
             if lse is None:
                 lse = _accumulator(qb, (b, h, sq), acc, float("-inf"), plan.covered)
             if plan.first[step][i]:
-                _copy_(_rows(out, t.q), o)
-                _copy_(_rows(lse, t.q), l)
+                _copy_(rows_of(out, t.q), o)
+                _copy_(rows_of(lse, t.q), l)
             else:
-                merge_(_rows(out, t.q), _rows(lse, t.q), o, l)
+                merge_(rows_of(out, t.q), rows_of(lse, t.q), o, l)
         trace.record("forward_compute", step, t0)
     if lse is None:  # no task at all (every row masked): zeros, lse -inf
         out, lse = _accumulator(qb, shape, dtype, 0.0, False), qb.new_full((b, h, sq), float("-inf"), dtype=acc)
@@ -257,9 +251,9 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     for step, kb, vb in grads.blocks(kb_all, vb_all):
         t0 = trace.now()
         for i, t in enumerate(plan.tasks[step]):
-            gq, gk, gv = plan.kernel.backward(_rows(dob, t.q), _rows(qb, t.q), _rows(kb, t.kv), _rows(vb, t.kv),
-                                              _rows(ob, t.q), block_lse.rows(t.q), t.mask, plan.scale,
-                                              plan.dropout(step, i))
+            gq, gk, gv = plan.kernel.backward(rows_of(dob, t.q), rows_of(qb, t.q), rows_of(kb, t.kv),
+                                              rows_of(vb, t.kv), rows_of(ob, t.q), block_lse.rows(t.q), t.mask,
+                                              plan.scale, plan.dropout(step, i))
             if direct and t.q == (0, qb.shape[2]) and gq.dtype == q.dtype and _token_major(gq) is not None:
                 dq = gq  # the one block over every row is the result
                 grads.add(step, t.kv, gk, gv)
@@ -267,9 +261,9 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
             if dq is None:
                 dq = _accumulator(qb, tuple(qb.shape), q.dtype if direct else acc, 0.0, plan.covered)
             if plan.first[step][i]:
-                _copy_(_rows(dq, t.q), gq)
+                _copy_(rows_of(dq, t.q), gq)
             else:
-                _rows(dq, t.q).add_(gq)
+                rows_of(dq, t.q).add_(gq)
             grads.add(step, t.kv, gk, gv)
         trace.record("backward_compute", step, t0)
         grads.done(step)
