@@ -220,6 +220,13 @@ def dynamic_cp_levels(local_cp_size: int, world: int, level0: int, comm: str,
     return ((n,), "a2a") if inner == n else ((inner, n // inner), normalize_comm(comm))
 
 
+def dynamic_document_multiple(world: int) -> int:
+    """What every document of a dynamic-CP step is padded to a multiple of: the zigzag of the largest group,
+    the whole data x context parallel world (``2 * world``), whichever group the document lands on (the step
+    runner, its self-test, the recipe checks and the balance report all pad so)."""
+    return 2 * world
+
+
 def dynamic_cp_sizes(world: int, level0: int) -> list[int]:
     """The group sizes a dynamic-CP planner may give a sub-sample over ``world`` ranks whose all-to-all
     domain holds ``level0`` adjacent ranks: every divisor of ``world`` that fits inside one domain or is

@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..cp_rules import a2a_degree, document_multiple, dynamic_cp_levels, dynamic_cp_size, dynamic_cp_sizes, \
-    normalize_comm
+    dynamic_document_multiple, normalize_comm
 from ..masks import Mask, attention_mask, documents_mask
 from ..megatron.dynamic_plan import plan_sub_samples
 from ..recipes.schema import ModelConfig
@@ -156,7 +156,7 @@ class _Placement:
 
 def dynamic_placements(req: BalanceRequest) -> list[_Placement]:
     """Each document, padded as the step runner pads it, on the group ``plan_sub_samples`` gives it."""
-    multiple = document_multiple(LAYOUT, req.world)
+    multiple = dynamic_document_multiple(req.world)
     sizes = dynamic_cp_sizes(req.world, req.level0 or req.world)
     lengths = []
     for s, sample in enumerate(req.samples):

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from mcp_context.cp_rules import dynamic_cp_sizes
+from mcp_context.cp_rules import dynamic_cp_sizes, dynamic_document_multiple
 from mcp_context.data.documents import document_offsets
 from mcp_context.megatron.dynamic_groups import build_sub_groups
 from mcp_context.megatron.dynamic_plan import Plan, plan_sub_samples
@@ -99,7 +99,7 @@ def start_dynamic_cp(cfg: RecipeConfig, eod: int) -> DynamicCP:
     levels = cfg.model.hierarchical_context_parallel_sizes
     sizes = tuple(dynamic_cp_sizes(world, levels[0] if levels else world))
     return DynamicCP(world_group, sizes, build_sub_groups(world_group, sizes), cfg.model.max_seqlen_per_dp_cp_rank,
-                     2 * world, eod)
+                     dynamic_document_multiple(world), eod)
 
 
 def step_documents(micro_batches: Sequence[dict], eod: int, multiple: int) -> list[dict]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
-from mcp_context.cp_rules import heads_per_tp_rank
+from mcp_context.cp_rules import dynamic_document_multiple, heads_per_tp_rank
 from mcp_context.recipes.schema import (MLA_FIELDS, MOE_FIELDS, YARN_FIELDS, DataConfig, ModelConfig, RecipeConfig, RecipeError,
                                          check_vocab_size, precision)
 
@@ -238,7 +238,7 @@ def _validate_dynamic_cp(cfg: RecipeConfig, world_size: Optional[int]) -> None:
         raise RecipeError(f"model.hierarchical_context_parallel_sizes={sizes} multiplies to {math.prod(sizes)}, but with "
                           f"model.hybrid_context_parallel=true it describes the data parallel group of all "
                           f"{world_size} ranks; make the product {world_size} (level 0: one all-to-all domain)")
-    multiple = 2 * world_size
+    multiple = dynamic_document_multiple(world_size)
     if budget % multiple:
         raise RecipeError(f"model.max_seqlen_per_dp_cp_rank={budget} is not a multiple of 2 x {world_size} ranks = "
                           f"{multiple}: every document is padded to that multiple (zigzag's two chunks a rank on the "

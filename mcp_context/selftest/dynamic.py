@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..cp_rules import dynamic_cp_sizes
+from ..cp_rules import dynamic_cp_sizes, dynamic_document_multiple
 from .faults import FAULTY_RANK
 from .layer import LAYER_TOL, error_and_bound
 from .report import CheckResult
@@ -52,7 +52,7 @@ EOD = 0
 def step_budget(max_seqlen_per_dp_cp_rank: int, seq_len: int, world: int) -> int:
     """The step's tokens a rank: the recipe's budget, or ``seq_len / world`` when smaller, rounded down to a
     multiple of ``2 * world`` (every document is padded to that multiple), at least that multiple."""
-    multiple = 2 * world
+    multiple = dynamic_document_multiple(world)
     return max(multiple, min(max_seqlen_per_dp_cp_rank, seq_len // world) // multiple * multiple)
 
 
@@ -88,7 +88,7 @@ def step_documents_of(setup: Setup, lengths: list[int]) -> list[dict]:
         positions = torch.arange(n)[None]
         rows.append({"tokens": tokens, "labels": torch.randint(1, VOCAB, (1, n), generator=gen),
                      "loss_mask": (positions % 7 != 3).float(), "position_ids": positions})
-    documents = step_documents(rows, EOD, 2 * setup.cp_size)
+    documents = step_documents(rows, EOD, dynamic_document_multiple(setup.cp_size))
     for doc in documents:  # positions count on through the padding: each token's position is its row
         doc["position_ids"] = torch.arange(doc["tokens"].numel())
     return documents
