@@ -32,16 +32,37 @@ def _finite(x: torch.Tensor) -> torch.Tensor:
     return x.masked_fill(x == NEG_INF, 0.0)
 
 
-def merge_eager_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """The merge as plain torch operations (any device); see ``merge_``."""
-    block_lse = block_lse.to(lse.dtype)
-    hi = torch.maximum(lse, block_lse)
-    lo = torch.minimum(lse, block_lse)
+def _scratch(out: torch.Tensor, a: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """Where an eager pair operation forms its sum: ``out`` when that is in ``acc``; else, run eagerly, ``a``
+    when that is an accumulator (the last block of a sum: its rows are not read again), so the eager form
+    holds no temporary the compiled kernel does not; else one temporary. Compiled, the temporary is never
+    stored (the kernel writes ``out`` directly) and ``a`` is left as it was."""
+    if out.dtype == acc:
+        return out
+    if a.dtype == acc and not torch.compiler.is_compiling():
+        return a
+    return torch.empty(out.shape, dtype=acc, device=out.device)
+
+
+def merge_pair_eager_(out: torch.Tensor, lse: torch.Tensor, a_out: torch.Tensor, a_lse: torch.Tensor,
+                      b_out: torch.Tensor, b_lse: torch.Tensor) -> None:
+    """The merge as plain torch operations (any device); see ``merge_pair_``. The sum is formed where
+    ``_scratch`` says and rounded once into ``out`` (a planner's dry run runs this form and counts its
+    temporaries, which the compiled kernel does not have)."""
+    acc = lse.dtype
+    a_lse, b_lse = a_lse.to(acc), b_lse.to(acc)
+    hi = torch.maximum(a_lse, b_lse)
+    lo = torch.minimum(a_lse, b_lse)
     new_lse = hi + torch.log1p(torch.exp(lo - _finite(hi)))
     ref = _finite(new_lse)
-    out.mul_(torch.exp(lse - ref).unsqueeze(-1))
-    out.add_(block_out.to(out.dtype) * torch.exp(block_lse - ref).unsqueeze(-1))
-    torch.ops.aten.copy_(lse, new_lse)  # not Tensor.copy_: see algorithms/executor.py's _copy_
+    sums = _scratch(out, a_out, acc)
+    if sums is not a_out:
+        torch.ops.aten.copy_(sums, a_out)  # not Tensor.copy_: see algorithms/executor.py's _copy_
+    sums.mul_(torch.exp(a_lse - ref).unsqueeze(-1))
+    sums.addcmul_(b_out, torch.exp(b_lse - ref).unsqueeze(-1))
+    if sums is not out:
+        torch.ops.aten.copy_(out, sums)
+    torch.ops.aten.copy_(lse, new_lse)
 
 
 class _Fused:
@@ -74,20 +95,52 @@ class _Fused:
         self.eager(*args)
 
 
-_merge = _Fused(merge_eager_, "attention merge")
+_merge_pair = _Fused(merge_pair_eager_, "attention merge")
 
 
 def compiled_merge() -> Callable:
-    """``merge_eager_`` compiled into one kernel (built once; shapes are dynamic)."""
-    return _merge.compile()
+    """``merge_pair_eager_`` compiled into one kernel (built once; shapes are dynamic)."""
+    return _merge_pair.compile()
+
+
+def merge_pair_(out: torch.Tensor, lse: torch.Tensor, a_out: torch.Tensor, a_lse: torch.Tensor,
+                b_out: torch.Tensor, b_lse: torch.Tensor) -> None:
+    """Write the merge of ``(a_out, a_lse)`` and ``(b_out, b_lse)`` (disjoint key sets) into ``out [..., s, d]``
+    (any float dtype: rounded once) and ``lse [..., s]`` (the accumulator dtype, which the merge computes in).
+
+    Any of them may be views (query sub-ranges), and ``out``/``lse`` may be ``a_out``/``a_lse`` themselves
+    (an accumulator merged in place, or a held block's rows overwritten by the merged result). An ``a_out``
+    in the accumulator dtype written into an ``out`` that is not (the last merge of an fp32 sum) is consumed:
+    its rows are not to be read again.
+    """
+    _merge_pair(out, lse, a_out, a_lse, b_out, b_lse)
 
 
 def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """Fold ``(block_out, block_lse)`` into the accumulators ``out [..., s, d]``, ``lse [..., s]`` in place.
+    """Fold ``(block_out, block_lse)`` into the accumulators ``out [..., s, d]``, ``lse [..., s]`` in place."""
+    _merge_pair(out, lse, out, lse, block_out, block_lse)
 
-    ``out``/``lse`` may be views (a query sub-range of the full accumulator).
-    """
-    _merge(out, lse, block_out, block_lse)
+
+def add_pair_eager_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out = a + b`` summed in fp32 (fp64 when any is fp64), rounded once into ``out``'s dtype (formed where
+    ``_scratch`` says)."""
+    acc = torch.float64 if torch.float64 in (out.dtype, a.dtype, b.dtype) else torch.float32
+    sums = _scratch(out, a, acc)
+    if sums is not a:
+        torch.ops.aten.copy_(sums, a)  # not Tensor.copy_: see algorithms/executor.py's _copy_
+    sums.add_(b)
+    if sums is not out:
+        torch.ops.aten.copy_(out, sums)
+
+
+_add_pair = _Fused(add_pair_eager_, "dQ sum")
+
+
+def add_pair_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out = a + b`` in fp32 with one rounding into ``out`` (a held dQ block plus the next, or the fp32 sum
+    plus the last block): one fused kernel on CUDA, where a copy into fp32 and an add were two. An fp32 ``a``
+    added into a half-precision ``out`` (the last block of a sum) is consumed, as in ``merge_pair_``."""
+    _add_pair(out, a, b)
 
 
 def add_kv_eager_(dkv: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:

@@ -40,7 +40,7 @@ def test_merge_is_stable_for_huge_lse_gaps():
 def test_compiled_merge_equals_eager_merge_on_views_with_masked_rows():
     """The fused (torch.compile) merge that CUDA uses gives the eager merge's results, here compiled for
     the CPU: same in-place writes into a query sub-range, -inf rows kept, bit-close (fp32 1e-6)."""
-    from mcp_context.merge import compiled_merge, merge_eager_
+    from mcp_context.merge import compiled_merge, merge_pair_eager_
 
     gen = torch.Generator().manual_seed(1)
     out, lse = torch.randn(2, 4, 64, 16, generator=gen), torch.randn(2, 4, 64, generator=gen)
@@ -48,13 +48,55 @@ def test_compiled_merge_equals_eager_merge_on_views_with_masked_rows():
     lse[0, 0, 10:20] = float("-inf")
     block_lse[0, 0, :5] = float("-inf")  # rows 10..14: both sides empty
     eager_out, eager_lse = out.clone(), lse.clone()
-    compiled_merge()(out[:, :, 10:42], lse[:, :, 10:42], block_out, block_lse)
-    merge_eager_(eager_out[:, :, 10:42], eager_lse[:, :, 10:42], block_out, block_lse)
+    rows = slice(10, 42)
+    compiled_merge()(out[:, :, rows], lse[:, :, rows], out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+    merge_pair_eager_(eager_out[:, :, rows], eager_lse[:, :, rows], eager_out[:, :, rows], eager_lse[:, :, rows],
+                      block_out, block_lse)
     assert torch.isfinite(out).all() and (lse[0, 0, 10:15] == float("-inf")).all()
     assert torch.allclose(out, eager_out, atol=1e-6, rtol=1e-6)
     assert torch.equal(lse.isinf(), eager_lse.isinf())
     finite = lse.isfinite()
     assert torch.allclose(lse[finite], eager_lse[finite], atol=1e-6, rtol=1e-6)
+
+
+def test_a_pair_merged_into_a_half_result_rounds_once():
+    """``merge_pair_`` of two bf16 blocks written straight into bf16 rows (one of them the first block's own
+    rows, overwritten in place: a held block) is the fp32 merge rounded once, bit for bit, and its lse the
+    fp32 one; a later block merged through an fp32 accumulator and written by the last merge
+    (``merge_pair_`` from the accumulator) equals three blocks merged in fp32 then rounded once."""
+    from mcp_context.merge import merge_pair_
+
+    g = torch.Generator().manual_seed(2)
+    blocks = [(torch.randn(1, 2, 8, 4, generator=g).bfloat16(), torch.randn(1, 2, 8, generator=g) * 3)
+              for _ in range(3)]
+    ref_out, ref_lse = blocks[0][0].float(), blocks[0][1].clone()
+    for o, l in blocks[1:2]:
+        merge_(ref_out, ref_lse, o, l)
+    held, held_lse = blocks[0][0].clone(), blocks[0][1].clone()
+    merge_pair_(held, held_lse, held, held_lse, *blocks[1])  # two blocks: into the first's own rows
+    assert torch.equal(held, ref_out.bfloat16()) and torch.equal(held_lse, ref_lse)
+    acc, acc_lse = torch.empty(1, 2, 8, 4), torch.empty(1, 2, 8)
+    merge_pair_(acc, acc_lse, *blocks[0], *blocks[1])  # three: the first pair into fp32
+    result = torch.empty(1, 2, 8, 4, dtype=torch.bfloat16)
+    merge_pair_(result, acc_lse, acc, acc_lse, *blocks[2])  # the last: fp32 sum + block, rounded once
+    merge_(ref_out, ref_lse, *blocks[2])
+    assert torch.equal(result, ref_out.bfloat16()) and torch.allclose(acc_lse, ref_lse, atol=0, rtol=1e-6)
+
+
+def test_add_pair_sums_in_fp32_and_rounds_once():
+    """``add_pair_``: two bf16 dQ blocks into bf16 (or an fp32 sum plus a bf16 block) equal adding them in
+    fp32 and casting once, bit for bit, also into a strided view."""
+    from mcp_context.merge import add_pair_
+
+    g = torch.Generator().manual_seed(3)
+    a, b, c = (torch.randn(1, 2, 8, 4, generator=g).bfloat16() for _ in range(3))
+    out = torch.zeros(1, 2, 16, 4, dtype=torch.bfloat16)
+    add_pair_(out[:, :, 4:12], a, b)
+    assert torch.equal(out[:, :, 4:12], (a.float() + b.float()).bfloat16()) and (out[:, :, :4] == 0).all()
+    acc = torch.empty(1, 2, 8, 4)
+    add_pair_(acc, a, b)
+    add_pair_(out[:, :, 4:12], acc, c)
+    assert torch.equal(out[:, :, 4:12], (a.float() + b.float() + c.float()).bfloat16())
 
 
 def test_a_first_write_of_dk_dv_equals_adding_them_to_zeros():
@@ -69,3 +111,24 @@ def test_a_first_write_of_dk_dv_equals_adding_them_to_zeros():
     written = torch.full((1, 2, 8, 18), float("nan"))  # unwritten memory: every element must be overwritten
     copy_kv_(written, dk, dv)
     assert torch.equal(written, added)
+
+
+def test_compiled_pair_forms_equal_their_eager_forms_into_a_half_result():
+    """The last merge and the last dQ add of an fp32 sum (fp32 ``a``, bf16 ``out``), compiled as CUDA runs them
+    (here for the CPU), give the eager forms' bf16 results; compiled, ``a`` is left as it was (eagerly it is
+    used as the scratch, which the executor allows: its rows are not read again)."""
+    from mcp_context.merge import add_pair_eager_, merge_pair_eager_
+
+    g = torch.Generator().manual_seed(4)
+    acc, acc_lse = torch.randn(1, 2, 16, 8, generator=g), torch.randn(1, 2, 16, generator=g)
+    block, block_lse = torch.randn(1, 2, 16, 8, generator=g).bfloat16(), torch.randn(1, 2, 16, generator=g)
+    kept = acc.clone()
+    out, lse = torch.empty(1, 2, 16, 8, dtype=torch.bfloat16), acc_lse.clone()
+    torch.compile(merge_pair_eager_, fullgraph=True)(out, lse, acc, lse, block, block_lse)
+    assert torch.equal(acc, kept)
+    eager_out, eager_lse = torch.empty_like(out), acc_lse.clone()
+    merge_pair_eager_(eager_out, eager_lse, acc.clone(), eager_lse, block, block_lse)
+    assert torch.allclose(out.float(), eager_out.float(), atol=0, rtol=2 ** -7) and torch.allclose(lse, eager_lse)
+    dq = torch.empty(1, 2, 16, 8, dtype=torch.bfloat16)
+    torch.compile(add_pair_eager_, fullgraph=True)(dq, acc, block)
+    assert torch.equal(acc, kept) and torch.equal(dq, (acc + block.float()).bfloat16())

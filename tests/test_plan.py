@@ -552,8 +552,10 @@ def test_the_documented_plans_memory_peaks_are_what_this_torch_allocates(name, d
 
 def test_the_cost_model_holds_results_as_the_executor_does():
     """``Accumulation.of`` reads from the tasks what the executor does with them: a2a's one call is the result
-    (no copy, no buffer), an all-gather's few calls merge out and dQ in fp32 but sum dK/dV in bf16 and hand
-    them on as views, a ring accumulates everything in fp32; layer_bytes follows (bf16, Llama heads)."""
+    (no copy, no buffer), an all-gather's few calls hold out and dQ in bf16 (the one query run two calls
+    meet is merged straight into the result) and sum dK/dV in bf16, handed on as views; a ring sums dK/dV in
+    fp32. layer_bytes follows (bf16, Llama heads): nothing for a2a, the bf16 dK/dV fill for the all-gather,
+    and the old engine's result copies when every row goes ``through`` fp32."""
     import sys
 
     sys.path.insert(0, str(REPO))
@@ -565,13 +567,15 @@ def test_the_cost_model_holds_results_as_the_executor_does():
     for comm in ("a2a", "all_gather", "p2p"):
         step = rank_step(comm, 8, 32768, CAUSAL, TorchKernel(FUSED_OPS["cudnn"]), 32, 8, 128)
         held[comm] = (Accumulation.of(step.plan.tasks, step.q_rows, step.kv_rows), step)
-    assert held["a2a"][0] == Accumulation(direct=True, lone_q=True, lone_kv=True, kv_exact=True)
-    assert held["all_gather"][0] == Accumulation(direct=False, lone_q=False, lone_kv=False, kv_exact=True)
-    assert held["p2p"][0] == Accumulation(direct=False, lone_q=False, lone_kv=False, kv_exact=False)
+    assert held["a2a"][0] == Accumulation(lone_kv=True, kv_exact=True)
+    assert held["all_gather"][0] == Accumulation(lone_kv=False, kv_exact=True)
+    assert held["p2p"][0] == Accumulation(lone_kv=False, kv_exact=False)
     assert held["all_gather"][1].plan.kv_sums_exact and not held["p2p"][1].plan.kv_sums_exact
     a2a, step = held["a2a"]
     assert layer_bytes(shape, step.heads, step.kv_heads, step.q_rows, step.kv_rows, a2a) == 0
     gathered, step = held["all_gather"]
     kv = step.kv_rows * step.kv_heads * 256  # dK and dV of every key row, elements
     qo = step.q_rows * step.heads * 256      # out and dQ
-    assert layer_bytes(shape, step.heads, step.kv_heads, step.q_rows, step.kv_rows, gathered) == qo * 6 + kv * 2
+    assert layer_bytes(shape, step.heads, step.kv_heads, step.q_rows, step.kv_rows, gathered) == kv * 2
+    old = Accumulation(lone_kv=False, through=True)
+    assert layer_bytes(shape, step.heads, step.kv_heads, step.q_rows, step.kv_rows, old) == qo * 6 + kv * 10

@@ -45,7 +45,7 @@ def _lines(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-MEASURED_ENGINE = Accumulation(direct=False, lone_q=False, lone_kv=False)
+MEASURED_ENGINE = Accumulation(lone_kv=False, through=True)
 """How the engine of the shipped H200 runs (docs/gpu, 2026-11-25) held every plan's results: in fp32
 accumulators, with result copies; a single-call plan's direct results came after them, so the fit prices
 the steps that were measured."""

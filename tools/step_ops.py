@@ -7,10 +7,10 @@ op, and every aten op the executor dispatches is recorded by a ``TorchDispatchMo
 - attention ops (``_scaled_dot_product_*``) are counted apart, as calls;
 - ops that launch no kernel are not counted: views (``narrow``, ``permute``, ``reshape`` of a view, ...)
   and allocations (``empty``, ``empty_strided``);
-- a fused region (``merge.merge_``, ``merge.add_kv_``, compiled on a GPU) counts as the kernels the H200
-  profile shows it launching (``FUSED``: the merge is two, its output and its lse; the dK/dV add one),
-  whatever eager ops it runs here; its bytes are its operands' sizes (each read once, the accumulator
-  written once);
+- a fused region (``merge.merge_pair_``, ``merge.add_pair_``, ``merge.add_kv_``, compiled on a GPU) counts as
+  the kernels the H200 profile shows it launching (``FUSED``: the merge is two, its output and its lse;
+  the adds one), whatever eager ops it runs here; its bytes are its operands' sizes (each read or
+  written once, an accumulator it adds into both);
 - every other op counts as one kernel; its bytes are the tensors it reads plus the tensors it writes
   (``copy_``/``fill_`` read only their source).
 
@@ -51,11 +51,12 @@ NO_KERNEL = frozenset({
     "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh", "flip_view",
 })
 WRITE_ONLY_FIRST = frozenset({"copy_", "fill_", "zero_"})
-FUSED = {"merge_": 2, "add_kv_": 1, "copy_kv_": 1}
-"""Kernels each compiled region launches on a GPU (torch.profiler on an H200, torch 2.11,
-docs/gpu/h200_run2_profile.jsonl: ``triton_poi_fused_..._mul`` + ``..._sub_1`` per merge, one per add; the
-dK/dV first write, the same two column writes as the add, is taken as one too: not yet profiled)."""
-FIRST_WRITES = frozenset({"copy_kv_"})
+FUSED = {"merge_pair_": (2, True), "add_pair_": (1, True), "add_kv_": (1, False), "copy_kv_": (1, True)}
+"""Per compiled region: the kernels it launches on a GPU, and whether its destinations are only written
+(else the first operand is read and written). torch.profiler on an H200, torch 2.11,
+docs/gpu/h200_run2_profile.jsonl: the merge is ``triton_poi_fused_..._mul`` + ``..._sub_1`` (its out and its
+lse), the dK/dV add one kernel. The dQ sum of two blocks and the dK/dV first write are pointwise regions
+of one output each, taken as one kernel too: not yet profiled."""
 
 
 def _nbytes(x) -> int:
@@ -109,9 +110,8 @@ def counting() -> Iterator[_Counter]:
 
     def fused(name, region):
         def run(*args):
-            # accumulator read (not by a first write) and written, every other operand read once
-            read = sum(map(_nbytes, args[1:] if name in FIRST_WRITES else args))
-            counter.tally.add(name, read + _nbytes(args[0]), FUSED[name])
+            kernels, write_only = FUSED[name]  # every operand moved once; an accumulator read too
+            counter.tally.add(name, sum(map(_nbytes, args)) + (0 if write_only else _nbytes(args[0])), kernels)
             counter.suspended += 1
             try:
                 region.eager(*args)

@@ -1,7 +1,8 @@
 """The one ring executor: walk a rotation, run each step's block tasks, merge into (out, lse).
 
-Forward: every task's ``(out, lse)`` goes into fp32 accumulators (fp64 for fp64 input) allocated once
-per call — copied where its query rows are written for the first time, merged otherwise. Backward
+Forward: every task's ``(out, lse)`` is written, held or merged as its query rows need
+(``results.ResultPlan``): rows one block writes are that block's, rows more blocks meet are merged in
+fp32 (fp64 for fp64 input) and rounded once into the result. Backward
 re-walks the same rotation and recomputes each block from the saved final ``(out, lse)`` (no O(s^2)
 state), sending dK/dV home through the rotation. Every scheme (p2p, a2a, all_gather, hierarchical)
 runs through this loop with a different rotation. Kernels read ``[b, h, s, d]`` views of the
@@ -18,82 +19,46 @@ from typing import Optional, Sequence
 import torch
 
 from ..kernels import Dropout, Kernel, accum_dtype, finite_lse_for_backward
-from ..merge import add_sink_, merge_, sink_grad
+from ..merge import add_pair_, add_sink_, merge_, merge_pair_, sink_grad
 from ..schedule import BlockTask
 from .. import trace
+from .results import FIRST, HOLD, LAST, MERGE, OWN, PAIR, PAIR_LAST, Piece, ResultPlan, most_blocks_per_key
 from .rotation import Rotation, rows_of
-
-
-def first_writes(tasks: Sequence[Sequence[BlockTask]]) -> tuple[tuple[bool, ...], ...]:
-    """Per step and task: True when no earlier task wrote any of its query rows (copy, not merge)."""
-    written: list[tuple[int, int]] = []
-    flags = []
-    for step in tasks:
-        row = []
-        for t in step:
-            row.append(all(t.q[1] <= a or b <= t.q[0] for a, b in written))
-            written.append(t.q)
-        flags.append(tuple(row))
-    return tuple(flags)
-
-
-def first_writes_cover(tasks: Sequence[Sequence[BlockTask]], first: Sequence[Sequence[bool]], rows: int) -> bool:
-    """Whether the first-write tasks alone cover all ``rows`` local rows, so every row is copied into
-    before anything merges into it and the accumulators need no initial fill."""
-    seen = [False] * rows
-    for step, flags in zip(tasks, first):
-        for t, is_first in zip(step, flags):
-            if is_first:
-                seen[t.q[0]:t.q[1]] = [True] * (t.q[1] - t.q[0])
-    return all(seen)
-
-
-def most_blocks_per_key(tasks: Sequence[Sequence[BlockTask]]) -> int:
-    """The most tasks of one step that read the same key row: how many block dK/dV a row's sum adds here."""
-    most = 0
-    for step in tasks:
-        edges = sorted([(t.kv[0], 1) for t in step] + [(t.kv[1], -1) for t in step])
-        depth = 0
-        for _, d in edges:  # an end sorts before a start at the same row: touching ranges do not overlap
-            depth += d
-            most = max(most, depth)
-    return most
 
 
 @dataclass(frozen=True)
 class RingPlan:
     """What one member executes: its tasks per ring step, how shards arrive, and the kernel.
 
-    ``first``, ``covered`` and ``kv_sums_exact`` are derived from ``tasks`` once (``RingPlan.build``).
-    ``merges``: some query row meets more than one block. Without merges (a ring of one running one call,
-    or disjoint query runs) every row's result is one block's, so ``out`` and dQ are written straight in
-    the inputs' dtype (no fp32 round trip, no final copy where the kernel's output is already token-major).
-    ``kv_sums_exact``: every dK/dV sum is complete on this member (``rotation.complete_sums``) and adds at
-    most two blocks, so summing in the inputs' half precision rounds exactly as fp32 then one cast would
-    (two bf16 numbers add exactly in fp32 arithmetic before the one rounding): the all-gather's plans, whose
-    fp32 dK/dV buffer over the whole sequence was the largest thing they held."""
+    ``results`` (how each call's query rows are written, summed or held: ``results.ResultPlan``; the forward
+    with a sink uses ``sink_results``, every row through fp32) and ``kv_sums_exact`` are derived from ``tasks``
+    once (``RingPlan.build``). ``kv_sums_exact``: every dK/dV sum is complete on this member
+    (``rotation.complete_sums``) and adds at most two blocks, so summing in the inputs' half precision rounds
+    exactly as fp32 then one cast would (two bf16 numbers add exactly in fp32 arithmetic before the one
+    rounding): the all-gather's plans, whose fp32 dK/dV buffer over the whole sequence was the largest
+    thing they held."""
 
     tasks: Sequence[Sequence[BlockTask]]
     rotation: Rotation
     kernel: Kernel
     scale: float
-    first: tuple[tuple[bool, ...], ...]
-    covered: bool
+    results: ResultPlan
+    sink_results: ResultPlan
     dropout_p: float = 0.0
     dropout_seed: Optional[int] = None  # already distinct per rank; mixed with step and task here
     kv_sums_exact: bool = False
 
     @property
     def merges(self) -> bool:
-        return not all(all(step) for step in self.first)
+        """Some query row meets more than one block."""
+        return self.results.merges
 
     @classmethod
     def build(cls, tasks, rotation, kernel: Kernel, scale: float, rows: int, dropout_p: float = 0.0,
               dropout_seed: Optional[int] = None) -> "RingPlan":
-        first = first_writes(tasks)
         exact = rotation.complete_sums and most_blocks_per_key(tasks) <= 2
-        return cls(tasks, rotation, kernel, scale, first, first_writes_cover(tasks, first, rows), dropout_p,
-                   dropout_seed, exact)
+        return cls(tasks, rotation, kernel, scale, ResultPlan.build(tasks, rows),
+                   ResultPlan.build(tasks, rows, through=True), dropout_p, dropout_seed, exact)
 
     def with_dropout_seed(self, seed: Optional[int]) -> "RingPlan":
         return dataclasses.replace(self, dropout_seed=seed)
@@ -181,51 +146,126 @@ class _BackwardLse:
         return self.spans[span]
 
 
+class _Sums:
+    """One pass's result, its accumulator rows and the first blocks it holds (``results.ResultPlan``).
+
+    ``out``: the result ``[b, h, s, d]`` in ``dtype``: the first call's own output when the plan adopts it
+    and it is token-major (no buffer, no copy), else a token-major buffer made at the first write. ``acc``:
+    the accumulator-dtype rows ``plan.accumulator`` (starting at row ``base``), made at the first sum; the
+    result itself when ``dtype`` is the accumulator dtype (fp32 and fp64 inputs, or every row through fp32).
+    ``held``: block outputs whose rows a later call reads, until it has."""
+
+    def __init__(self, plan: ResultPlan, like: torch.Tensor, shape: tuple, dtype: torch.dtype,
+                 acc_dtype: torch.dtype):
+        self.plan, self.like, self.shape, self.dtype, self.acc_dtype = plan, like, shape, dtype, acc_dtype
+        self.started = False
+        self.out: Optional[torch.Tensor] = None
+        self.acc: Optional[torch.Tensor] = None
+        self.base = 0
+        self.held: dict[tuple[int, int], tuple[int, tuple[torch.Tensor, ...]]] = {}
+
+    def start(self, first: torch.Tensor) -> None:
+        """At the first call (``first``: its output): adopt it as the result where the plan says so."""
+        self.started = True
+        if self.plan.adopt_first and first.dtype == self.dtype and _token_major(first) is not None:
+            self.out = first
+
+    def result(self, rows: Optional[tuple[int, int]] = None) -> torch.Tensor:
+        """The result's rows ``rows`` (all of it for None), made zeroed where some row is never written."""
+        if self.out is None:
+            self.out = _accumulator(self.like, self.shape, self.dtype, 0.0, self.plan.covered and self.started)
+        return self.out if rows is None else rows_of(self.out, rows)
+
+    def sum(self, rows: tuple[int, int]) -> torch.Tensor:
+        if self.acc is None:
+            span = self.plan.accumulator
+            if span is None or self.dtype == self.acc_dtype:
+                self.acc = self.result()
+            else:
+                b, h, _, d = self.shape
+                self.acc = _accumulator(self.like, (b, h, span[1] - span[0], d), self.acc_dtype, 0.0, True)
+                self.base = span[0]
+        return rows_of(self.acc, (rows[0] - self.base, rows[1] - self.base))
+
+    def held_rows(self, key: tuple[int, int], rows: tuple[int, int]) -> tuple[torch.Tensor, ...]:
+        q0, blocks = self.held[key]
+        return tuple(rows_of(x, (rows[0] - q0, rows[1] - q0)) for x in blocks)
+
+    def after(self, step: int, task: int, q0: int, *blocks: torch.Tensor) -> None:
+        """Hold this call's outputs if a later call reads them; drop what no later call reads."""
+        if self.plan.holds(step, task):
+            self.held[(step, task)] = (q0, blocks)
+        for key in self.plan.releases[step][task]:
+            del self.held[key]
+
+
+def _forward_piece(p: Piece, q0: int, o: torch.Tensor, l: torch.Tensor, sums: _Sums, lse: torch.Tensor) -> None:
+    """What one call's output does on rows ``p.rows`` (``results``: write, hold, merge)."""
+    src = (p.rows[0] - q0, p.rows[1] - q0)
+    bo, bl, lse_rows = rows_of(o, src), rows_of(l, src), rows_of(lse, p.rows)
+    if p.role in (OWN, FIRST):  # FIRST: every row goes through fp32, where the result is the accumulator
+        if o is not sums.out:
+            _copy_(sums.result(p.rows), bo)
+        if l is not lse:
+            _copy_(lse_rows, bl)
+    elif p.role in (PAIR, PAIR_LAST):
+        ho, hl = sums.held_rows(p.held, p.rows)
+        merge_pair_(sums.sum(p.rows) if p.role == PAIR else sums.result(p.rows), lse_rows, ho, hl, bo, bl)
+    elif p.role == MERGE:
+        merge_(sums.sum(p.rows), lse_rows, bo, bl)
+    elif p.role == LAST:
+        merge_pair_(sums.result(p.rows), lse_rows, sums.sum(p.rows), lse_rows, bo, bl)
+    # HOLD: the rows stay where the call left them until the next block that meets them
+
+
+def _backward_piece(p: Piece, q0: int, gq: torch.Tensor, sums: _Sums) -> None:
+    """What one call's dQ does on rows ``p.rows``: the additive twin of ``_forward_piece``."""
+    bg = rows_of(gq, (p.rows[0] - q0, p.rows[1] - q0))
+    if p.role == OWN:
+        if gq is not sums.out:
+            _copy_(sums.result(p.rows), bg)
+    elif p.role in (PAIR, PAIR_LAST):
+        add_pair_(sums.sum(p.rows) if p.role == PAIR else sums.result(p.rows), *sums.held_rows(p.held, p.rows), bg)
+    elif p.role == MERGE:
+        sums.sum(p.rows).add_(bg)
+    elif p.role == LAST:
+        add_pair_(sums.result(p.rows), sums.sum(p.rows), bg)
+
+
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan,
                  sink: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``q [sq, b, h, dqk]``, ``k [sk, b, h_kv, dqk]``, ``v [sk, b, h_kv, dv]`` -> ``out [sq, b, h, dv]``
     (q's dtype) and ``lse [b, h, sq]`` (accumulator dtype). ``sink [h]``: a per-head attention sink
     (softmax offset), merged once into the final result (``merge.add_sink_``).
 
-    Work outside the attention calls: a first write copies a block's ``out`` into the fp32 accumulator
-    (its ``lse`` is adopted as the accumulator when it covers every row), every later block is one
-    fused merge, and the result is one copy into ``[s, b, h, dv]``. A plan without merges (and no sink)
-    writes ``out`` in q's dtype: one copy per block, none for one token-major block over every row."""
+    Work outside the attention calls (``results``): rows one block writes take its output as it is (one
+    copy, none where the first call covers every row: its output is the result); a row two blocks meet is
+    one fused merge into the result; a row more blocks meet is merged in an fp32 accumulator over just those
+    rows, the last merge writing the result. ``lse`` is the first call's own when it covers every row. With
+    a sink every row goes through fp32 and one copy writes the result after the sink's merge."""
     qb = _bhsd(q)
     acc = accum_dtype(q.dtype)
     b, h, sq, _ = qb.shape
-    direct = not plan.merges and sink is None  # every row is one block's: no accumulation, no rounding
-    shape, dtype = (b, h, sq, v.shape[-1]), q.dtype if direct else acc
-    out: Optional[torch.Tensor] = None
+    held = plan.results if sink is None else plan.sink_results
+    sums = _Sums(held, qb, (b, h, sq, v.shape[-1]), acc if held.through else q.dtype, acc)
     lse: Optional[torch.Tensor] = None
     for step, kb, vb in plan.rotation.blocks(_bhsd(k), _bhsd(v)):
         t0 = trace.now()
         for i, t in enumerate(plan.tasks[step]):
             o, l = plan.kernel.forward(rows_of(qb, t.q), rows_of(kb, t.kv), rows_of(vb, t.kv), t.mask, plan.scale,
                                        plan.dropout(step, i))
-            if lse is None and plan.first[step][i] and _adopt_lse(l, sq, acc):  # a first block over every row
-                lse = l
-                if direct and o.dtype == q.dtype and _token_major(o) is not None:
-                    out = o  # the one block over every row is the result
-                else:
-                    out = _accumulator(qb, shape, dtype, 0.0, True)
-                    _copy_(out, o)
-                continue
-            if out is None:
-                out = _accumulator(qb, shape, dtype, 0.0, plan.covered)
             if lse is None:
-                lse = _accumulator(qb, (b, h, sq), acc, float("-inf"), plan.covered)
-            if plan.first[step][i]:
-                _copy_(rows_of(out, t.q), o)
-                _copy_(rows_of(lse, t.q), l)
-            else:
-                merge_(rows_of(out, t.q), rows_of(lse, t.q), o, l)
+                sums.start(o)
+                lse = l if _adopt_lse(l, sq, acc) else _accumulator(qb, (b, h, sq), acc, float("-inf"), held.covered)
+            for p in held.pieces[step][i]:
+                _forward_piece(p, t.q[0], o, l, sums, lse)
+            sums.after(step, i, t.q[0], o, l)
         trace.record("forward_compute", step, t0)
     if lse is None:  # no task at all (every row masked): zeros, lse -inf
-        out, lse = _accumulator(qb, shape, dtype, 0.0, False), qb.new_full((b, h, sq), float("-inf"), dtype=acc)
+        lse = qb.new_full((b, h, sq), float("-inf"), dtype=acc)
     if sink is not None:
-        add_sink_(out, lse, sink)
-    return _sbhd(out, q.dtype), lse
+        add_sink_(sums.result(), lse, sink)
+    return _sbhd(sums.result(), q.dtype), lse
 
 
 def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -235,17 +275,15 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     its dK/dV travel home through the rotation. With a sink, ``out``/``lse`` already include it, so each
     block's probabilities are the sink-normalised ones and no block needs to know about it.
 
-    Work outside the attention calls: one kernel per distinct query span for the blocks' ``lse``, one
-    per block for dQ (a copy on a first write, else an add) and one per block for dK/dV (``Gradients.add``),
-    and one copy each for the ``[s, b, h, d]`` results. Without merges dQ is written in q's dtype (none
-    for one token-major block over every row), and a gradient walk may hand a lone block's dK/dV back
-    as they are (``LocalGradients``)."""
+    Work outside the attention calls: one kernel per distinct query span for the blocks' ``lse``; dQ held
+    as the forward holds ``out`` (``results``: the first call's dQ is the result when it covers every row,
+    two blocks are one fused add into it, more are summed in fp32 over just their rows, the last add
+    writing the result); one kernel per block for dK/dV (``Gradients.add``), which a gradient walk may hand
+    back as a lone block gave them (``LocalGradients``)."""
     dout = _contiguous(dout.to(q.dtype))
     qb, ob, dob = _bhsd(q), _bhsd(out), _bhsd(dout)
     block_lse = _BackwardLse(lse)
-    acc = accum_dtype(q.dtype)
-    direct = not plan.merges
-    dq: Optional[torch.Tensor] = None
+    sums = _Sums(plan.results, qb, tuple(qb.shape), q.dtype, accum_dtype(q.dtype))
     kb_all, vb_all = _bhsd(k), _bhsd(v)
     grads = plan.rotation.gradients(kb_all, vb_all, plan.kv_dtype(k.dtype))
     for step, kb, vb in grads.blocks(kb_all, vb_all):
@@ -254,25 +292,18 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
             gq, gk, gv = plan.kernel.backward(rows_of(dob, t.q), rows_of(qb, t.q), rows_of(kb, t.kv),
                                               rows_of(vb, t.kv), rows_of(ob, t.q), block_lse.rows(t.q), t.mask,
                                               plan.scale, plan.dropout(step, i))
-            if direct and t.q == (0, qb.shape[2]) and gq.dtype == q.dtype and _token_major(gq) is not None:
-                dq = gq  # the one block over every row is the result
-                grads.add(step, t.kv, gk, gv)
-                continue
-            if dq is None:
-                dq = _accumulator(qb, tuple(qb.shape), q.dtype if direct else acc, 0.0, plan.covered)
-            if plan.first[step][i]:
-                _copy_(rows_of(dq, t.q), gq)
-            else:
-                rows_of(dq, t.q).add_(gq)
+            if not sums.started:
+                sums.start(gq)
+            for p in plan.results.pieces[step][i]:
+                _backward_piece(p, t.q[0], gq, sums)
+            sums.after(step, i, t.q[0], gq)
             grads.add(step, t.kv, gk, gv)
         trace.record("backward_compute", step, t0)
         grads.done(step)
         del kb, vb  # the walk frees a shard's message once it is sent, not when the next one arrives
-    if dq is None:  # no task at all: no gradient reaches q
-        dq = _accumulator(qb, tuple(qb.shape), q.dtype, 0.0, False)
     dk, dv = grads.result()
     dsink = None if sink is None else sink_grad(dob, ob, finite_lse_for_backward(lse), sink).to(sink.dtype)
-    return _sbhd(dq, q.dtype), _sbhd_view(dk, k.dtype), _sbhd_view(dv, v.dtype), dsink
+    return _sbhd(sums.result(), q.dtype), _sbhd_view(dk, k.dtype), _sbhd_view(dv, v.dtype), dsink
 
 
 class RingAttention(torch.autograd.Function):

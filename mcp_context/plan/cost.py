@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..algorithms.executor import first_writes, most_blocks_per_key
+from ..algorithms.results import FIRST, HOLD, LAST, MERGE, OWN, PAIR, PAIR_LAST, Piece, ResultPlan, most_blocks_per_key
 from ..schedule import BlockTask
 from .dryrun import RankShape, RankTraffic
 from .profiles import MachineProfile
@@ -70,65 +70,71 @@ def call_seconds(profile: MachineProfile, task: BlockTask, flops_per_pair: float
 
 @dataclass(frozen=True)
 class Accumulation:
-    """How the executor holds a plan's results (``algorithms/executor.py``, ``rotation.LocalGradients``).
+    """How the executor holds a plan's results (``algorithms/results.py``, ``rotation.LocalGradients``).
 
-    ``direct``: no query row meets two blocks (``RingPlan.merges`` is false), so out and dQ are written in
-    the inputs' dtype, with no fp32 accumulator and no result copy; ``lone_q``: one block covers every query
-    row, whose own out and dQ are the results; ``lone_kv``: one block covers every key row of a ring of one,
-    whose own dK/dV are the results (no buffer, fill, add or copy); ``kv_exact``: dK/dV are summed in the
-    inputs' half dtype (``RingPlan.kv_sums_exact``: a ring of one, at most two blocks a key row) and handed
-    on as views of that buffer, with no result copy. A sink turns ``direct`` off in the executor's forward;
-    the model leaves that out."""
+    Out and dQ follow the plan's ``ResultPlan``: rows one block writes are its output (none moved where the
+    first call covers every row), rows more blocks meet are merged, in fp32 only where three or more do.
+    ``through``: every row goes through an fp32 accumulator with a copy at each end, the way the engine
+    measured on the H200 held every plan (``tools/calibrate_profile.MEASURED_ENGINE``; today's executor does
+    so only in a forward with a sink, which the model leaves out). ``lone_kv``: one block covers every key
+    row of a ring of one, whose own dK/dV are the results (no buffer, fill, add or copy); ``kv_exact``: dK/dV
+    are summed in the inputs' half dtype (``RingPlan.kv_sums_exact``: a ring of one, at most two blocks a key
+    row) and handed on as views of that buffer, with no result copy."""
 
-    direct: bool
-    lone_q: bool
     lone_kv: bool
     kv_exact: bool = False
+    through: bool = False
 
     @classmethod
     def of(cls, tasks: Sequence[Sequence[BlockTask]], q_rows: int, kv_rows: int) -> "Accumulation":
         flat = [task for step in tasks for task in step]
-        direct = all(all(step) for step in first_writes(tasks))
-        one = len(flat) == 1
-        return cls(direct, direct and one and flat[0].q == (0, q_rows),
-                   len(tasks) == 1 and one and flat[0].kv == (0, kv_rows),
+        return cls(len(tasks) == 1 and len(flat) == 1 and flat[0].kv == (0, kv_rows),
                    len(tasks) == 1 and most_blocks_per_key(tasks) <= 2)
 
+    def results(self, tasks: Sequence[Sequence[BlockTask]], q_rows: int) -> ResultPlan:
+        return ResultPlan.build(tasks, q_rows, through=self.through)
 
-def task_bytes(task: BlockTask, first: bool, shape: RankShape, heads: int, kv_heads: int,
-               accumulation: Accumulation) -> tuple[int, int]:
-    """``(forward, backward)`` bytes the executor moves around one task's call: the output's first copy into
-    the fp32 accumulator (read the block, write fp32; in the inputs' dtype for a ``direct`` plan, nothing
-    for a lone block) or its merge (read and write fp32, read the block), and backward the same for dQ,
-    plus the fused dK/dV add (read and write fp32, or the inputs' dtype for ``kv_exact``, read the block;
-    nothing for a lone block)."""
+
+# Bytes a role moves per row, head and column of out (forward) or dQ (backward), as (reads + writes) in
+# units of the inputs' element size ``e`` and the accumulator's ``a``: ``(e, a)`` coefficients. OWN on the
+# first call's rows, when that call covers every row, moves nothing (its output is the result).
+_OUT_BYTES = {OWN: (2, 0), HOLD: (0, 0), FIRST: (1, 1), PAIR: (2, 1), PAIR_LAST: (3, 0), MERGE: (1, 2),
+              LAST: (2, 1)}
+_LSE_READS_WRITES = {OWN: 2, HOLD: 0, FIRST: 2, PAIR: 3, PAIR_LAST: 3, MERGE: 3, LAST: 3}
+
+
+def task_bytes(task: BlockTask, pieces: Sequence[Piece], adopted: bool, shape: RankShape, heads: int,
+               kv_heads: int, accumulation: Accumulation) -> tuple[int, int]:
+    """``(forward, backward)`` bytes the executor moves around one task's call: for each of its row pieces
+    (``results.Piece``) the out and dQ work of its role (``_OUT_BYTES``; the ``lse`` rows forward), nothing
+    for the first call's rows when its output is the result (``adopted``), plus the fused dK/dV add (read
+    and write fp32, or the inputs' dtype for ``kv_exact``, read the block; nothing for a lone block)."""
     e = shape.dtype.itemsize
     acc = 8 if e == 8 else 4
     kv_acc = e if accumulation.kv_exact else acc
-    rows, keys = task.q[1] - task.q[0], task.kv[1] - task.kv[0]
-    if accumulation.lone_q:
-        per = 0
-    elif accumulation.direct:
-        per = 2 * e
-    else:
-        per = (e + acc) if first else (e + 2 * acc)
-    forward = shape.batch * rows * heads * (shape.dv * per + (0 if accumulation.lone_q else 3 * acc))
+    keys = task.kv[1] - task.kv[0]
+    forward = backward = 0
+    for p in pieces:
+        if adopted and p.role in (OWN, FIRST, HOLD) and (e == acc or not accumulation.through):
+            continue
+        rows = shape.batch * (p.rows[1] - p.rows[0]) * heads
+        ce, ca = _OUT_BYTES[p.role]
+        forward += rows * (shape.dv * (ce * e + ca * acc) + _LSE_READS_WRITES[p.role] * acc)
+        backward += rows * shape.head_dim * (ce * e + ca * acc)
     dkv = 0 if accumulation.lone_kv else keys * kv_heads * (shape.head_dim + shape.dv) * (e + 2 * kv_acc)
-    backward = shape.batch * (rows * heads * shape.head_dim * per + dkv)
-    return forward, backward
+    return forward, backward + shape.batch * dkv
 
 
 def layer_bytes(shape: RankShape, heads: int, kv_heads: int, q_rows: int, kv_rows: int,
                 accumulation: Accumulation) -> int:
-    """Bytes of a layer's work outside the steps: the out and dQ result copies (read fp32, write the inputs'
-    dtype; none for a ``direct`` plan or an accumulator in the inputs' dtype), the dK and dV result copies
-    (none for ``kv_exact`` or fp32 inputs: views) and the fill of the dK/dV buffer (none for a lone block)."""
+    """Bytes of a layer's work outside the steps: the out and dQ result copies (only ``through`` an fp32
+    accumulator: read fp32, write the inputs' dtype), the dK and dV result copies (none for ``kv_exact`` or
+    fp32 inputs: views) and the fill of the dK/dV buffer (none for a lone block)."""
     e = shape.dtype.itemsize
     acc = 8 if e == 8 else 4
     kv_acc = e if accumulation.kv_exact else acc
     kv = 0 if accumulation.lone_kv else shape.batch * kv_rows * kv_heads * (shape.head_dim + shape.dv)
-    # an accumulator already in the inputs' dtype (fp32 or fp64 inputs) is handed on as it is: no copy
-    copied = not accumulation.direct and acc != e
+    copied = accumulation.through and acc != e
     qo = shape.batch * q_rows * heads * (shape.dv + shape.head_dim) * (acc + e) if copied else 0
     return qo + (0 if kv_acc == e else kv * (kv_acc + e)) + kv * kv_acc
 
@@ -210,11 +216,15 @@ def step_compute(traffics: Sequence[RankTraffic], shape: RankShape, a2a_degree: 
     fwd, bwd = [0.0] * steps, [0.0] * steps
     for tr in traffics:
         held = accumulation or Accumulation.of(tr.tasks, tr.q_rows, tr.kv_rows)
-        for t, (tasks, firsts) in enumerate(zip(tr.tasks, first_writes(tr.tasks))):
+        results = held.results(tr.tasks, tr.q_rows)
+        first = next(((t, i) for t, tasks in enumerate(tr.tasks) for i, task in enumerate(tasks)
+                      if task.q[0] < task.q[1]), None)
+        for t, tasks in enumerate(tr.tasks):
             f = b = 0.0
-            for task, first in zip(tasks, firsts):
+            for i, task in enumerate(tasks):
                 cf, cb = call_seconds(profile, task, per_pair)
-                bf, bb = task_bytes(task, first, shape, heads, kv_heads, held)
+                adopted = results.adopt_first and (t, i) == first
+                bf, bb = task_bytes(task, results.pieces[t][i], adopted, shape, heads, kv_heads, held)
                 f, b = f + cf + bf / bandwidth, b + cb + bb / bandwidth
             fwd[t], bwd[t] = max(fwd[t], f), max(bwd[t], b)
     return fwd, bwd

@@ -1,0 +1,120 @@
+"""How a member holds its results (``algorithms/results.py``): the roles each call plays on its query rows,
+and the executor's results through every role against an fp64 reference, forward and gradients.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcp_context.algorithms.executor import RingAttention, RingPlan
+from mcp_context.algorithms.results import (FIRST, HOLD, LAST, MERGE, OWN, PAIR, PAIR_LAST, Piece,
+                                            ResultPlan)
+from mcp_context.algorithms.rotation import LocalRotation
+from mcp_context.kernels.torch_sdpa import cpu_flash_kernel
+from mcp_context.masks import CAUSAL
+from mcp_context.schedule import BlockTask
+from tools.rank_step import rank_step
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _roles(plan: ResultPlan) -> list[list[list[tuple]]]:
+    return [[[(p.rows, p.role) for p in task] for task in step] for step in plan.pieces]
+
+
+def test_a_zigzag_member_keeps_its_step_0_output_and_sums_in_fp32_only_what_more_blocks_meet():
+    """P = 8, 32K, rank 0: the step-0 call covers both chunks, its first chunk is no other block's (OWN, so
+    its output is the result), the second chunk meets all 8 blocks (held, paired, merged, last). Rank 3:
+    the first chunk meets 4 blocks and finishes at step 3; no row is the step-0 call's alone, so it is not
+    kept as the result and is released at the pair that reads it."""
+    kernel = cpu_flash_kernel()
+    zero = rank_step("p2p", 8, 32768, CAUSAL, kernel, 32, 8, 128, rank=0).plan.results
+    half, full = (2048, 4096), (0, 4096)
+    assert _roles(zero) == [[[((0, 2048), OWN), (half, HOLD)]], [[(half, PAIR)]]] + [[[(half, MERGE)]]] * 5 + [
+        [[(half, LAST)]]]
+    assert zero.adopt_first and zero.accumulator == half and zero.covered and zero.merges
+    assert zero.pieces[1][0][0].held == (0, 0) and zero.releases[1][0] == ((0, 0),)
+    three = rank_step("p2p", 8, 32768, CAUSAL, kernel, 32, 8, 128, rank=3).plan.results
+    assert _roles(three)[:4] == [[[(full, HOLD)]], [[(full, PAIR)]], [[(full, MERGE)]],
+                                 [[((0, 2048), LAST), (half, MERGE)]]]
+    assert _roles(three)[7] == [[(half, LAST)]] and not three.adopt_first and three.accumulator == full
+
+
+def test_an_all_gathers_calls_merge_once_into_the_result_with_no_fp32_buffer():
+    """all_gather, rank 0: the first chunk's causal call is its rows' only block; the second chunk meets two
+    calls (its prefix and its diagonal), so the second merges straight into the result (PAIR_LAST) and no
+    row needs an fp32 accumulator."""
+    plan = rank_step("all_gather", 8, 32768, CAUSAL, cpu_flash_kernel(), 32, 8, 128).plan.results
+    assert _roles(plan) == [[[((0, 2048), OWN)], [((2048, 4096), HOLD)], [((2048, 4096), PAIR_LAST)]]]
+    assert plan.accumulator is None and not plan.adopt_first
+
+
+def test_through_sends_every_row_through_one_fp32_accumulator():
+    tasks = [[BlockTask((0, 8), (0, 8)), BlockTask((4, 12), (8, 16))]]
+    plan = ResultPlan.build(tasks, 16, through=True)
+    assert _roles(plan) == [[[((0, 8), FIRST)], [((4, 8), MERGE), ((8, 12), FIRST)]]]
+    assert plan.accumulator == (0, 16) and not plan.covered and plan.through
+
+
+# Two steps of a ring of two on one device (member 0: keys 0-31 at step 0, 32-63 at step 1), calls whose query
+# runs overlap every way: rows met by 2, 3 and 4 blocks, rows one call writes, rows nobody writes (60-63), a
+# first call that is not over every row, and holders read across steps.
+ROWS = 64
+TASKS = [
+    [BlockTask((0, 40), (0, 16)), BlockTask((16, 60), (16, 32))],
+    [BlockTask((8, 24), (0, 16)), BlockTask((0, 56), (16, 32))],
+]
+
+
+def test_mixed_overlaps_get_every_role_and_each_holder_is_released_at_its_last_reader():
+    plan = ResultPlan.build(TASKS, ROWS)
+    # rows 0-7: 2 blocks; 8-15: 3; 16-23: 4; 24-39: 3; 40-55: 2 (the first held by the second call); 56-59: 1
+    assert _roles(plan) == [
+        [[((0, 40), HOLD)], [((16, 40), PAIR), ((40, 56), HOLD), ((56, 60), OWN)]],
+        [[((8, 16), PAIR), ((16, 24), MERGE)], [((0, 8), PAIR_LAST), ((8, 40), LAST), ((40, 56), PAIR_LAST)]],
+    ]
+    assert plan.pieces[0][1][0] == Piece((16, 40), PAIR, (0, 0)) and plan.pieces[1][1][2].held == (0, 1)
+    assert plan.releases == (((), ()), ((), ((0, 0), (0, 1))))
+    assert plan.accumulator == (8, 40) and not plan.covered and not plan.adopt_first
+
+
+def _reference(q, k, v, dout):
+    """Attention over the pairs ``TASKS`` make visible, in fp64 (rows that see nothing: 0), and its gradients."""
+    visible = torch.zeros(ROWS, ROWS, dtype=torch.bool)
+    for step, tasks in enumerate(TASKS):
+        for t in tasks:
+            visible[t.q[0]:t.q[1], 32 * step + t.kv[0]:32 * step + t.kv[1]] = True
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    group = q.shape[2] // k.shape[2]
+    s = torch.einsum("sbhd,tbhd->bhst", qd, kd.repeat_interleave(group, 2)) * q.shape[-1] ** -0.5
+    s = s.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0).unsqueeze(-1))
+    out = torch.einsum("bhst,tbhd->sbhd", p, vd.repeat_interleave(group, 2))
+    out.backward(dout.double())
+    return out.detach(), lse, qd.grad, kd.grad, vd.grad
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+def test_every_role_gives_exact_attention_forward_and_gradients(dtype, tol):
+    """The executor through all of the roles above equals masked attention in fp64: out, lse, dq, dk, dv,
+    within ``tol`` x max(1, |ref|) (bf16: the inputs' rounding; results rounded once)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(ROWS, 1, 4, 16, generator=g).to(dtype).requires_grad_()
+    k, v = (torch.randn(ROWS, 1, 2, 16, generator=g).to(dtype).requires_grad_() for _ in range(2))
+    dout = torch.randn(ROWS, 1, 4, 16, generator=g).to(dtype)
+    plan = RingPlan.build(TASKS, LocalRotation(0, 2), cpu_flash_kernel(), 16 ** -0.5, ROWS)
+    out, lse = RingAttention.apply(q, k, v, plan)
+    out.backward(dout)
+    ref = _reference(q, k, v, dout)
+    assert out.dtype == q.grad.dtype == dtype and lse.dtype == (torch.float64 if dtype == torch.float64 else
+                                                                torch.float32)
+    assert (out[60:] == 0).all() and (lse[..., 60:] == float("-inf")).all() and (q.grad[60:] == 0).all()
+    finite = ref[1].isfinite()
+    assert torch.equal(lse.isfinite(), finite)
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, q.grad, k.grad, v.grad), ref):
+        got, want = got.double(), want
+        if name == "lse":
+            got, want = got[finite], want[finite]
+        err = ((got - want).abs() / want.abs().clamp(min=1)).max().item()
+        assert err <= tol, (name, err)
