@@ -10,6 +10,7 @@ import torch
 from tools.bench_attention import main as bench_main
 from tools.bench_cpu import Shape
 from tools.bench_device import append_jsonl, device_benchmarks, math_block_bytes
+from tools.rank_step import HARNESS
 
 CPU = torch.device("cpu")
 
@@ -54,4 +55,6 @@ def test_bench_attention_writes_the_jsonl_and_the_json(tmp_path):
     records = _lines(tmp_path / "bench_attention_p2.jsonl")
     assert [r["part"] for r in records][0] == "machine" and records[-1]["part"] == "rank_schedule"
     summary = json.loads((tmp_path / "bench_attention_p2.json").read_text())
-    assert summary["device"][0]["rank_schedule"][0]["fwd_bwd"]["efficiency"] > 0
+    row = summary["device"][0]["rank_schedule"][0]
+    assert row["fwd_bwd"]["efficiency"] > 0
+    assert row["comm"] == "p2p" and row["harness"] == HARNESS == 2  # the ring walked over the rank's own K/V

@@ -1,5 +1,6 @@
 """Device part of ``tools/bench_attention.py``: block kernels side by side, and one rank's step of each
-scheme on one device (the other ranks' K/V laid out locally, ``tools/rank_step.py``) against two fused
+scheme on one device (a ring walked as its member walks it, the other kinds over the K/V their collectives
+deliver, laid out locally: ``tools/rank_step.py``) against two fused
 baselines: one SDPA call of equal useful FLOPs (ours, the strict one), and one at the per-rank length
 ``S / P`` (ring-flash-attention's, so our figures sit beside published ones). The transfers a scheme
 needs are not run on one GPU: their bytes and the time they take at stated link rates (``LINKS_GBPS``)
@@ -202,18 +203,19 @@ def _schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int) -> N
     equal useful FLOPs (ours) and one at the per-rank length ``S / P`` (ring-flash-attention's)."""
     from mcp_context.algorithms.executor import RingAttention
     from mcp_context.masks import CAUSAL
-    from tools.rank_step import rank_step, transfer_bytes
+    from tools.rank_step import HARNESS, rank_step, transfer_bytes
 
     b, h, hk, d = shape.batch, shape.heads, shape.kv_heads, shape.head_dim
     world, comm = row["world_size"], row["comm"]
     inner = 2 if world % 2 == 0 else 1
     step = rank_step(comm, world, shape.seq_len, CAUSAL, kernel, h, hk, d, inner)
+    plan, kv_rows = step.walked()  # a ring as its member walks it: its own K/V, messages, no all-member buffer
     pairs = step.useful_pairs
     s_eq, s_rank = _equal_len(pairs * step.heads // h), shape.seq_len // world
     row.update(sizes=list(step.sizes), heads_on_rank=step.heads, attention_calls=step.calls, useful_pairs=pairs,
-               equal_flops_causal_len=s_eq, per_rank_len=s_rank)
+               equal_flops_causal_len=s_eq, per_rank_len=s_rank, harness=HARNESS)
     ql = rand(step.q_rows, b, step.heads, d).requires_grad_()
-    kl, vl = (rand(step.kv_rows, b, step.kv_heads, d).requires_grad_() for _ in range(2))  # K/V as delivered
+    kl, vl = (rand(kv_rows, b, step.kv_heads, d).requires_grad_() for _ in range(2))  # K/V as the rank holds them
     do = rand(step.q_rows, b, step.heads, d)
     baselines = {}
     for name, n in (("fused", s_eq), ("fused_per_rank", s_rank)):
@@ -221,7 +223,7 @@ def _schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int) -> N
                            rand(b, hk, n, d).requires_grad_(), rand(b, h, n, d), n)
 
     def rank_step_call(backward):
-        out, _ = RingAttention.apply(ql, kl, vl, step.plan)
+        out, _ = RingAttention.apply(ql, kl, vl, plan)
         if backward:
             out.backward(do)
 

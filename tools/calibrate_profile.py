@@ -46,48 +46,52 @@ def _lines(path: str) -> list[dict]:
 
 
 MEASURED_ENGINE = Accumulation(lone_kv=False, through=True)
-"""How the engine of the shipped H200 runs (docs/gpu, 2026-11-25) held every plan's results: in fp32
-accumulators, with result copies; a single-call plan's direct results came after them, so the fit prices
-the steps that were measured."""
+"""How the engine of the shipped H200 runs (docs/gpu, 2026-11-25, ``tools/rank_step.HARNESS`` 1) held every
+plan's results: in fp32 accumulators, with result copies; a single-call plan's direct results and the
+results held as their rows need came after them, so the fit prices the steps that were measured."""
 
 
 def predicted_step(profile: MachineProfile, comm: str, seq_len: int, cp: int, heads: int, kv_heads: int,
-                   head_dim: int) -> tuple[float, int, int]:
+                   head_dim: int, harness: int = 1) -> tuple[float, int, int]:
     """``(seconds, calls, bytes)`` of one rank's fwd+bwd of ``comm`` (rank 0, batch 1, bf16), compute only,
-    as the measured engine ran it (``MEASURED_ENGINE``)."""
+    as the timed step ran (``harness``, ``tools/rank_step.HARNESS``): 1, the measured engine
+    (``MEASURED_ENGINE``) over every member's K/V; 2, today's engine over the K/V the rank holds."""
     step = rank_step(comm, cp, seq_len, CAUSAL, TorchKernel(FUSED_OPS["cudnn"]), heads, kv_heads, head_dim)
+    kv_rows = step.kv_rows if harness == 1 else step.walked()[1]
+    held = MEASURED_ENGINE if harness == 1 else Accumulation.of(step.plan.tasks, step.q_rows, kv_rows)
     shape = RankShape(seq_len, 1, step.heads, step.kv_heads, head_dim, torch.bfloat16)
-    traffic = RankTraffic(0, {}, {}, tasks=tuple(step.plan.tasks), q_rows=step.q_rows, kv_rows=step.kv_rows)
-    fwd, bwd = step_compute([traffic], shape, 1, profile, MEASURED_ENGINE)
-    extra = layer_bytes(shape, step.heads, step.kv_heads, step.q_rows, step.kv_rows, MEASURED_ENGINE)
+    traffic = RankTraffic(0, {}, {}, tasks=tuple(step.plan.tasks), q_rows=step.q_rows, kv_rows=kv_rows)
+    fwd, bwd = step_compute([traffic], shape, 1, profile, held)
+    extra = layer_bytes(shape, step.heads, step.kv_heads, step.q_rows, kv_rows, held)
     return sum(fwd) + sum(bwd) + extra / (profile.memory_bandwidth_gbps * 1e9), step.calls, extra
 
 
 def _moved_bytes(profile: MachineProfile, comm: str, seq_len: int, cp: int, heads: int, kv_heads: int,
-                 head_dim: int) -> float:
+                 head_dim: int, harness: int) -> float:
     """Bytes outside attention of one step: the time at 1 GB/s and no call overhead, in seconds = GB."""
     unit = dataclasses.replace(profile, memory_bandwidth_gbps=1.0, call_overhead_us=1e-9,
                                causal_tflops=((1.0, 1e12, 1e12),), full_tflops=((1.0, 1e12, 1e12),))
-    return predicted_step(unit, comm, seq_len, cp, heads, kv_heads, head_dim)[0] * 1e9
+    return predicted_step(unit, comm, seq_len, cp, heads, kv_heads, head_dim, harness)[0] * 1e9
 
 
 def calibrate(profile: MachineProfile, rates: list[dict], bench: dict, fit_world: int = 8
               ) -> tuple[MachineProfile, list[dict]]:
     heads, kv_heads, d = (bench["shape"][k] for k in ("heads", "kv_heads", "head_dim"))
     profiled = [r for r in rates if r["part"] == "profile"]
-    bandwidth = statistics.median(_moved_bytes(profile, r["comm"], r["seq_len"], r["cp"], heads, kv_heads, d)
-                                  / (r["other_us"] * 1e-6) / 1e9 for r in profiled)
+    bandwidth = statistics.median(_moved_bytes(profile, r["comm"], r["seq_len"], r["cp"], heads, kv_heads, d,
+                                               r.get("harness", 1)) / (r["other_us"] * 1e-6) / 1e9 for r in profiled)
     profile = dataclasses.replace(profile, memory_bandwidth_gbps=round(bandwidth), call_overhead_us=1e-9)
     steps = [(dev["seq_len"], r) for dev in bench["device"] for r in dev["rank_schedule"] if "error" not in r]
     over = []
     for seq_len, r in steps:
         if r["world_size"] == fit_world:
-            model, calls, _ = predicted_step(profile, r["comm"], seq_len, r["world_size"], heads, kv_heads, d)
+            model, calls, _ = predicted_step(profile, r["comm"], seq_len, r["world_size"], heads, kv_heads, d,
+                                             r.get("harness", 1))
             over.append((statistics.median(r["fwd_bwd"]["ours_s"]) - model) / (2 * calls) * 1e6)
     profile = dataclasses.replace(profile, call_overhead_us=round(max(statistics.median(over), 0.0), 1))
     rows = []
     for seq_len, r in steps:
-        model = predicted_step(profile, r["comm"], seq_len, r["world_size"], heads, kv_heads, d)[0]
+        model = predicted_step(profile, r["comm"], seq_len, r["world_size"], heads, kv_heads, d, r.get("harness", 1))[0]
         measured = statistics.median(r["fwd_bwd"]["ours_s"])
         rows.append({"seq_len": seq_len, "cp": r["world_size"], "comm": r["comm"], "measured_ms": measured * 1e3,
                      "predicted_ms": model * 1e3, "error": model / measured - 1})

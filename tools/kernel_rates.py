@@ -64,19 +64,20 @@ def _profile(sink, seq_len: int, cp: int, heads: int, kv_heads: int, d: int) -> 
     from torch.profiler import ProfilerActivity, profile
 
     from mcp_context.algorithms.executor import RingAttention
-    from tools.rank_step import SCHEMES, rank_step
+    from tools.rank_step import HARNESS, SCHEMES, rank_step
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
     kernel = get_kernel("auto", dev, dtype, head_dim=d)
     for comm in SCHEMES:
         step = rank_step(comm, cp, seq_len, CAUSAL, kernel, heads, kv_heads, d)
+        plan, kv_rows = step.walked()
         q = torch.randn(step.q_rows, 1, step.heads, d, device=dev, dtype=dtype, requires_grad=True)
-        k, v = (torch.randn(step.kv_rows, 1, step.kv_heads, d, device=dev, dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(kv_rows, 1, step.kv_heads, d, device=dev, dtype=dtype, requires_grad=True)
                 for _ in range(2))
         do = torch.randn_like(q)
 
-        def run():
-            out, _ = RingAttention.apply(q, k, v, step.plan)
+        def run(plan=plan):
+            out, _ = RingAttention.apply(q, k, v, plan)
             out.backward(do)
 
         for _ in range(3):  # compile and cuDNN graph builds happen here
@@ -95,7 +96,7 @@ def _profile(sink, seq_len: int, cp: int, heads: int, kv_heads: int, d: int) -> 
         names: dict[str, list] = {}
         for e in outside:
             names.setdefault(e.name[:80], []).append(e.device_time)
-        row = {"part": "profile", "comm": comm, "seq_len": seq_len, "cp": cp, "calls": step.calls,
+        row = {"part": "profile", "harness": HARNESS, "comm": comm, "seq_len": seq_len, "cp": cp, "calls": step.calls,
                "wall_ms": start.elapsed_time(end), "kernels": len(kernels), "attention_kernels": len(inside),
                "other_kernels": len(outside), "attention_us": sum(e.device_time for e in inside),
                "other_us": sum(e.device_time for e in outside),

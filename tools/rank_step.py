@@ -16,10 +16,13 @@ a2a+all_gather  h / inner        the whole sequence in position order, one step
 ==============  ===============  =========================================================
 
 The collectives themselves, and the all-to-all's reorder of rows around them, are not run: their
-time is modelled from the bytes at stated link rates (``transfer_bytes``). Where the work around the
-calls is counted rather than timed (``tools/step_ops.py``, ``tools/rehearse_memory.py``), a ring runs as
-the rank runs it, through ``RingRotation`` with transfers that move nothing (``NoWireExchange``,
-``RankStep.ring_plan``): its messages are packed, filled and handed on as on the wire.
+time is modelled from the bytes at stated link rates (``transfer_bytes``). Timed, counted or rehearsed
+(``tools/bench_device.py``, ``tools/kernel_rates.py``'s profile, ``tools/step_ops.py``,
+``tools/rehearse_memory.py``), a ring runs as the rank runs it (``RankStep.walked``): over its own shard's
+K/V, through ``RingRotation`` with transfers that move nothing (``NoWireExchange``): its messages are
+packed, received into fresh buffers (whose contents are left as allocated: a one-GPU timing reads them
+like any data) and handed on as on the wire, and its dK/dV sums travel in them, with no buffer over every
+member's rows. ``HARNESS`` names this in what the timing tools write.
 """
 from __future__ import annotations
 
@@ -40,6 +43,12 @@ from mcp_context.masks import Mask  # noqa: E402
 from mcp_context.schedule import gathered_tasks, layout_schedule, position_pieces  # noqa: E402
 
 SCHEMES = ("p2p", "all_gather", "a2a", "a2a+p2p", "a2a+all_gather")
+HARNESS = 2
+"""What a timed rank step is (written into the timing tools' output, read by ``tools/calibrate_profile.py``):
+2, a ring walked over the rank's own shard (``RankStep.walked``) by the engine that holds results as their
+rows need (``algorithms/results.py``); 1 (the H200 runs of 2026-11-26, which wrote no field), a ring laid out
+over every member's K/V with a dK/dV buffer over all of them, by the engine that sent every row through
+fp32 (``tools/calibrate_profile.MEASURED_ENGINE``)."""
 
 
 class _Received:
@@ -86,6 +95,11 @@ class RankStep:
     def ring(self) -> bool:
         """K/V travel member to member (p2p, a2a+p2p), where the other kinds hold them all."""
         return not self.gathered and self.ring_size > 1
+
+    def walked(self) -> tuple[RingPlan, int]:
+        """The plan as the rank runs it and the K/V rows it reads: a ring's walk over its own shard
+        (``ring_plan``), the other kinds' plan over the K/V they hold after their collectives."""
+        return (self.ring_plan(), self.q_rows) if self.ring else (self.plan, self.kv_rows)
 
     def ring_plan(self) -> RingPlan:
         """The same tasks walked as the member walks its ring (``RingRotation``, transfers that move nothing):

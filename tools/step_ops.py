@@ -152,7 +152,7 @@ class StepCount:
 def count_step(comm: str, seq_len: int, cp: int, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
                mask: Mask = CAUSAL, inner: int = 2, rank: int = 0, op: str = "cudnn") -> StepCount:
     """Count rank ``rank``'s forward and backward of ``comm`` on fake CUDA bf16 tensors (batch 1): a ring as the
-    member walks it (``RankStep.ring_plan``: its own shard's K/V, packed into messages), the other kinds over
+    member walks it (``RankStep.walked``: its own shard's K/V, packed into messages), the other kinds over
     the K/V they hold after their collectives."""
     kernel = TorchKernel(FUSED_OPS[op])
     step = rank_step(comm, cp, seq_len, mask, kernel, heads, kv_heads, head_dim, inner, rank=rank)
@@ -161,7 +161,7 @@ def count_step(comm: str, seq_len: int, cp: int, heads: int = 32, kv_heads: int 
         def empty(*shape):
             return torch.empty(*shape, device=CUDA, dtype=dtype)
 
-        plan, kv_rows = (step.ring_plan(), step.q_rows) if step.ring else (step.plan, step.kv_rows)
+        plan, kv_rows = step.walked()
         q, dout = empty(step.q_rows, 1, step.heads, head_dim), empty(step.q_rows, 1, step.heads, head_dim)
         k, v = empty(kv_rows, 1, step.kv_heads, head_dim), empty(kv_rows, 1, step.kv_heads, head_dim)
         ring_backward(dout, q, k, v, *ring_forward(q, k, v, plan), plan)  # warm: per-process constants
