@@ -22,7 +22,7 @@ from ..kernels import Dropout, Kernel, accum_dtype, finite_lse_for_backward
 from ..merge import add_pair_, add_sink_, merge_, merge_pair_, sink_grad
 from ..schedule import BlockTask
 from .. import trace
-from .results import FIRST, HOLD, LAST, MERGE, OWN, PAIR, PAIR_LAST, Piece, ResultPlan, most_blocks_per_key
+from .results import FIRST, LAST, MERGE, OWN, PAIR, PAIR_LAST, Piece, ResultPlan, most_blocks_per_key
 from .rotation import Rotation, rows_of
 
 
