@@ -118,3 +118,46 @@ def test_every_role_gives_exact_attention_forward_and_gradients(dtype, tol):
             got, want = got[finite], want[finite]
         err = ((got - want).abs() / want.abs().clamp(min=1)).max().item()
         assert err <= tol, (name, err)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (cuDNN's fused op, compiled merges)")
+def test_on_cuda_every_role_gives_exact_attention_with_cudnn_and_compiled_merges():
+    """The same plan on an NVIDIA GPU: ``torch:cudnn`` in bf16, the merges and dQ sums compiled (their
+    in-place and held-row forms: the compiled pair regions read rows they overwrite), against fp64
+    attention within 2e-2 x max(1, |ref|); then a P = 8 zigzag member (rank 3: its first chunk's sum ends
+    at step 3, the second's at step 7) against the same member in fp64 through the math kernel, within the
+    same bound. Not yet run on a GPU (none in the session that wrote it)."""
+    import dataclasses
+
+    from mcp_context.algorithms.executor import ring_backward, ring_forward
+    from mcp_context.kernels.math import MathKernel
+    from mcp_context.kernels.torch_sdpa import FUSED_OPS, TorchKernel
+
+    kernel = TorchKernel(FUSED_OPS["cudnn"])
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(ROWS, 1, 4, 128, generator=g).bfloat16().cuda().requires_grad_()
+    k, v = (torch.randn(ROWS, 1, 2, 128, generator=g).bfloat16().cuda().requires_grad_() for _ in range(2))
+    dout = torch.randn(ROWS, 1, 4, 128, generator=g).bfloat16().cuda()
+    plan = RingPlan.build(TASKS, LocalRotation(0, 2), kernel, 128 ** -0.5, ROWS)
+    out, lse = RingAttention.apply(q, k, v, plan)
+    out.backward(dout)
+    ref = _reference(*(x.cpu() for x in (q, k, v, dout)))
+    finite = ref[1].isfinite()
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, q.grad, k.grad, v.grad), ref):
+        got = got.detach().cpu().double()
+        if name == "lse":
+            got, want = got[finite], want[finite]
+        err = ((got - want).abs() / want.abs().clamp(min=1)).max().item()
+        assert err <= 2e-2, (name, err)
+
+    step = rank_step("p2p", 8, 8192, CAUSAL, kernel, 8, 2, 128, rank=3)
+    exact = dataclasses.replace(step.plan, kernel=MathKernel())  # the same member in fp64, the math kernel
+    q, dout = (torch.randn(step.q_rows, 1, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(step.kv_rows, 1, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    got, want = [], []
+    for p, inputs, into in ((step.plan, (q, k, v, dout), got), (exact, [x.double() for x in (q, k, v, dout)], want)):
+        o, l = ring_forward(*inputs[:3], p)
+        into += [o, l, *ring_backward(inputs[3], *inputs[:3], o, l, p)[:3]]
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        err = ((a.double() - b).abs() / b.abs().clamp(min=1)).max().item()
+        assert err <= 2e-2, (name, err)
