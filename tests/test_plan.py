@@ -172,7 +172,8 @@ def test_cost_model_overlap_arithmetic(h100):
     assert pred.forward_s == pytest.approx(max(c0, transfer) + c1, rel=1e-12)
     assert pred.forward_no_overlap_s == pytest.approx(c0 + transfer + c1, rel=1e-12)
     assert pred.total_s < pred.total_no_overlap_s
-    extra = max(layer_bytes(shape, H, 2, tr.q_rows, tr.kv_rows, Accumulation.of(tr.tasks, tr.q_rows, tr.kv_rows))
+    extra = max(layer_bytes(shape, H, 2, tr.tasks, tr.q_rows, tr.kv_rows, Accumulation.of(tr.tasks, tr.q_rows,
+                                                                                         tr.kv_rows))
                 for tr in traffics) / (h100.memory_bandwidth_gbps * 1e9)
     assert pred.compute_s == pytest.approx(sum(c_fwd) + sum(c_bwd) + extra, rel=1e-12)
 
@@ -554,8 +555,9 @@ def test_the_cost_model_holds_results_as_the_executor_does():
     """``Accumulation.of`` reads from the tasks what the executor does with them: a2a's one call is the result
     (no copy, no buffer), an all-gather's few calls hold out and dQ in bf16 (the one query run two calls
     meet is merged straight into the result) and sum dK/dV in bf16, handed on as views; a ring sums dK/dV in
-    fp32. layer_bytes follows (bf16, Llama heads): nothing for a2a, the bf16 dK/dV fill for the all-gather,
-    and the old engine's result copies when every row goes ``through`` fp32."""
+    fp32. layer_bytes follows (bf16, Llama heads): nothing for a2a, nothing for the all-gather (its calls
+    write every key row's dK/dV first, then add: no fill, no copy), and the old engine's fill and result
+    copies when every row goes ``through`` fp32."""
     import sys
 
     sys.path.insert(0, str(REPO))
@@ -572,10 +574,11 @@ def test_the_cost_model_holds_results_as_the_executor_does():
     assert held["p2p"][0] == Accumulation(lone_kv=False, kv_exact=False)
     assert held["all_gather"][1].plan.kv_sums_exact and not held["p2p"][1].plan.kv_sums_exact
     a2a, step = held["a2a"]
-    assert layer_bytes(shape, step.heads, step.kv_heads, step.q_rows, step.kv_rows, a2a) == 0
+    assert layer_bytes(shape, step.heads, step.kv_heads, step.plan.tasks, step.q_rows, step.kv_rows, a2a) == 0
     gathered, step = held["all_gather"]
     kv = step.kv_rows * step.kv_heads * 256  # dK and dV of every key row, elements
     qo = step.q_rows * step.heads * 256      # out and dQ
-    assert layer_bytes(shape, step.heads, step.kv_heads, step.q_rows, step.kv_rows, gathered) == kv * 2
+    tasks = step.plan.tasks
+    assert layer_bytes(shape, step.heads, step.kv_heads, tasks, step.q_rows, step.kv_rows, gathered) == 0
     old = Accumulation(lone_kv=False, through=True)
-    assert layer_bytes(shape, step.heads, step.kv_heads, step.q_rows, step.kv_rows, old) == qo * 6 + kv * 10
+    assert layer_bytes(shape, step.heads, step.kv_heads, tasks, step.q_rows, step.kv_rows, old) == qo * 6 + kv * 10

@@ -70,3 +70,37 @@ def test_every_rank_of_a_ring_stays_within_the_bound(comm):
     34 at rank 7; a2a+p2p 18-22)."""
     counts = {rank: count_step(comm, 32768, 8, rank=rank).ops for rank in range(8)}
     assert max(counts.values()) <= 40, counts
+
+
+@pytest.mark.parametrize("rank", [0, 7])
+def test_the_cost_model_prices_the_bytes_the_executor_moves(rank):
+    """The planner's bytes around the calls (``plan.cost.task_bytes`` over the plan's tasks, plus
+    ``layer_bytes``) are the bytes counted here, scheme by scheme, forward and backward, for the rank that
+    starts the ring and the one that ends it, but for what the model leaves out: a ring's packing of its own
+    K/V into a message (``cat``, once a pass) and the backward's finite lse (``nan_to_num``, 1/80 of dQ)."""
+    import torch
+
+    from mcp_context.kernels.torch_sdpa import FUSED_OPS, TorchKernel
+    from mcp_context.masks import CAUSAL
+    from mcp_context.plan.cost import Accumulation, layer_bytes, task_bytes
+    from mcp_context.plan.dryrun import RankShape
+    from tools.rank_step import SCHEMES, rank_step
+
+    for comm in SCHEMES:
+        step = rank_step(comm, 8, 32768, CAUSAL, TorchKernel(FUSED_OPS["cudnn"]), 32, 8, 128, rank=rank)
+        shape = RankShape(32768, 1, step.heads, step.kv_heads, 128, torch.bfloat16)
+        tasks, kv_rows = step.plan.tasks, step.walked()[1]
+        held = Accumulation.of(tasks, step.q_rows, kv_rows)
+        results, first_keys = held.results(tasks, step.q_rows), held.key_rows(tasks, kv_rows)[0]
+        forward = backward = 0
+        for t, calls in enumerate(tasks):
+            for i, task in enumerate(calls):
+                f, b = task_bytes(task, results.pieces[t][i], results.adopt_first and (t, i) == (0, 0),
+                                  first_keys[t][i], shape, step.heads, step.kv_heads, held)
+                forward, backward = forward + f, backward + b
+        backward += layer_bytes(shape, step.heads, step.kv_heads, tasks, step.q_rows, kv_rows, held)
+        count = count_step(comm, 32768, 8, rank=rank)
+        fwd, bwd = count.forward, count.backward
+        assert forward == fwd.bytes - fwd.bytes_by_op["cat"], (comm, forward, fwd.bytes_by_op)
+        assert backward == bwd.bytes - bwd.bytes_by_op["cat"] - bwd.bytes_by_op["nan_to_num"], (
+            comm, backward, bwd.bytes_by_op)

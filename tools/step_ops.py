@@ -65,17 +65,20 @@ def _nbytes(x) -> int:
 
 @dataclass
 class Tally:
-    """Ops outside attention (``ops``, by name in ``by_op``), their bytes, and attention calls."""
+    """Ops outside attention (``ops``, by name in ``by_op``), their bytes (by name in ``bytes_by_op``), and
+    attention calls."""
 
     ops: int = 0
     bytes: int = 0
     attention_calls: int = 0
     by_op: Counter = field(default_factory=Counter)
+    bytes_by_op: Counter = field(default_factory=Counter)
 
     def add(self, name: str, nbytes: int, kernels: int = 1) -> None:
         self.ops += kernels
         self.bytes += nbytes
         self.by_op[name] += kernels
+        self.bytes_by_op[name] += nbytes
 
 
 class _Counter(TorchDispatchMode):

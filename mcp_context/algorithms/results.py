@@ -125,3 +125,41 @@ def most_blocks_per_key(tasks: Sequence[Sequence[BlockTask]]) -> int:
             depth += d
             most = max(most, depth)
     return most
+
+
+def runs_written(rows: tuple[int, int], written: Sequence[tuple[int, int]]) -> list[tuple[tuple[int, int], bool]]:
+    """``rows`` cut into runs, each with whether it lies in ``written`` (sorted, disjoint spans)."""
+    runs, at = [], rows[0]
+    for a, b in written:
+        a, b = max(a, rows[0]), min(b, rows[1])
+        if a < b:
+            if at < a:
+                runs.append(((at, a), False))
+            runs.append(((a, b), True))
+            at = b
+    if at < rows[1]:
+        runs.append(((at, rows[1]), False))
+    return runs
+
+
+def with_written(written: Sequence[tuple[int, int]], rows: tuple[int, int]) -> list[tuple[int, int]]:
+    """``written`` with ``rows`` added, sorted, disjoint and merged."""
+    merged: list[tuple[int, int]] = []
+    for a, b in sorted([*written, rows]):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def first_key_rows(tasks: Sequence[Sequence[BlockTask]], kv_rows: int) -> tuple[list[list[int]], int]:
+    """How a member's dK/dV sums start (``rotation.KeySums``): per step and task, how many of its key rows its
+    block writes first (at step 0, where the member's own sum starts; a later step's blocks add into a sum
+    that arrived or exists), and how many of the ``kv_rows`` rows no step-0 block writes (zeroed)."""
+    written: list[tuple[int, int]] = []
+    first = [[0] * len(step) for step in tasks]
+    for i, t in enumerate(tasks[0] if tasks else ()):
+        first[0][i] = sum(b - a for (a, b), seen in runs_written(t.kv, written) if not seen)
+        written = with_written(written, t.kv)
+    return first, kv_rows - sum(b - a for a, b in written)

@@ -27,6 +27,7 @@ import torch
 from ..comm.primitives import PeerExchange, PendingExchange, RingExchange
 from .. import trace
 from ..merge import add_kv_, copy_kv_
+from .results import runs_written, with_written
 
 
 class Gradients(Protocol):
@@ -73,12 +74,37 @@ def bhsd(x: torch.Tensor) -> torch.Tensor:
     return x.permute(1, 2, 0, 3)
 
 
-def token_major_zeros(like: torch.Tensor, dims: int, dtype: torch.dtype) -> torch.Tensor:
-    """A zero ``[n, b, h, dims]`` buffer for the rows of ``like [b, h, n, ...]``: dK/dV accumulators and
-    messages are token-major, the storage order of the inputs and of the fused ops' gradients, so every
+def token_major_empty(like: torch.Tensor, dims: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised ``[n, b, h, dims]`` buffer for the rows of ``like [b, h, n, ...]``: dK/dV accumulators
+    and messages are token-major, the storage order of the inputs and of the fused ops' gradients, so every
     add and copy between them reads and writes memory in the same order."""
     b, h, n = like.shape[:3]
-    return torch.zeros((n, b, h, dims), dtype=dtype, device=like.device)
+    return torch.empty((n, b, h, dims), dtype=dtype, device=like.device)
+
+
+class KeySums:
+    """A ``[b, h_kv, n, dqk + dv]`` dK/dV buffer that starts uninitialised: a block's key rows that no earlier
+    block wrote are written (``merge.copy_kv_``), the others added into (``add_kv_``), one fused kernel per
+    run of rows; ``finish`` zeroes the rows no block wrote. Exactly the sum from zeros (adding to zero is
+    exact in any dtype), without the zero fill and its read back."""
+
+    def __init__(self, dkv: torch.Tensor):
+        self.dkv = dkv
+        self.written: list[tuple[int, int]] = []  # sorted, disjoint
+
+    def add(self, rows: tuple[int, int], dk: torch.Tensor, dv: torch.Tensor) -> None:
+        for (a, b), seen in runs_written(rows, self.written):
+            part = (a - rows[0], b - rows[0])
+            (add_kv_ if seen else copy_kv_)(rows_of(self.dkv, (a, b)), rows_of(dk, part), rows_of(dv, part))
+        self.written = with_written(self.written, rows)
+
+    def finish(self) -> torch.Tensor:
+        """The buffer, zero on the key rows no block sees."""
+        for gap, seen in runs_written((0, self.dkv.shape[2]), self.written):
+            if not seen:
+                torch.ops.aten.fill_.Scalar(rows_of(self.dkv, gap), 0.0)
+        self.written = [(0, self.dkv.shape[2])]
+        return self.dkv
 
 
 def pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -141,8 +167,8 @@ class RingGradients:
     """The backward ring walk, K/V and dK/dV in one message per step (as TE's ring does).
 
     At step 0 a member sends its own K/V and receives the previous member's into a ``_Message`` whose
-    dK/dV part takes this member's step-0 blocks (the first written straight in when it covers the shard,
-    ``merge.copy_kv_``; zeroed first otherwise). At each later step it forwards the message it
+    dK/dV part takes this member's step-0 blocks (``KeySums``: each row written by its first block, added
+    into by later ones, zeroed where none writes). At each later step it forwards the message it
     received the step before, which holds exactly what the next member needs: the K/V it computes with at
     its next step, and the partial dK/dV sum of the shard it holds now. The message received in turn
     brings the partial sum of the shard held at this step (waited for at this step's first add, while the
@@ -160,7 +186,7 @@ class RingGradients:
         self.pending: Optional[PendingExchange[torch.Tensor]] = None  # the transfer of the step's message
         self.waited = True
         self.home: Optional[_Message] = None  # a walk of one step: the own shard's dK/dV stays here
-        self.unwritten = False  # the step-0 message's dK/dV part holds nothing yet (not even zeros)
+        self.first: Optional[KeySums] = None  # the step-0 message's dK/dV: this member's blocks start the sum
         self.final: Optional[tuple[PendingExchange, torch.Tensor]] = None
 
     def _wait(self, step: int, kind: str) -> None:
@@ -181,7 +207,7 @@ class RingGradients:
             last = step + 1 == self.steps  # the last step's message carries no K/V (no step follows)
             message = _Message(self.k, self.dims, k.dtype, self.dtype, with_kv=not last or step == 0)
             if step == 0:
-                self.unwritten = True  # this member's own blocks start the sum: written, or zeroed, at the first add
+                self.first = KeySums(bhsd(message.dkv))  # this member's own blocks start the sum
                 if self.steps == 1:
                     self.home = message
                 else:  # own K/V out, the previous member's in (K/V only: no partial sum exists yet)
@@ -199,23 +225,18 @@ class RingGradients:
     def add(self, step: int, rows: tuple[int, int], dk: torch.Tensor, dv: torch.Tensor) -> None:
         if step > 0:
             self._wait(step, "dkv_wait")  # the partial sum of the shard held at this step
-        dkv = bhsd(self.current.dkv)
-        if self.unwritten and rows == (0, dkv.shape[2]):  # the first block covers the shard: the sum so far
-            self.unwritten = False
-            copy_kv_(dkv, dk, dv)
-            return
-        self._zero_unwritten()
-        add_kv_(rows_of(dkv, rows), dk, dv)
-
-    def _zero_unwritten(self) -> None:
-        if self.unwritten:
-            self.unwritten = False
-            torch.ops.aten.fill_.Scalar(self.current.dkv, 0.0)
+        if step == 0:
+            self.first.add(rows, dk, dv)
+        else:
+            add_kv_(rows_of(bhsd(self.current.dkv), rows), dk, dv)
 
     def done(self, step: int) -> None:
-        """The step-0 sum zeroed if no block wrote it; otherwise nothing: the step's message is sent on at
-        the next step (or home by ``result``), whose wait covers a step without blocks too."""
-        self._zero_unwritten()
+        """After step 0: the rows of the sum no own block wrote are zeroed. Otherwise nothing: the step's
+        message is sent on at the next step (or home by ``result``), whose wait covers a step without
+        blocks too."""
+        if step == 0:
+            self.first.finish()
+            self.first = None
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.home is not None:
@@ -262,23 +283,24 @@ class LocalGradients:
     ``dtype``, unless that is a half dtype the blocks' gradients do not come in (a kernel that returns fp32
     partials): then in fp32, so a sum is never rounded more often than in fp32 (``RingPlan.kv_sums_exact``).
 
-    A first block over every row is held as it is (``lone``), not added into a fresh buffer: when no other
-    block follows (a ring of one running one call) its dK/dV are the result, with no fill, add or copy."""
+    Its blocks' rows are written or added into as ``KeySums`` says (no zero fill but for rows no block
+    sees). A first block over every row is held as it is (``lone``), not written into a fresh buffer: when
+    no other block follows (a ring of one running one call) its dK/dV are the result, with no buffer or copy."""
 
     def __init__(self, rotation: LocalRotation, k: torch.Tensor, dims: int, dqk: int, dtype: torch.dtype):
         self.rotation, self.k, self.dims, self.dqk, self.dtype = rotation, k, dims, dqk, dtype
-        self._dkv: Optional[torch.Tensor] = None
+        self._sums: Optional[KeySums] = None
         self._lone: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
-    def _buffer(self, block_dtype: torch.dtype) -> torch.Tensor:
-        if self._dkv is None:
+    def _buffer(self, block_dtype: torch.dtype) -> KeySums:
+        if self._sums is None:
             half = self.dtype in (torch.bfloat16, torch.float16)
             dtype = torch.float32 if half and block_dtype != self.dtype else self.dtype
-            self._dkv = bhsd(token_major_zeros(self.k, self.dims, dtype))
+            self._sums = KeySums(bhsd(token_major_empty(self.k, self.dims, dtype)))
             if self._lone is not None:
-                add_kv_(self._dkv, *self._lone)
-                self._lone = None
-        return self._dkv
+                lone, self._lone = self._lone, None
+                self._sums.add((0, self.k.shape[2]), *lone)
+        return self._sums
 
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         return self.rotation.blocks(k, v)
@@ -287,10 +309,10 @@ class LocalGradients:
         total = self.k.shape[2]
         shard = self.rotation.rows(total, step)
         start, stop = shard.start + rows[0], shard.start + rows[1]
-        if self._dkv is None and self._lone is None and (start, stop) == (0, total):
+        if self._sums is None and self._lone is None and (start, stop) == (0, total):
             self._lone = (dk, dv)
             return
-        add_kv_(rows_of(self._buffer(dk.dtype), (start, stop)), dk, dv)
+        self._buffer(dk.dtype).add((start, stop), dk, dv)
 
     def done(self, step: int) -> None:
         """Nothing to do: every block was added straight into the shard's own accumulator."""
@@ -298,4 +320,4 @@ class LocalGradients:
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._lone is not None:
             return self._lone
-        return split_kv(self._buffer(self.dtype), self.dqk)
+        return split_kv(self._buffer(self.dtype).finish(), self.dqk)

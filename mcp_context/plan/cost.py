@@ -32,7 +32,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..algorithms.results import FIRST, HOLD, LAST, MERGE, OWN, PAIR, PAIR_LAST, Piece, ResultPlan, most_blocks_per_key
+from ..algorithms.results import (FIRST, HOLD, LAST, MERGE, OWN, PAIR, PAIR_LAST, Piece, ResultPlan, first_key_rows,
+                                  most_blocks_per_key)
 from ..schedule import BlockTask
 from .dryrun import RankShape, RankTraffic
 from .profiles import MachineProfile
@@ -94,6 +95,14 @@ class Accumulation:
     def results(self, tasks: Sequence[Sequence[BlockTask]], q_rows: int) -> ResultPlan:
         return ResultPlan.build(tasks, q_rows, through=self.through)
 
+    def key_rows(self, tasks: Sequence[Sequence[BlockTask]], kv_rows: int) -> tuple[list[list[int]], int]:
+        """Per step and task the key rows its dK/dV are written to first, and the rows zeroed
+        (``results.first_key_rows``); ``through``: none written first, every row zeroed (the measured engine
+        filled its dK/dV buffer and added every block)."""
+        if self.through:
+            return [[0] * len(step) for step in tasks], kv_rows
+        return first_key_rows(tasks, kv_rows)
+
 
 # Bytes a role moves per row, head and column of out (forward) or dQ (backward), as (reads + writes) in
 # units of the inputs' element size ``e`` and the accumulator's ``a``: ``(e, a)`` coefficients. OWN on the
@@ -103,12 +112,13 @@ _OUT_BYTES = {OWN: (2, 0), HOLD: (0, 0), FIRST: (1, 1), PAIR: (2, 1), PAIR_LAST:
 _LSE_READS_WRITES = {OWN: 2, HOLD: 0, FIRST: 2, PAIR: 3, PAIR_LAST: 3, MERGE: 3, LAST: 3}
 
 
-def task_bytes(task: BlockTask, pieces: Sequence[Piece], adopted: bool, shape: RankShape, heads: int,
-               kv_heads: int, accumulation: Accumulation) -> tuple[int, int]:
+def task_bytes(task: BlockTask, pieces: Sequence[Piece], adopted: bool, first_keys: int, shape: RankShape,
+               heads: int, kv_heads: int, accumulation: Accumulation) -> tuple[int, int]:
     """``(forward, backward)`` bytes the executor moves around one task's call: for each of its row pieces
     (``results.Piece``) the out and dQ work of its role (``_OUT_BYTES``; the ``lse`` rows forward), nothing
-    for the first call's rows when its output is the result (``adopted``), plus the fused dK/dV add (read
-    and write fp32, or the inputs' dtype for ``kv_exact``, read the block; nothing for a lone block)."""
+    for the first call's rows when its output is the result (``adopted``), plus its dK/dV: written on the
+    ``first_keys`` rows it writes first (read the block, write the sum's dtype: fp32, or the inputs' for
+    ``kv_exact``), added on the others (read and write the sum, read the block); nothing for a lone block."""
     e = shape.dtype.itemsize
     acc = 8 if e == 8 else 4
     kv_acc = e if accumulation.kv_exact else acc
@@ -121,22 +131,26 @@ def task_bytes(task: BlockTask, pieces: Sequence[Piece], adopted: bool, shape: R
         ce, ca = _OUT_BYTES[p.role]
         forward += rows * (shape.dv * (ce * e + ca * acc) + _LSE_READS_WRITES[p.role] * acc)
         backward += rows * shape.head_dim * (ce * e + ca * acc)
-    dkv = 0 if accumulation.lone_kv else keys * kv_heads * (shape.head_dim + shape.dv) * (e + 2 * kv_acc)
+    per_key = kv_heads * (shape.head_dim + shape.dv)
+    dkv = 0 if accumulation.lone_kv else per_key * (first_keys * (e + kv_acc) + (keys - first_keys) * (e + 2 * kv_acc))
     return forward, backward + shape.batch * dkv
 
 
-def layer_bytes(shape: RankShape, heads: int, kv_heads: int, q_rows: int, kv_rows: int,
-                accumulation: Accumulation) -> int:
+def layer_bytes(shape: RankShape, heads: int, kv_heads: int, tasks: Sequence[Sequence[BlockTask]], q_rows: int,
+                kv_rows: int, accumulation: Accumulation) -> int:
     """Bytes of a layer's work outside the steps: the out and dQ result copies (only ``through`` an fp32
     accumulator: read fp32, write the inputs' dtype), the dK and dV result copies (none for ``kv_exact`` or
-    fp32 inputs: views) and the fill of the dK/dV buffer (none for a lone block)."""
+    fp32 inputs: views) and the zeroing of the dK/dV rows no step-0 block writes (``Accumulation.key_rows``;
+    none for a lone block)."""
     e = shape.dtype.itemsize
     acc = 8 if e == 8 else 4
     kv_acc = e if accumulation.kv_exact else acc
-    kv = 0 if accumulation.lone_kv else shape.batch * kv_rows * kv_heads * (shape.head_dim + shape.dv)
+    per_row = shape.batch * kv_heads * (shape.head_dim + shape.dv)
+    kv = 0 if accumulation.lone_kv else kv_rows * per_row
+    zeroed = 0 if accumulation.lone_kv else accumulation.key_rows(tasks, kv_rows)[1] * per_row
     copied = accumulation.through and acc != e
     qo = shape.batch * q_rows * heads * (shape.dv + shape.head_dim) * (acc + e) if copied else 0
-    return qo + (0 if kv_acc == e else kv * (kv_acc + e)) + kv * kv_acc
+    return qo + (0 if kv_acc == e else kv * (kv_acc + e)) + zeroed * kv_acc
 
 
 @dataclass(frozen=True)
@@ -217,6 +231,7 @@ def step_compute(traffics: Sequence[RankTraffic], shape: RankShape, a2a_degree: 
     for tr in traffics:
         held = accumulation or Accumulation.of(tr.tasks, tr.q_rows, tr.kv_rows)
         results = held.results(tr.tasks, tr.q_rows)
+        first_keys = held.key_rows(tr.tasks, tr.kv_rows)[0]
         first = next(((t, i) for t, tasks in enumerate(tr.tasks) for i, task in enumerate(tasks)
                       if task.q[0] < task.q[1]), None)
         for t, tasks in enumerate(tr.tasks):
@@ -224,7 +239,8 @@ def step_compute(traffics: Sequence[RankTraffic], shape: RankShape, a2a_degree: 
             for i, task in enumerate(tasks):
                 cf, cb = call_seconds(profile, task, per_pair)
                 adopted = results.adopt_first and (t, i) == first
-                bf, bb = task_bytes(task, results.pieces[t][i], adopted, shape, heads, kv_heads, held)
+                bf, bb = task_bytes(task, results.pieces[t][i], adopted, first_keys[t][i], shape, heads, kv_heads,
+                                    held)
                 f, b = f + cf + bf / bandwidth, b + cb + bb / bandwidth
             fwd[t], bwd[t] = max(fwd[t], f), max(bwd[t], b)
     return fwd, bwd
@@ -240,7 +256,7 @@ def predict(shape: RankShape, a2a_degree: int, traffics: Sequence[RankTraffic], 
     p = fabric.profile
     c_fwd, c_bwd = step_compute(traffics, shape, a2a_degree, p)
     heads, kv_heads = shape.heads // a2a_degree, max(1, shape.kv_heads // a2a_degree)
-    extra = max(layer_bytes(shape, heads, kv_heads, tr.q_rows, tr.kv_rows,
+    extra = max(layer_bytes(shape, heads, kv_heads, tr.tasks, tr.q_rows, tr.kv_rows,
                             Accumulation.of(tr.tasks, tr.q_rows, tr.kv_rows)) for tr in traffics) / (
         p.memory_bandwidth_gbps * 1e9)
     c_bwd[-1] += extra  # the result copies and the dK/dV fill, once per layer (counted with the backward)
