@@ -18,6 +18,9 @@ meet; an all-gather's query run that meets two calls is merged once, into the re
 ``through=True`` (a forward with an attention sink, whose merge comes after every block's) sends every
 row through an fp32 accumulator over all rows: the first block is copied in (``FIRST``), the others
 merge there (``MERGE``), and one copy writes the result after the sink.
+
+The same bookkeeping over key rows starts a dK/dV sum (``runs_written``, ``first_key_rows``; the executor's
+side is ``rotation.KeySums``): a key row's first block writes it, later ones add.
 """
 from __future__ import annotations
 
