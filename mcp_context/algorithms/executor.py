@@ -22,7 +22,7 @@ from ..kernels import Dropout, Kernel, accum_dtype, finite_lse_for_backward
 from ..merge import add_pair_, add_sink_, merge_, merge_pair_, sink_grad
 from ..schedule import BlockTask
 from .. import trace
-from .results import FIRST, LAST, MERGE, OWN, PAIR, PAIR_LAST, Piece, ResultPlan, most_blocks_per_key
+from .results import FIRST, HOLD, LAST, MERGE, OWN, PAIR, PAIR_LAST, Piece, ResultPlan, most_blocks_per_key
 from .rotation import Rotation, rows_of
 
 
@@ -193,7 +193,7 @@ class _Sums:
 
     def after(self, step: int, task: int, q0: int, *blocks: torch.Tensor) -> None:
         """Hold this call's outputs if a later call reads them; drop what no later call reads."""
-        if self.plan.holds(step, task):
+        if (step, task) in self.plan.holders:
             self.held[(step, task)] = (q0, blocks)
         for key in self.plan.releases[step][task]:
             del self.held[key]
@@ -201,6 +201,8 @@ class _Sums:
 
 def _forward_piece(p: Piece, q0: int, o: torch.Tensor, l: torch.Tensor, sums: _Sums, lse: torch.Tensor) -> None:
     """What one call's output does on rows ``p.rows`` (``results``: write, hold, merge)."""
+    if p.role == HOLD or (o is sums.out and l is lse):  # held, or the call's output is the result
+        return
     src = (p.rows[0] - q0, p.rows[1] - q0)
     bo, bl, lse_rows = rows_of(o, src), rows_of(l, src), rows_of(lse, p.rows)
     if p.role in (OWN, FIRST):  # FIRST: every row goes through fp32, where the result is the accumulator
@@ -215,15 +217,15 @@ def _forward_piece(p: Piece, q0: int, o: torch.Tensor, l: torch.Tensor, sums: _S
         merge_(sums.sum(p.rows), lse_rows, bo, bl)
     elif p.role == LAST:
         merge_pair_(sums.result(p.rows), lse_rows, sums.sum(p.rows), lse_rows, bo, bl)
-    # HOLD: the rows stay where the call left them until the next block that meets them
 
 
 def _backward_piece(p: Piece, q0: int, gq: torch.Tensor, sums: _Sums) -> None:
     """What one call's dQ does on rows ``p.rows``: the additive twin of ``_forward_piece``."""
+    if p.role == HOLD or gq is sums.out:
+        return
     bg = rows_of(gq, (p.rows[0] - q0, p.rows[1] - q0))
     if p.role == OWN:
-        if gq is not sums.out:
-            _copy_(sums.result(p.rows), bg)
+        _copy_(sums.result(p.rows), bg)
     elif p.role in (PAIR, PAIR_LAST):
         add_pair_(sums.sum(p.rows) if p.role == PAIR else sums.result(p.rows), *sums.held_rows(p.held, p.rows), bg)
     elif p.role == MERGE:

@@ -64,7 +64,8 @@ class ResultPlan:
     (a first call whose rows all go on to be summed is not kept past the sum's start: the result is made at
     its first write, and what the call held costs no memory meanwhile). ``accumulator``: the rows
     ``[a, b)`` the fp32 accumulator spans (None: no row meets three blocks, and not ``through``).
-    ``releases[step][task]``: the held outputs (``(step, task)``) no call after this one reads."""
+    ``releases[step][task]``: the held outputs (``(step, task)``) no call after this one reads; ``holders``:
+    every held output's ``(step, task)``."""
 
     pieces: tuple[tuple[tuple[Piece, ...], ...], ...]
     rows: int
@@ -73,15 +74,12 @@ class ResultPlan:
     accumulator: Optional[tuple[int, int]]
     through: bool
     releases: tuple[tuple[tuple[tuple[int, int], ...], ...], ...]
+    holders: frozenset[tuple[int, int]]
 
     @property
     def merges(self) -> bool:
         """Some row meets more than one block."""
         return any(p.role != OWN for step in self.pieces for task in step for p in task)
-
-    def holds(self, step: int, task: int) -> bool:
-        """Whether the call's output holds a first block's rows that a later call reads."""
-        return any(p.role == HOLD for p in self.pieces[step][task])
 
     @classmethod
     def build(cls, tasks: Sequence[Sequence[BlockTask]], rows: int, through: bool = False) -> "ResultPlan":
@@ -115,7 +113,7 @@ class ResultPlan:
             p.role in (OWN, FIRST) for p in pieces[order[0][0]][order[0][1]])
         return cls(tuple(tuple(tuple(task) for task in step) for step in pieces), rows,
                    all(writers[seg] for seg in segments), adopt_first, accumulator, through,
-                   tuple(tuple(tuple(r) for r in step) for step in releases))
+                   tuple(tuple(tuple(r) for r in step) for step in releases), frozenset(last_reader))
 
 
 def most_blocks_per_key(tasks: Sequence[Sequence[BlockTask]]) -> int:
