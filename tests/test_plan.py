@@ -173,7 +173,7 @@ def test_cost_model_overlap_arithmetic(h100):
     assert pred.forward_no_overlap_s == pytest.approx(c0 + transfer + c1, rel=1e-12)
     assert pred.total_s < pred.total_no_overlap_s
     extra = max(layer_bytes(shape, H, 2, tr.tasks, tr.q_rows, tr.kv_rows, Accumulation.of(tr.tasks, tr.q_rows,
-                                                                                         tr.kv_rows))
+                                                                                         tr.kv_rows), ring=True)
                 for tr in traffics) / (h100.memory_bandwidth_gbps * 1e9)
     assert pred.compute_s == pytest.approx(sum(c_fwd) + sum(c_bwd) + extra, rel=1e-12)
 

@@ -62,7 +62,8 @@ def predicted_step(profile: MachineProfile, comm: str, seq_len: int, cp: int, he
     shape = RankShape(seq_len, 1, step.heads, step.kv_heads, head_dim, torch.bfloat16)
     traffic = RankTraffic(0, {}, {}, tasks=tuple(step.plan.tasks), q_rows=step.q_rows, kv_rows=kv_rows)
     fwd, bwd = step_compute([traffic], shape, 1, profile, held)
-    extra = layer_bytes(shape, step.heads, step.kv_heads, step.plan.tasks, step.q_rows, kv_rows, held)
+    extra = layer_bytes(shape, step.heads, step.kv_heads, step.plan.tasks, step.q_rows, kv_rows, held,
+                        ring=harness != 1 and step.ring)
     return sum(fwd) + sum(bwd) + extra / (profile.memory_bandwidth_gbps * 1e9), step.calls, extra
 
 

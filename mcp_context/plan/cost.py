@@ -137,11 +137,12 @@ def task_bytes(task: BlockTask, pieces: Sequence[Piece], adopted: bool, first_ke
 
 
 def layer_bytes(shape: RankShape, heads: int, kv_heads: int, tasks: Sequence[Sequence[BlockTask]], q_rows: int,
-                kv_rows: int, accumulation: Accumulation) -> int:
+                kv_rows: int, accumulation: Accumulation, ring: bool = False) -> int:
     """Bytes of a layer's work outside the steps: the out and dQ result copies (only ``through`` an fp32
     accumulator: read fp32, write the inputs' dtype), the dK and dV result copies (none for ``kv_exact`` or
-    fp32 inputs: views) and the zeroing of the dK/dV rows no step-0 block writes (``Accumulation.key_rows``;
-    none for a lone block)."""
+    fp32 inputs: views), the zeroing of the dK/dV rows no step-0 block writes (``Accumulation.key_rows``;
+    none for a lone block), and for a ``ring`` the packing of its own K and V into a message, once a pass
+    (``rotation.pack_kv``: read both, write the message)."""
     e = shape.dtype.itemsize
     acc = 8 if e == 8 else 4
     kv_acc = e if accumulation.kv_exact else acc
@@ -150,7 +151,8 @@ def layer_bytes(shape: RankShape, heads: int, kv_heads: int, tasks: Sequence[Seq
     zeroed = 0 if accumulation.lone_kv else accumulation.key_rows(tasks, kv_rows)[1] * per_row
     copied = accumulation.through and acc != e
     qo = shape.batch * q_rows * heads * (shape.dv + shape.head_dim) * (acc + e) if copied else 0
-    return qo + (0 if kv_acc == e else kv * (kv_acc + e)) + zeroed * kv_acc
+    packed = 2 * 2 * kv_rows * per_row * e if ring else 0
+    return qo + (0 if kv_acc == e else kv * (kv_acc + e)) + zeroed * kv_acc + packed
 
 
 @dataclass(frozen=True)
@@ -257,8 +259,8 @@ def predict(shape: RankShape, a2a_degree: int, traffics: Sequence[RankTraffic], 
     c_fwd, c_bwd = step_compute(traffics, shape, a2a_degree, p)
     heads, kv_heads = shape.heads // a2a_degree, max(1, shape.kv_heads // a2a_degree)
     extra = max(layer_bytes(shape, heads, kv_heads, tr.tasks, tr.q_rows, tr.kv_rows,
-                            Accumulation.of(tr.tasks, tr.q_rows, tr.kv_rows)) for tr in traffics) / (
-        p.memory_bandwidth_gbps * 1e9)
+                            Accumulation.of(tr.tasks, tr.q_rows, tr.kv_rows), bool(tr.forward.get("ring_kv")))
+                for tr in traffics) / (p.memory_bandwidth_gbps * 1e9)
     c_bwd[-1] += extra  # the result copies and the dK/dV fill, once per layer (counted with the backward)
     steps = len(c_fwd)
 
