@@ -172,8 +172,8 @@ def test_cost_model_overlap_arithmetic(h100):
     assert pred.forward_s == pytest.approx(max(c0, transfer) + c1, rel=1e-12)
     assert pred.forward_no_overlap_s == pytest.approx(c0 + transfer + c1, rel=1e-12)
     assert pred.total_s < pred.total_no_overlap_s
-    extra = max(layer_bytes(shape, H, 2, tr.tasks, tr.q_rows, tr.kv_rows, Accumulation.of(tr.tasks, tr.q_rows,
-                                                                                         tr.kv_rows), ring=True)
+    extra = max(layer_bytes(shape, H, 2, tr.tasks, tr.q_rows, tr.kv_rows, Accumulation.of(tr.tasks, tr.kv_rows),
+                            ring=True)
                 for tr in traffics) / (h100.memory_bandwidth_gbps * 1e9)
     assert pred.compute_s == pytest.approx(sum(c_fwd) + sum(c_bwd) + extra, rel=1e-12)
 
@@ -568,7 +568,7 @@ def test_the_cost_model_holds_results_as_the_executor_does():
     held = {}
     for comm in ("a2a", "all_gather", "p2p"):
         step = rank_step(comm, 8, 32768, CAUSAL, TorchKernel(FUSED_OPS["cudnn"]), 32, 8, 128)
-        held[comm] = (Accumulation.of(step.plan.tasks, step.q_rows, step.kv_rows), step)
+        held[comm] = (Accumulation.of(step.plan.tasks, step.kv_rows), step)
     assert held["a2a"][0] == Accumulation(lone_kv=True, kv_exact=True)
     assert held["all_gather"][0] == Accumulation(lone_kv=False, kv_exact=True)
     assert held["p2p"][0] == Accumulation(lone_kv=False, kv_exact=False)

@@ -32,12 +32,12 @@ def test_a_zigzag_member_keeps_its_step_0_output_and_sums_in_fp32_only_what_more
     half, full = (2048, 4096), (0, 4096)
     assert _roles(zero) == [[[((0, 2048), OWN), (half, HOLD)]], [[(half, PAIR)]]] + [[[(half, MERGE)]]] * 5 + [
         [[(half, LAST)]]]
-    assert zero.adopt_first and zero.accumulator == half and zero.covered and zero.merges
+    assert zero.adopted == (0, 0) and zero.accumulator == half and zero.covered and zero.merges
     assert zero.pieces[1][0][0].held == (0, 0) and zero.releases[1][0] == ((0, 0),)
     three = rank_step("p2p", 8, 32768, CAUSAL, kernel, 32, 8, 128, rank=3).plan.results
     assert _roles(three)[:4] == [[[(full, HOLD)]], [[(full, PAIR)]], [[(full, MERGE)]],
                                  [[((0, 2048), LAST), (half, MERGE)]]]
-    assert _roles(three)[7] == [[(half, LAST)]] and not three.adopt_first and three.accumulator == full
+    assert _roles(three)[7] == [[(half, LAST)]] and three.adopted is None and three.accumulator == full
 
 
 def test_an_all_gathers_calls_merge_once_into_the_result_with_no_fp32_buffer():
@@ -46,7 +46,7 @@ def test_an_all_gathers_calls_merge_once_into_the_result_with_no_fp32_buffer():
     row needs an fp32 accumulator."""
     plan = rank_step("all_gather", 8, 32768, CAUSAL, cpu_flash_kernel(), 32, 8, 128).plan.results
     assert _roles(plan) == [[[((0, 2048), OWN)], [((2048, 4096), HOLD)], [((2048, 4096), PAIR_LAST)]]]
-    assert plan.accumulator is None and not plan.adopt_first
+    assert plan.accumulator is None and plan.adopted is None
 
 
 def test_through_sends_every_row_through_one_fp32_accumulator():
@@ -75,7 +75,7 @@ def test_mixed_overlaps_get_every_role_and_each_holder_is_released_at_its_last_r
     ]
     assert plan.pieces[0][1][0] == Piece((16, 40), PAIR, (0, 0)) and plan.pieces[1][1][2].held == (0, 1)
     assert plan.releases == (((), ()), ((), ((0, 0), (0, 1))))
-    assert plan.accumulator == (8, 40) and not plan.covered and not plan.adopt_first
+    assert plan.accumulator == (8, 40) and not plan.covered and plan.adopted is None
 
 
 def _reference(q, k, v, dout):

@@ -91,12 +91,12 @@ def test_the_cost_model_prices_the_bytes_the_executor_moves(rank):
         step = rank_step(comm, 8, 32768, CAUSAL, TorchKernel(FUSED_OPS["cudnn"]), 32, 8, 128, rank=rank)
         shape = RankShape(32768, 1, step.heads, step.kv_heads, 128, torch.bfloat16)
         tasks, kv_rows = step.plan.tasks, step.walked()[1]
-        held = Accumulation.of(tasks, step.q_rows, kv_rows)
+        held = Accumulation.of(tasks, kv_rows)
         results, first_keys = held.results(tasks, step.q_rows), held.key_rows(tasks, kv_rows)[0]
         forward = backward = 0
         for t, calls in enumerate(tasks):
             for i, task in enumerate(calls):
-                f, b = task_bytes(task, results.pieces[t][i], results.adopt_first and (t, i) == (0, 0),
+                f, b = task_bytes(task, results.pieces[t][i], (t, i) == results.adopted,
                                   first_keys[t][i], shape, step.heads, step.kv_heads, held)
                 forward, backward = forward + f, backward + b
         layer = layer_bytes(shape, step.heads, step.kv_heads, tasks, step.q_rows, kv_rows, held, step.ring)

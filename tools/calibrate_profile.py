@@ -58,7 +58,7 @@ def predicted_step(profile: MachineProfile, comm: str, seq_len: int, cp: int, he
     (``MEASURED_ENGINE``) over every member's K/V; 2, today's engine over the K/V the rank holds."""
     step = rank_step(comm, cp, seq_len, CAUSAL, TorchKernel(FUSED_OPS["cudnn"]), heads, kv_heads, head_dim)
     kv_rows = step.kv_rows if harness == 1 else step.walked()[1]
-    held = MEASURED_ENGINE if harness == 1 else Accumulation.of(step.plan.tasks, step.q_rows, kv_rows)
+    held = MEASURED_ENGINE if harness == 1 else Accumulation.of(step.plan.tasks, kv_rows)
     shape = RankShape(seq_len, 1, step.heads, step.kv_heads, head_dim, torch.bfloat16)
     traffic = RankTraffic(0, {}, {}, tasks=tuple(step.plan.tasks), q_rows=step.q_rows, kv_rows=kv_rows)
     fwd, bwd = step_compute([traffic], shape, 1, profile, held)

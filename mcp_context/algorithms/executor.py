@@ -149,8 +149,8 @@ class _BackwardLse:
 class _Sums:
     """One pass's result, its accumulator rows and the first blocks it holds (``results.ResultPlan``).
 
-    ``out``: the result ``[b, h, s, d]`` in ``dtype``: the first call's own output when the plan adopts it
-    and it is token-major (no buffer, no copy), else a token-major buffer made at the first write. ``acc``:
+    ``out``: the result ``[b, h, s, d]`` in ``dtype``: the output of the call the plan adopts (``offer``) when
+    it is token-major (no buffer, no copy), else a token-major buffer made at the first write. ``acc``:
     the accumulator-dtype rows ``plan.accumulator`` (starting at row ``base``), made at the first sum; the
     result itself when ``dtype`` is the accumulator dtype (fp32 and fp64 inputs, or every row through fp32).
     ``held``: block outputs whose rows a later call reads, until it has."""
@@ -158,22 +158,20 @@ class _Sums:
     def __init__(self, plan: ResultPlan, like: torch.Tensor, shape: tuple, dtype: torch.dtype,
                  acc_dtype: torch.dtype):
         self.plan, self.like, self.shape, self.dtype, self.acc_dtype = plan, like, shape, dtype, acc_dtype
-        self.started = False
         self.out: Optional[torch.Tensor] = None
         self.acc: Optional[torch.Tensor] = None
         self.base = 0
         self.held: dict[tuple[int, int], tuple[int, tuple[torch.Tensor, ...]]] = {}
 
-    def start(self, first: torch.Tensor) -> None:
-        """At the first call (``first``: its output): adopt it as the result where the plan says so."""
-        self.started = True
-        if self.plan.adopt_first and first.dtype == self.dtype and _token_major(first) is not None:
-            self.out = first
+    def offer(self, step: int, task: int, block: torch.Tensor) -> None:
+        """Adopt a call's output as the result where the plan says so and its dtype and layout allow."""
+        if (step, task) == self.plan.adopted and block.dtype == self.dtype and _token_major(block) is not None:
+            self.out = block
 
     def result(self, rows: Optional[tuple[int, int]] = None) -> torch.Tensor:
         """The result's rows ``rows`` (all of it for None), made zeroed where some row is never written."""
         if self.out is None:
-            self.out = _accumulator(self.like, self.shape, self.dtype, 0.0, self.plan.covered and self.started)
+            self.out = _accumulator(self.like, self.shape, self.dtype, 0.0, self.plan.covered)
         return self.out if rows is None else rows_of(self.out, rows)
 
     def sum(self, rows: tuple[int, int]) -> torch.Tensor:
@@ -248,18 +246,18 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPl
     qb = _bhsd(q)
     acc = accum_dtype(q.dtype)
     b, h, sq, _ = qb.shape
-    held = plan.results if sink is None else plan.sink_results
-    sums = _Sums(held, qb, (b, h, sq, v.shape[-1]), acc if held.through else q.dtype, acc)
+    results = plan.results if sink is None else plan.sink_results
+    sums = _Sums(results, qb, (b, h, sq, v.shape[-1]), acc if results.through else q.dtype, acc)
     lse: Optional[torch.Tensor] = None
     for step, kb, vb in plan.rotation.blocks(_bhsd(k), _bhsd(v)):
         t0 = trace.now()
         for i, t in enumerate(plan.tasks[step]):
             o, l = plan.kernel.forward(rows_of(qb, t.q), rows_of(kb, t.kv), rows_of(vb, t.kv), t.mask, plan.scale,
                                        plan.dropout(step, i))
+            sums.offer(step, i, o)
             if lse is None:
-                sums.start(o)
-                lse = l if _adopt_lse(l, sq, acc) else _accumulator(qb, (b, h, sq), acc, float("-inf"), held.covered)
-            for p in held.pieces[step][i]:
+                lse = l if _adopt_lse(l, sq, acc) else _accumulator(qb, (b, h, sq), acc, float("-inf"), results.covered)
+            for p in results.pieces[step][i]:
                 _forward_piece(p, t.q[0], o, l, sums, lse)
             sums.after(step, i, t.q[0], o, l)
         trace.record("forward_compute", step, t0)
@@ -294,8 +292,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
             gq, gk, gv = plan.kernel.backward(rows_of(dob, t.q), rows_of(qb, t.q), rows_of(kb, t.kv),
                                               rows_of(vb, t.kv), rows_of(ob, t.q), block_lse.rows(t.q), t.mask,
                                               plan.scale, plan.dropout(step, i))
-            if not sums.started:
-                sums.start(gq)
+            sums.offer(step, i, gq)
             for p in plan.results.pieces[step][i]:
                 _backward_piece(p, t.q[0], gq, sums)
             sums.after(step, i, t.q[0], gq)

@@ -59,10 +59,11 @@ def _role(k: int, n: int, through: bool) -> str:
 class ResultPlan:
     """Per step and task, the ``Piece`` s of its query run (``pieces[step][task]``, in row order).
 
-    ``covered``: every row is written by some block (the result needs no fill). ``adopt_first``: the first
-    call's query run is every row and some of it is that call's alone, so its output is the result itself
-    (a first call whose rows all go on to be summed is not kept past the sum's start: the result is made at
-    its first write, and what the call held costs no memory meanwhile). ``accumulator``: the rows
+    ``covered``: every row is written by some block (the result needs no fill). ``adopted``: the
+    ``(step, task)`` of the first call when its query run is every row and some of it is that call's alone,
+    so its output is the result itself; else None (a first call whose rows all go on to be summed is not
+    kept past the sum's start: the result is made at its first write, and what the call held costs no
+    memory meanwhile). ``accumulator``: the rows
     ``[a, b)`` the fp32 accumulator spans (None: no row meets three blocks, and not ``through``).
     ``releases[step][task]``: the held outputs (``(step, task)``) no call after this one reads; ``holders``:
     every held output's ``(step, task)``."""
@@ -70,7 +71,7 @@ class ResultPlan:
     pieces: tuple[tuple[tuple[Piece, ...], ...], ...]
     rows: int
     covered: bool
-    adopt_first: bool
+    adopted: Optional[tuple[int, int]]
     accumulator: Optional[tuple[int, int]]
     through: bool
     releases: tuple[tuple[tuple[tuple[int, int], ...], ...], ...]
@@ -109,10 +110,10 @@ class ResultPlan:
             releases[s][i].append(holder)
         summed = [seg for seg in segments if len(writers[seg]) >= (1 if through else 3)]
         accumulator = (0, rows) if through else (summed[0][0], summed[-1][1]) if summed else None
-        adopt_first = bool(order) and order[0][2] == (0, rows) and any(
-            p.role in (OWN, FIRST) for p in pieces[order[0][0]][order[0][1]])
+        adopted = order[0][:2] if order and order[0][2] == (0, rows) and any(
+            p.role in (OWN, FIRST) for p in pieces[order[0][0]][order[0][1]]) else None
         return cls(tuple(tuple(tuple(task) for task in step) for step in pieces), rows,
-                   all(writers[seg] for seg in segments), adopt_first, accumulator, through,
+                   all(writers[seg] for seg in segments), adopted, accumulator, through,
                    tuple(tuple(tuple(r) for r in step) for step in releases), frozenset(last_reader))
 
 

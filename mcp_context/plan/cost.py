@@ -87,7 +87,7 @@ class Accumulation:
     through: bool = False
 
     @classmethod
-    def of(cls, tasks: Sequence[Sequence[BlockTask]], q_rows: int, kv_rows: int) -> "Accumulation":
+    def of(cls, tasks: Sequence[Sequence[BlockTask]], kv_rows: int) -> "Accumulation":
         flat = [task for step in tasks for task in step]
         return cls(len(tasks) == 1 and len(flat) == 1 and flat[0].kv == (0, kv_rows),
                    len(tasks) == 1 and most_blocks_per_key(tasks) <= 2)
@@ -231,16 +231,14 @@ def step_compute(traffics: Sequence[RankTraffic], shape: RankShape, a2a_degree: 
     steps = len(traffics[0].tasks)
     fwd, bwd = [0.0] * steps, [0.0] * steps
     for tr in traffics:
-        held = accumulation or Accumulation.of(tr.tasks, tr.q_rows, tr.kv_rows)
+        held = accumulation or Accumulation.of(tr.tasks, tr.kv_rows)
         results = held.results(tr.tasks, tr.q_rows)
         first_keys = held.key_rows(tr.tasks, tr.kv_rows)[0]
-        first = next(((t, i) for t, tasks in enumerate(tr.tasks) for i, task in enumerate(tasks)
-                      if task.q[0] < task.q[1]), None)
         for t, tasks in enumerate(tr.tasks):
             f = b = 0.0
             for i, task in enumerate(tasks):
                 cf, cb = call_seconds(profile, task, per_pair)
-                adopted = results.adopt_first and (t, i) == first
+                adopted = (t, i) == results.adopted
                 bf, bb = task_bytes(task, results.pieces[t][i], adopted, first_keys[t][i], shape, heads, kv_heads,
                                     held)
                 f, b = f + cf + bf / bandwidth, b + cb + bb / bandwidth
@@ -259,7 +257,7 @@ def predict(shape: RankShape, a2a_degree: int, traffics: Sequence[RankTraffic], 
     c_fwd, c_bwd = step_compute(traffics, shape, a2a_degree, p)
     heads, kv_heads = shape.heads // a2a_degree, max(1, shape.kv_heads // a2a_degree)
     extra = max(layer_bytes(shape, heads, kv_heads, tr.tasks, tr.q_rows, tr.kv_rows,
-                            Accumulation.of(tr.tasks, tr.q_rows, tr.kv_rows), bool(tr.forward.get("ring_kv")))
+                            Accumulation.of(tr.tasks, tr.kv_rows), bool(tr.forward.get("ring_kv")))
                 for tr in traffics) / (p.memory_bandwidth_gbps * 1e9)
     c_bwd[-1] += extra  # the result copies and the dK/dV fill, once per layer (counted with the backward)
     steps = len(c_fwd)
