@@ -8,8 +8,8 @@ with no NaN, which is what a fully masked causal chunk needs.
 On CUDA the merge is one fused kernel (``torch.compile``): eager it is about ten elementwise kernels,
 0.98 ms for a ``[1, 32, 16384, 128]`` block on an H100 against 0.26 ms compiled (memory-bound floor
 0.23 ms). If compiling fails the eager form is used, with one warning naming the reason. The ring's
-backward adds each block's dK and dV into one packed fp32 accumulator the same way (``add_kv_``; a sum's
-first block, when it covers every row, is written instead of added to zeros: ``copy_kv_``).
+backward adds each block's dK and dV into one packed fp32 accumulator the same way (``add_kv_``; the rows a
+sum's first block writes are written instead of added to zeros: ``copy_kv_``, ``rotation.KeySums``).
 
 An attention sink (gpt-oss's learned softmax offset, or off-by-one's zero) is one more key per head
 with score ``s_h`` and a zero value: ``add_sink_`` merges it into the final result once
@@ -170,8 +170,9 @@ _copy_kv = _Fused(copy_kv_eager_, "dK/dV first write")
 
 
 def copy_kv_(dkv: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
-    """Write a block's ``dk``, ``dv`` into an unwritten packed accumulator ``dkv [b, h_kv, n, dqk + dv]`` (the
-    first block of a sum that covers all its rows): one fused kernel on CUDA, where a fill and an add were two."""
+    """Write a block's ``dk``, ``dv`` into unwritten rows of a packed accumulator ``dkv [b, h_kv, n, dqk + dv]``
+    (the rows a sum's first block writes, ``rotation.KeySums``): one fused kernel on CUDA, where a fill and
+    an add were two."""
     _copy_kv(dkv, dk, dv)
 
 
