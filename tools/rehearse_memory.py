@@ -51,9 +51,9 @@ def rank_step_peak(seq_len: int, cp: int, rank: int, heads: int, kv_heads: int, 
         n = int(round(math.sqrt(2 * step.useful_pairs)))
 
         def ring_step() -> None:
+            plan, kv_rows = step.walked()
             q, dout = (torch.empty(rows, 1, heads, head_dim, device=CUDA, dtype=dtype) for _ in range(2))
-            k, v = (torch.empty(rows, 1, kv_heads, head_dim, device=CUDA, dtype=dtype) for _ in range(2))
-            plan = step.ring_plan()
+            k, v = (torch.empty(kv_rows, 1, kv_heads, head_dim, device=CUDA, dtype=dtype) for _ in range(2))
             out, lse = ring_forward(q, k, v, plan)
             ring_backward(dout, q, k, v, out, lse, plan)
 
