@@ -57,4 +57,5 @@ def test_bench_attention_writes_the_jsonl_and_the_json(tmp_path):
     summary = json.loads((tmp_path / "bench_attention_p2.json").read_text())
     row = summary["device"][0]["rank_schedule"][0]
     assert row["fwd_bwd"]["efficiency"] > 0
+    assert row["fwd_bwd"]["side_stream_gain"] > 0 and len(row["fwd_bwd"]["in_order_s"]) == 1  # on CPU both in order
     assert row["comm"] == "p2p" and row["harness"] == HARNESS == 2  # the ring walked over the rank's own K/V

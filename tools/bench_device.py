@@ -1,6 +1,7 @@
 """Device part of ``tools/bench_attention.py``: block kernels side by side, and one rank's step of each
 scheme on one device (a ring walked as its member walks it, the other kinds over the K/V their collectives
-deliver, laid out locally: ``tools/rank_step.py``) against two fused
+deliver, laid out locally: ``tools/rank_step.py``; also in order, with no side stream: ``side_stream_gain`` is
+the in-order time over the step's) against two fused
 baselines: one SDPA call of equal useful FLOPs (ours, the strict one), and one at the per-rank length
 ``S / P`` (ring-flash-attention's, so our figures sit beside published ones). The transfers a scheme
 needs are not run on one GPU: their bytes and the time they take at stated link rates (``LINKS_GBPS``)
@@ -201,6 +202,7 @@ def _equal_len(pairs: int) -> int:
 def _schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int) -> None:
     """Fill ``row`` with rank 0's step of ``row["comm"]`` against two fused baselines: one SDPA call of
     equal useful FLOPs (ours) and one at the per-rank length ``S / P`` (ring-flash-attention's)."""
+    from mcp_context.algorithms import streams
     from mcp_context.algorithms.executor import RingAttention
     from mcp_context.masks import CAUSAL
     from tools.rank_step import HARNESS, rank_step, transfer_bytes
@@ -227,6 +229,10 @@ def _schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int) -> N
         if backward:
             out.backward(do)
 
+    def in_order(backward):  # the same step with the work after each call on the calls' own stream
+        with streams.inline():
+            rank_step_call(backward)
+
     def fused(name, backward):
         qe, ke, ve, doe, _ = baselines[name]
         out = F.scaled_dot_product_attention(qe, ke, ve, is_causal=True, enable_gqa=h != hk)
@@ -237,10 +243,13 @@ def _schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int) -> N
     for label, backward, factor in (("fwd", False, 1.0), ("fwd_bwd", True, 3.5)):
         flops = 4 * b * step.heads * d * pairs * factor
         calls = {"ours": lambda backward=backward: rank_step_call(backward),
+                 "in_order": lambda backward=backward: in_order(backward),
                  "fused": lambda backward=backward: fused("fused", backward),
                  "fused_per_rank": lambda backward=backward: fused("fused_per_rank", backward)}
         t = _interleaved_seconds(calls, device, reps)
-        res = {"ours_s": t["ours"], "ours_tflops": flops / statistics.median(t["ours"]) / 1e12}
+        res = {"ours_s": t["ours"], "ours_tflops": flops / statistics.median(t["ours"]) / 1e12,
+               "in_order_s": t["in_order"], "side_stream_gain": statistics.median(
+                   o / a for o, a in zip(t["in_order"], t["ours"]))}
         for name in ("fused", "fused_per_rank"):
             n = baselines[name][-1]
             base_flops = 4 * b * h * d * n * (n + 1) // 2 * factor
@@ -258,6 +267,7 @@ def _schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int) -> N
         row[label] = res
         print(f"  P={world} {comm:15} {label:8}: {res['ours_tflops']:5.0f} TFLOP/s, {res['efficiency']:.2f} of fused "
               f"({res['fused_tflops']:.0f}), {res['efficiency_vs_per_rank']:.2f} of fused at S/P "
-              f"({res['fused_per_rank_tflops']:.0f}); {step.calls} calls; transfers "
+              f"({res['fused_per_rank_tflops']:.0f}); side stream x{res['side_stream_gain']:.3f}; {step.calls} calls; "
+              f"transfers "
               f"{nbytes / 2**20:.0f} MiB = {res['modelled_transfer_s']['nvlink'] * 1e3:.2f} ms NVLink, "
               f"{res['modelled_transfer_s']['network'] * 1e3:.2f} ms network", flush=True)

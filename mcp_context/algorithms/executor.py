@@ -9,6 +9,8 @@ runs through this loop with a different rotation. Kernels read ``[b, h, s, d]`` 
 ``[s, b, h, d]`` inputs (no layout copies) and take GQA natively where they can. Keys and values
 keep their own head dims (MLA: ``dqk != dv``). An attention sink (softmax offset) is merged once
 into the final ``(out, lse)``, so every block's backward already sees sink-normalised probabilities.
+On a CUDA device the work after each call (merges, dQ sums) runs on a second stream while the next call
+computes (``streams``); dK/dV sums stay on the calls' stream, which sends them on.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from ..schedule import BlockTask
 from .. import trace
 from .results import FIRST, HOLD, LAST, MERGE, OWN, PAIR, PAIR_LAST, Piece, ResultPlan, most_blocks_per_key
 from .rotation import Rotation, rows_of
+from .streams import streams_for
 
 
 @dataclass(frozen=True)
@@ -174,7 +177,7 @@ class _Sums:
             self.out = _accumulator(self.like, self.shape, self.dtype, 0.0, self.plan.covered)
         return self.out if rows is None else rows_of(self.out, rows)
 
-    def sum(self, rows: tuple[int, int]) -> torch.Tensor:
+    def _accumulator(self) -> torch.Tensor:
         if self.acc is None:
             span = self.plan.accumulator
             if span is None or self.dtype == self.acc_dtype:
@@ -183,7 +186,19 @@ class _Sums:
                 b, h, _, d = self.shape
                 self.acc = _accumulator(self.like, (b, h, span[1] - span[0], d), self.acc_dtype, 0.0, True)
                 self.base = span[0]
-        return rows_of(self.acc, (rows[0] - self.base, rows[1] - self.base))
+        return self.acc
+
+    def sum(self, rows: tuple[int, int]) -> torch.Tensor:
+        return rows_of(self._accumulator(), (rows[0] - self.base, rows[1] - self.base))
+
+    def ready(self, pieces: Sequence[Piece]) -> None:
+        """Make the buffers ``pieces`` write, on the current (main) stream (``streams``: what the side
+        stream writes is never allocated there)."""
+        for p in pieces:
+            if p.role in (OWN, FIRST, PAIR_LAST, LAST):
+                self.result()
+            if p.role in (PAIR, MERGE, LAST):
+                self._accumulator()
 
     def held_rows(self, key: tuple[int, int], rows: tuple[int, int]) -> tuple[torch.Tensor, ...]:
         q0, blocks = self.held[key]
@@ -249,6 +264,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPl
     results = plan.results if sink is None else plan.sink_results
     sums = _Sums(results, qb, (b, h, sq, v.shape[-1]), acc if results.through else q.dtype, acc)
     lse: Optional[torch.Tensor] = None
+    streams = streams_for(qb)
     for step, kb, vb in plan.rotation.blocks(_bhsd(k), _bhsd(v)):
         t0 = trace.now()
         for i, t in enumerate(plan.tasks[step]):
@@ -257,10 +273,14 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPl
             sums.offer(step, i, o)
             if lse is None:
                 lse = l if _adopt_lse(l, sq, acc) else _accumulator(qb, (b, h, sq), acc, float("-inf"), results.covered)
-            for p in results.pieces[step][i]:
-                _forward_piece(p, t.q[0], o, l, sums, lse)
+            pieces = results.pieces[step][i]
+            sums.ready(pieces)
+            with streams.after(o, l):
+                for p in pieces:
+                    _forward_piece(p, t.q[0], o, l, sums, lse)
             sums.after(step, i, t.q[0], o, l)
         trace.record("forward_compute", step, t0)
+    streams.join()
     if lse is None:  # no task at all (every row masked): zeros, lse -inf
         lse = qb.new_full((b, h, sq), float("-inf"), dtype=acc)
     if sink is not None:
@@ -286,6 +306,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     sums = _Sums(plan.results, qb, tuple(qb.shape), q.dtype, accum_dtype(q.dtype))
     kb_all, vb_all = _bhsd(k), _bhsd(v)
     grads = plan.rotation.gradients(kb_all, vb_all, plan.kv_dtype(k.dtype))
+    streams = streams_for(qb)
     for step, kb, vb in grads.blocks(kb_all, vb_all):
         t0 = trace.now()
         for i, t in enumerate(plan.tasks[step]):
@@ -293,13 +314,17 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                                               rows_of(vb, t.kv), rows_of(ob, t.q), block_lse.rows(t.q), t.mask,
                                               plan.scale, plan.dropout(step, i))
             sums.offer(step, i, gq)
-            for p in plan.results.pieces[step][i]:
-                _backward_piece(p, t.q[0], gq, sums)
+            pieces = plan.results.pieces[step][i]
+            sums.ready(pieces)
+            with streams.after(gq):
+                for p in pieces:
+                    _backward_piece(p, t.q[0], gq, sums)
             sums.after(step, i, t.q[0], gq)
             grads.add(step, t.kv, gk, gv)
         trace.record("backward_compute", step, t0)
         grads.done(step)
         del kb, vb  # the walk frees a shard's message once it is sent, not when the next one arrives
+    streams.join()
     dk, dv = grads.result()
     dsink = None if sink is None else sink_grad(dob, ob, finite_lse_for_backward(lse), sink).to(sink.dtype)
     return _sbhd(sums.result(), q.dtype), _sbhd_view(dk, k.dtype), _sbhd_view(dv, v.dtype), dsink

@@ -1,0 +1,121 @@
+"""The second CUDA stream of the executor (``algorithms/streams.py``): the rules that keep its overlap exact,
+checked on CPU where they can be (what runs inside the side stream's scope), and on a GPU the overlap itself
+against the same step run in order, with the side stream held back so a missed wait shows."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from mcp_context.algorithms import executor, streams
+from mcp_context.algorithms.executor import RingPlan, ring_backward, ring_forward
+from mcp_context.algorithms.rotation import LocalRotation
+from mcp_context.kernels.math import MathKernel
+from mcp_context.masks import CAUSAL
+from tools.rank_step import rank_step
+
+from tests.test_results import ROWS, TASKS
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+class _Scoped(streams.Inline):
+    """In order, as on CPU, but knows when the executor is inside a side-stream scope."""
+
+    def __init__(self):
+        self.inside = False
+        self.scopes = 0
+
+    @contextlib.contextmanager
+    def after(self, *outputs):
+        self.inside, self.scopes = True, self.scopes + 1
+        try:
+            yield
+        finally:
+            self.inside = False
+
+
+def test_cpu_and_fake_cuda_tensors_run_in_order():
+    assert isinstance(streams.streams_for(torch.zeros(1)), streams.Inline)
+    with FakeTensorMode():
+        fake = torch.empty(1, device="cuda")
+    assert isinstance(streams.streams_for(fake), streams.Inline)
+
+
+@pytest.mark.parametrize("comm,rank", [("every_role", 0), ("p2p", 0), ("p2p", 3), ("all_gather", 5), ("a2a+p2p", 2)])
+def test_no_result_or_accumulator_is_made_inside_the_side_stream_scope(monkeypatch, comm, rank):
+    """Every buffer the side stream writes (the result, the fp32 accumulator, the lse) is made before its
+    scope is entered, on the main stream: one made inside would belong to the side stream's memory pool and
+    be handed back there while the main stream still reads it. Checked for every role (test_results' plan)
+    and for ring, all-gather and hierarchical members, forward and backward; the results are still exact."""
+    scoped = _Scoped()
+    made_inside = []
+    make = executor._accumulator
+
+    def accumulator(*args, **kwargs):
+        made_inside.append(scoped.inside)
+        return make(*args, **kwargs)
+
+    monkeypatch.setattr(executor, "_accumulator", accumulator)
+    monkeypatch.setattr(executor, "streams_for", lambda x: scoped)
+    if comm == "every_role":
+        plan, q_rows, kv_rows, heads, kv_heads = (RingPlan.build(TASKS, LocalRotation(0, 2), MathKernel(), 0.25, ROWS),
+                                                  ROWS, ROWS, 4, 2)
+    else:
+        step = rank_step(comm, 8, 256, CAUSAL, MathKernel(), 8, 2, 16, rank=rank)
+        plan, q_rows, kv_rows, heads, kv_heads = step.plan, step.q_rows, step.kv_rows, step.heads, step.kv_heads
+    g = torch.Generator().manual_seed(1)
+    q, dout = (torch.randn(q_rows, 1, heads, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(kv_rows, 1, kv_heads, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    out, lse = ring_forward(q, k, v, plan)
+    grads = ring_backward(dout, q, k, v, out, lse, plan)
+    assert scoped.scopes > 0 and made_inside and not any(made_inside), made_inside
+    with monkeypatch.context() as m:  # the same step with the executor's own (in-order) streams
+        m.setattr(executor, "streams_for", streams.streams_for)
+        o2, l2 = ring_forward(q, k, v, plan)
+        g2 = ring_backward(dout, q, k, v, o2, l2, plan)
+    for a, b in zip((out, lse, *grads[:3]), (o2, l2, *g2[:3])):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (a second CUDA stream)")
+@pytest.mark.parametrize("rank", [0, 3, 7])
+def test_on_cuda_the_side_stream_gives_the_in_order_results(monkeypatch, rank):
+    """A P = 8 zigzag member at 32K (Llama-3-8B heads, bf16, cuDNN, compiled merges), its side stream held
+    back ~1 ms before each call's work (``torch.cuda._sleep``), so a wait the executor missed, or memory the
+    allocator handed on too early, changes the numbers: the forward equals the in-order run bit for bit (the
+    same kernels on the same inputs), the gradients agree with it within bf16's rounding (cuDNN's backward
+    sums dQ in an unspecified order) and with the fp64 math kernel within 2e-2. Not yet run on a GPU (none
+    in the session that wrote it)."""
+    from mcp_context.kernels.torch_sdpa import FUSED_OPS, TorchKernel
+
+    kernel = TorchKernel(FUSED_OPS["cudnn"])
+    step = rank_step("p2p", 8, 32768, CAUSAL, kernel, 32, 8, 128, rank=rank)
+    plan, kv_rows = step.walked()
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    q, dout = (torch.randn(step.q_rows, 1, 32, 128, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(kv_rows, 1, 8, 128, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    after = streams.SideStream.after
+
+    def late(self, *outputs):
+        scope = after(self, *outputs)
+        with torch.cuda.stream(self.side):
+            torch.cuda._sleep(1_000_000)  # ~0.5-1 ms of the side stream spinning
+        return scope
+
+    def run(p):
+        o, l = ring_forward(q, k, v, p)
+        return [o, l, *ring_backward(dout, q, k, v, o, l, p)[:3]]
+
+    with streams.inline():
+        want = run(plan)
+    with monkeypatch.context() as m:
+        m.setattr(streams.SideStream, "after", late)
+        got = run(plan)
+    torch.cuda.synchronize()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for name, a, b in zip(("dq", "dk", "dv"), got[2:], want[2:]):
+        err = ((a.double() - b.double()).abs() / b.double().abs().clamp(min=1)).max().item()
+        assert err <= 2e-2, (name, err)
