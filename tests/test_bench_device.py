@@ -59,3 +59,24 @@ def test_bench_attention_writes_the_jsonl_and_the_json(tmp_path):
     assert row["fwd_bwd"]["efficiency"] > 0
     assert row["fwd_bwd"]["side_stream_gain"] > 0 and len(row["fwd_bwd"]["in_order_s"]) == 1  # on CPU both in order
     assert row["comm"] == "p2p" and row["harness"] == HARNESS == 2  # the ring walked over the rank's own K/V
+
+
+def test_bench_picks_times_each_pick_with_its_own_hierarchy_and_skips_what_is_over_the_budget(tmp_path):
+    """tools/bench_picks.py on CPU (a smoke run): each grid cell's pick runs with the pick's hierarchy
+    ([4, 2] is an all-to-all over 4, not the benchmark's default 2), its efficiency beside the predicted
+    one; a cell over --max-tflop is listed as skipped with the reason."""
+    from tools.bench_picks import main as picks_main
+
+    cell = {"model": "llama3_8b", "fused_equal_flops_ms": 1.0, "compute_ms": 1.25, "efficiency": 0.7}
+    rows = [dict(cell, seq_len=256, cp=8, pick="cp4x2 a2a+p2p zigzag", comm="a2a+p2p", sizes=[4, 2]),
+            dict(cell, seq_len=256, cp=8, pick="cp8 p2p zigzag", comm="p2p", sizes=[8]),
+            dict(cell, seq_len=1048576, cp=8, pick="cp8 all_gather zigzag", comm="all_gather", sizes=[8])]
+    grid = tmp_path / "grid.json"
+    grid.write_text(json.dumps({"profile": "test", "rows": rows}))
+    out = tmp_path / "picks.jsonl"
+    assert picks_main(["--grid", str(grid), "--device", "cpu", "--reps", "1", "--out", str(out)]) == 0
+    picks = [r for r in _lines(out) if r["part"] == "pick"]
+    assert [r["sizes"] for r in picks] == [[4, 2], [8], [8]]
+    assert picks[0]["step"]["sizes"] == [4, 2] and picks[0]["step"]["heads_on_rank"] == 8  # 32 heads over 4
+    assert all(r["efficiency"] > 0 and r["predicted_compute_efficiency"] == 0.8 for r in picks[:2])
+    assert "skipped" in picks[2] and "over --max-tflop" in picks[2]["skipped"] and "efficiency" not in picks[2]

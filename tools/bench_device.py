@@ -178,7 +178,7 @@ def device_benchmarks(device: torch.device, shape: Shape, world_sizes, reps: int
         for comm in schemes:
             row = {"world_size": world, "comm": comm, "rank": 0, "kernel": kernel.name}
             try:
-                _schedule_row(row, device, kernel, rand, shape, reps)
+                schedule_row(row, device, kernel, rand, shape, reps)
             except RuntimeError as err:
                 if (reason := _out_of_memory(err)) is None:
                     raise
@@ -199,9 +199,10 @@ def _equal_len(pairs: int) -> int:
     return round((math.sqrt(8 * pairs + 1) - 1) / 2)
 
 
-def _schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int) -> None:
+def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner: Optional[int] = None) -> None:
     """Fill ``row`` with rank 0's step of ``row["comm"]`` against two fused baselines: one SDPA call of
-    equal useful FLOPs (ours) and one at the per-rank length ``S / P`` (ring-flash-attention's)."""
+    equal useful FLOPs (ours) and one at the per-rank length ``S / P`` (ring-flash-attention's). ``inner``:
+    the all-to-all degree of a hierarchical scheme (default 2 for an even P)."""
     from mcp_context.algorithms import streams
     from mcp_context.algorithms.executor import RingAttention
     from mcp_context.masks import CAUSAL
@@ -209,7 +210,7 @@ def _schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int) -> N
 
     b, h, hk, d = shape.batch, shape.heads, shape.kv_heads, shape.head_dim
     world, comm = row["world_size"], row["comm"]
-    inner = 2 if world % 2 == 0 else 1
+    inner = (2 if world % 2 == 0 else 1) if inner is None else inner
     step = rank_step(comm, world, shape.seq_len, CAUSAL, kernel, h, hk, d, inner)
     plan, kv_rows = step.walked()  # a ring as its member walks it: its own K/V, messages, no all-member buffer
     pairs = step.useful_pairs

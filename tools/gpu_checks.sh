@@ -6,7 +6,8 @@
 #   3. a representative subset of the member-schedule cases (P = 4, 8, 16; ring and a2a+p2p; bf16, fp16)
 #   4. the benchmark at S = 32K and 128K, P = 8, every scheme, Llama-3-8B heads (32/8, d = 128), bf16, then
 #      one profiled step of each scheme at 32K (what tools/calibrate_profile.py refits the planner's step
-#      bandwidth and call overhead from, with the benchmark's JSON)
+#      bandwidth and call overhead from, with the benchmark's JSON), then the planner's pick at each cell of
+#      its grid (tools/bench_picks.py: S = 32K and 128K, P = 8, 16, 64, both models; 1M is over the budget)
 #   5. a 30-step bf16 pretrain of the tiny recipe on one GPU (CP 1), then its first and last loss
 #   6. the whole suite as a GPU user's pytest runs it: the CPU tests with CUDA present (pytest -n, half
 #      the cores, when pytest-xdist is installed), up to 10 minutes; SUITE=0 leaves it out (a device loan of
@@ -17,7 +18,7 @@
 # PYTHONPATH, so the package runs from this checkout and a megatron-core installed elsewhere (pip
 # --target) stays importable. Each step writes its log to RESULTS_DIR/<step>.log as it runs and one
 # line to RESULTS_DIR/summary.jsonl when it ends (rc 124: it hit its timeout). The timeouts of steps
-# 1-5 add up to 555 s, inside 10 minutes; step 6 has 600 s of its own. On an H200 (2026-11-26) the
+# 1-5 add up to 595 s, inside 10 minutes; step 6 has 600 s of its own. On an H200 (2026-11-26) the
 # benchmark of every scheme at 32K and 128K, P = 8, took about 50 s and the GPU tests with 13 member
 # cases about 2 minutes. The refit, after it:
 #   python tools/calibrate_profile.py --profile h200_nvlink_ib --rates RESULTS_DIR/profile.jsonl \
@@ -57,15 +58,17 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run it, log it, record rc and second
 step 1_kernel_report 45 "$PYTHON" -m mcp_context.kernels
 step 2_gpu_tests 150 "$PYTHON" -m pytest -q -rs tests/test_gpu.py tests/test_kernels.py tests/test_direct_results.py \
     tests/test_results.py tests/test_streams.py
-step 3_member_schedules 90 "$PYTHON" -m pytest -q -rs tests/test_member_schedules.py -k \
+step 3_member_schedules 60 "$PYTHON" -m pytest -q -rs tests/test_member_schedules.py -k \
     "on_cuda and (P4-contiguous-ring-full-hkv1 or P8-zigzag-ring-causal-hkv8 or P8-striped-a2a+p2p-full-hkv2 \
 or P16-zigzag-ring-causal-hkv2)"
-step 4_benchmark 110 "$PYTHON" tools/bench_attention.py --no-cpu --device-bench cuda --heads 32 --kv-heads 8 \
+step 4_benchmark 90 "$PYTHON" tools/bench_attention.py --no-cpu --device-bench cuda --heads 32 --kv-heads 8 \
     --head-dim 128 --device-seq-lens 32768 131072 --world-sizes 8 --reps 3 --out "$RESULTS/bench" --tag gpu_checks \
     --device-schemes p2p all_gather a2a a2a+p2p a2a+all_gather
 step 4_profile 60 "$PYTHON" tools/kernel_rates.py --parts profile --profile-seq-lens 32768 --cp 8 \
     --out "$RESULTS/profile.jsonl"
-step 5_pretrain_bf16 90 "$PYTHON" -m torch.distributed.run --nproc-per-node 1 -m mcp_context.pretrain \
+step 4_picks 100 "$PYTHON" tools/bench_picks.py --grid docs/img/plan_grid_h200.json --max-tflop 150 --reps 3 \
+    --out "$RESULTS/picks.jsonl"
+step 5_pretrain_bf16 80 "$PYTHON" -m torch.distributed.run --nproc-per-node 1 -m mcp_context.pretrain \
     --recipe recipes/tiny_cpu.yaml --run-dir "$RESULTS/pretrain" --restart model.context_parallel_size=1 \
     model.hierarchical_context_parallel_sizes=null model.cp_comm_type=p2p model.bf16=true \
     model.params_dtype=bfloat16 train.world_size=1 train.device=cuda train.steps=30 train.eval_interval=30 \
