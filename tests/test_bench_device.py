@@ -57,7 +57,7 @@ def test_bench_attention_writes_the_jsonl_and_the_json(tmp_path):
     summary = json.loads((tmp_path / "bench_attention_p2.json").read_text())
     row = summary["device"][0]["rank_schedule"][0]
     assert row["fwd_bwd"]["efficiency"] > 0
-    assert row["fwd_bwd"]["side_stream_gain"] > 0 and len(row["fwd_bwd"]["in_order_s"]) == 1  # on CPU both in order
+    assert "side_stream_gain" not in row["fwd_bwd"]  # on CPU the step runs in order: nothing to compare
     assert row["comm"] == "p2p" and row["harness"] == HARNESS == 2  # the ring walked over the rank's own K/V
 
 

@@ -1,7 +1,7 @@
 """Device part of ``tools/bench_attention.py``: block kernels side by side, and one rank's step of each
 scheme on one device (a ring walked as its member walks it, the other kinds over the K/V their collectives
-deliver, laid out locally: ``tools/rank_step.py``; also in order, with no side stream: ``side_stream_gain`` is
-the in-order time over the step's) against two fused
+deliver, laid out locally: ``tools/rank_step.py``; on a GPU also in order, with no side stream:
+``side_stream_gain`` is the in-order time over the step's) against two fused
 baselines: one SDPA call of equal useful FLOPs (ours, the strict one), and one at the per-rank length
 ``S / P`` (ring-flash-attention's, so our figures sit beside published ones). The transfers a scheme
 needs are not run on one GPU: their bytes and the time they take at stated link rates (``LINKS_GBPS``)
@@ -244,13 +244,15 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
     for label, backward, factor in (("fwd", False, 1.0), ("fwd_bwd", True, 3.5)):
         flops = 4 * b * step.heads * d * pairs * factor
         calls = {"ours": lambda backward=backward: rank_step_call(backward),
-                 "in_order": lambda backward=backward: in_order(backward),
                  "fused": lambda backward=backward: fused("fused", backward),
                  "fused_per_rank": lambda backward=backward: fused("fused_per_rank", backward)}
+        if device.type == "cuda":  # elsewhere the step runs in order anyway
+            calls["in_order"] = lambda backward=backward: in_order(backward)
         t = _interleaved_seconds(calls, device, reps)
-        res = {"ours_s": t["ours"], "ours_tflops": flops / statistics.median(t["ours"]) / 1e12,
-               "in_order_s": t["in_order"], "side_stream_gain": statistics.median(
-                   o / a for o, a in zip(t["in_order"], t["ours"]))}
+        res = {"ours_s": t["ours"], "ours_tflops": flops / statistics.median(t["ours"]) / 1e12}
+        if "in_order" in t:
+            res.update(in_order_s=t["in_order"],
+                       side_stream_gain=statistics.median(o / a for o, a in zip(t["in_order"], t["ours"])))
         for name in ("fused", "fused_per_rank"):
             n = baselines[name][-1]
             base_flops = 4 * b * h * d * n * (n + 1) // 2 * factor
@@ -263,12 +265,15 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
         res["modelled_transfer_s"] = {link: nbytes / (rate * 1e9) for link, rate in LINKS_GBPS.items()}
         res["ours_peak_bytes"] = _peak_bytes(calls["ours"], device)
         res["fused_peak_bytes"] = _peak_bytes(calls["fused"], device)
+        if "in_order" in calls:  # what holding a call's output until the side stream has read it costs
+            res["in_order_peak_bytes"] = _peak_bytes(calls["in_order"], device)
         if res["fused_peak_bytes"]:
             res["memory_ratio"] = res["ours_peak_bytes"] / res["fused_peak_bytes"]
         row[label] = res
         print(f"  P={world} {comm:15} {label:8}: {res['ours_tflops']:5.0f} TFLOP/s, {res['efficiency']:.2f} of fused "
               f"({res['fused_tflops']:.0f}), {res['efficiency_vs_per_rank']:.2f} of fused at S/P "
-              f"({res['fused_per_rank_tflops']:.0f}); side stream x{res['side_stream_gain']:.3f}; {step.calls} calls; "
-              f"transfers "
+              f"({res['fused_per_rank_tflops']:.0f}); "
+              + (f"side stream x{res['side_stream_gain']:.3f}; " if "side_stream_gain" in res else "")
+              + f"{step.calls} calls; transfers "
               f"{nbytes / 2**20:.0f} MiB = {res['modelled_transfer_s']['nvlink'] * 1e3:.2f} ms NVLink, "
               f"{res['modelled_transfer_s']['network'] * 1e3:.2f} ms network", flush=True)
