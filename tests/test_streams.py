@@ -86,20 +86,24 @@ def test_on_cuda_the_side_stream_gives_the_in_order_results(monkeypatch, rank):
     """A P = 8 zigzag member at 32K (Llama-3-8B heads, bf16, cuDNN, compiled merges), its side stream held
     back ~1 ms before each call's work (``torch.cuda._sleep``), so a wait the executor missed, or memory the
     allocator handed on too early, changes the numbers: the forward equals the in-order run bit for bit (the
-    same kernels on the same inputs), the gradients agree with it within bf16's rounding (cuDNN's backward
-    sums dQ in an unspecified order) and with the fp64 math kernel within 2e-2. Not yet run on a GPU (none
-    in the session that wrote it)."""
+    same kernels on the same inputs), the gradients agree with it within 2e-2 x max(1, |g|) (cuDNN's backward
+    may sum dQ in another order; a missed wait leaves whole rows wrong, far outside that). The in-order run
+    is checked against fp64 attention in tests/test_results.py. Not yet run on a GPU (none in the session
+    that wrote it)."""
     from mcp_context.kernels.torch_sdpa import FUSED_OPS, TorchKernel
 
     kernel = TorchKernel(FUSED_OPS["cudnn"])
     step = rank_step("p2p", 8, 32768, CAUSAL, kernel, 32, 8, 128, rank=rank)
-    plan, kv_rows = step.walked()
+    plan, kv_rows = step.plan, step.kv_rows  # every member's K/V here (a walked ring receives no numbers)
     g = torch.Generator(device="cuda").manual_seed(rank)
     q, dout = (torch.randn(step.q_rows, 1, 32, 128, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(kv_rows, 1, 8, 128, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
     after = streams.SideStream.after
 
+    held_back = []
+
     def late(self, *outputs):
+        held_back.append(len(outputs))
         scope = after(self, *outputs)
         with torch.cuda.stream(self.side):
             torch.cuda._sleep(1_000_000)  # ~0.5-1 ms of the side stream spinning
@@ -115,6 +119,8 @@ def test_on_cuda_the_side_stream_gives_the_in_order_results(monkeypatch, rank):
         m.setattr(streams.SideStream, "after", late)
         got = run(plan)
     torch.cuda.synchronize()
+    assert len(held_back) == 2 * step.calls  # every call's work went through the side stream
+    assert all(x.isfinite().all() for x in got[:1] + got[2:])
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     for name, a, b in zip(("dq", "dk", "dv"), got[2:], want[2:]):
         err = ((a.double() - b.double()).abs() / b.double().abs().clamp(min=1)).max().item()
