@@ -206,7 +206,8 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
     from mcp_context.algorithms import streams
     from mcp_context.algorithms.executor import RingAttention
     from mcp_context.masks import CAUSAL
-    from tools.rank_step import HARNESS, rank_step, transfer_bytes
+    from mcp_context.algorithms.packing import unpacked
+    from tools.rank_step import HARNESS, kv_inputs, rank_step, transfer_bytes
 
     b, h, hk, d = shape.batch, shape.heads, shape.kv_heads, shape.head_dim
     world, comm = row["world_size"], row["comm"]
@@ -218,7 +219,8 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
     row.update(sizes=list(step.sizes), heads_on_rank=step.heads, attention_calls=step.calls, useful_pairs=pairs,
                equal_flops_causal_len=s_eq, per_rank_len=s_rank, harness=HARNESS)
     ql = rand(step.q_rows, b, step.heads, d).requires_grad_()
-    kl, vl = (rand(kv_rows, b, step.kv_heads, d).requires_grad_() for _ in range(2))  # K/V as the rank holds them
+    kl, vl = kv_inputs(step, lambda dims: rand(kv_rows, b, step.kv_heads, dims).requires_grad_(), d,
+                       unpacked)  # K/V as the rank holds them: packed where a collective moved them
     do = rand(step.q_rows, b, step.heads, d)
     baselines = {}
     for name, n in (("fused", s_eq), ("fused_per_rank", s_rank)):

@@ -64,7 +64,8 @@ def _profile(sink, seq_len: int, cp: int, heads: int, kv_heads: int, d: int) -> 
     from torch.profiler import ProfilerActivity, profile
 
     from mcp_context.algorithms.executor import RingAttention
-    from tools.rank_step import HARNESS, SCHEMES, rank_step
+    from mcp_context.algorithms.packing import unpacked
+    from tools.rank_step import HARNESS, SCHEMES, kv_inputs, rank_step
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
     kernel = get_kernel("auto", dev, dtype, head_dim=d)
@@ -72,8 +73,8 @@ def _profile(sink, seq_len: int, cp: int, heads: int, kv_heads: int, d: int) -> 
         step = rank_step(comm, cp, seq_len, CAUSAL, kernel, heads, kv_heads, d)
         plan, kv_rows = step.walked()
         q = torch.randn(step.q_rows, 1, step.heads, d, device=dev, dtype=dtype, requires_grad=True)
-        k, v = (torch.randn(kv_rows, 1, step.kv_heads, d, device=dev, dtype=dtype, requires_grad=True)
-                for _ in range(2))
+        k, v = kv_inputs(step, lambda dims: torch.randn(kv_rows, 1, step.kv_heads, dims, device=dev, dtype=dtype,
+                                                        requires_grad=True), d, unpacked)
         do = torch.randn_like(q)
 
         def run(plan=plan):

@@ -22,20 +22,22 @@ time is modelled from the bytes at stated link rates (``transfer_bytes``). Timed
 K/V, through ``RingRotation`` with transfers that move nothing (``NoWireExchange``): its messages are
 packed, received into fresh buffers (whose contents are left as allocated: a one-GPU timing reads them
 like any data) and handed on as on the wire, and its dK/dV sums travel in them, with no buffer over every
-member's rows. ``HARNESS`` names this in what the timing tools write.
+member's rows. The schemes whose K/V cross a collective hand the executor K and V as the columns of one
+packed tensor, as ``Scheme.run`` does (``kv_inputs``). ``HARNESS`` names this in what the timing tools write.
 """
 from __future__ import annotations
 
 import os
 import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mcp_context.algorithms.executor import RingPlan  # noqa: E402
+from mcp_context.algorithms.packing import split_kv  # noqa: E402
 from mcp_context.algorithms.rotation import LocalRotation, RingRotation  # noqa: E402
 from mcp_context.cp_rules import a2a_degree, comm_rule  # noqa: E402
 from mcp_context.kernels import Kernel  # noqa: E402
@@ -85,6 +87,7 @@ class RankStep:
     useful_pairs: int
     gathered: bool   # K/V in position order (all_gather kinds), else member order
     ring_size: int   # members of the ring (1: a ring of one)
+    packed_kv: bool  # K/V reach the executor as the columns of one packed tensor (moved by a collective)
 
     @property
     def calls(self) -> int:
@@ -130,8 +133,19 @@ def rank_step(comm: str, cp: int, seq_len: int, mask: Mask, kernel: Kernel, head
     else:
         tasks, rotation = schedule.tasks[member], LocalRotation(member, ring)
     plan = RingPlan.build(tasks, rotation, kernel, head_dim ** -0.5, rows)
+    moved = degree > 1 or (comm_rule(comm).kv == "gather" and ring > 1)  # Scheme.run packs K/V for these
     return RankStep(comm, sizes, member, plan, heads // degree, max(1, kv_heads // degree), rows, seq_len,
-                    schedule.useful_pairs()[member], gathered, ring)
+                    schedule.useful_pairs()[member], gathered, ring, moved)
+
+
+def kv_inputs(step: RankStep, make: Callable[[int], torch.Tensor], head_dim: int,
+              split: Callable = split_kv) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V as the rank's executor receives them: the two column ranges of one packed tensor
+    ``make(2 * head_dim)`` where the scheme moves them packed (``step.packed_kv``, as ``Scheme.run`` does),
+    else ``make(head_dim)`` twice. ``split``: ``packing.unpacked`` for a step autograd differentiates."""
+    if step.packed_kv:
+        return split(make(2 * head_dim), head_dim)
+    return make(head_dim), make(head_dim)
 
 
 def transfer_bytes(comm: str, cp: int, seq_len: int, heads: int, kv_heads: int, head_dim: int,

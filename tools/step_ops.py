@@ -42,7 +42,7 @@ from mcp_context import merge  # noqa: E402
 from mcp_context.algorithms.executor import ring_backward, ring_forward  # noqa: E402
 from mcp_context.kernels.torch_sdpa import FUSED_OPS, TorchKernel  # noqa: E402
 from mcp_context.masks import CAUSAL, Mask  # noqa: E402
-from tools.rank_step import SCHEMES, rank_step  # noqa: E402
+from tools.rank_step import SCHEMES, kv_inputs, rank_step  # noqa: E402
 
 CUDA = torch.device("cuda")
 NO_KERNEL = frozenset({
@@ -166,7 +166,7 @@ def count_step(comm: str, seq_len: int, cp: int, heads: int = 32, kv_heads: int 
 
         plan, kv_rows = step.walked()
         q, dout = empty(step.q_rows, 1, step.heads, head_dim), empty(step.q_rows, 1, step.heads, head_dim)
-        k, v = empty(kv_rows, 1, step.kv_heads, head_dim), empty(kv_rows, 1, step.kv_heads, head_dim)
+        k, v = kv_inputs(step, lambda dims: empty(kv_rows, 1, step.kv_heads, dims), head_dim)
         ring_backward(dout, q, k, v, *ring_forward(q, k, v, plan), plan)  # warm: per-process constants
         with counting() as fwd:
             out, lse = ring_forward(q, k, v, plan)

@@ -24,6 +24,7 @@ from ..kernels import Dropout, Kernel, accum_dtype, finite_lse_for_backward
 from ..merge import add_pair_, add_sink_, merge_, merge_pair_, sink_grad
 from ..schedule import BlockTask
 from .. import trace
+from .packing import packed_columns, split_kv
 from .results import FIRST, HOLD, LAST, MERGE, OWN, PAIR, PAIR_LAST, Piece, ResultPlan, most_blocks_per_key
 from .rotation import Rotation, rows_of
 from .streams import streams_for
@@ -100,11 +101,24 @@ def _sbhd(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _sbhd_view(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x [b, h, s, d]`` as ``[s, b, h, d]``: a view when it is already in ``dtype`` (dK or dV as columns of a
-    token-major packed buffer: strided, not packed), else ``_sbhd``'s copy. For the gradients of K and V:
-    whatever reads them next copies anyway (the all-gather's reorder, a collective's ``contiguous``), so a
-    packing copy here would move every byte twice."""
+    """``x [b, h, s, d]`` as ``[s, b, h, d]``: a view when it is already in ``dtype``, else ``_sbhd``'s copy."""
     return x.permute(2, 0, 1, 3) if x.dtype == dtype else _sbhd(x, dtype)
+
+
+def _kv_results(dk: torch.Tensor, dv: torch.Tensor, k_dtype: torch.dtype, v_dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """dK, dV ``[b, h_kv, n, ...]`` as ``[s, b, h, d]`` in the inputs' dtypes. Where they are the columns of
+    the gradient walk's packed buffer they stay columns of one token-major buffer (strided views, no
+    packing copy: a packed move hands the buffer on as it is, ``packing.unpacked``), cast in one kernel
+    when the sums ran in fp32; else each as ``_sbhd_view`` gives it."""
+    both = packed_columns(dk.permute(2, 0, 1, 3), dv.permute(2, 0, 1, 3)) if k_dtype == v_dtype else None
+    if both is None:
+        return _sbhd_view(dk, k_dtype), _sbhd_view(dv, v_dtype)
+    if both.dtype != k_dtype:
+        cast = both.new_empty(both.shape, dtype=k_dtype)
+        _copy_(cast, both)
+        both = cast
+    return split_kv(both, dk.shape[-1])
 
 
 # Rows are taken with ``narrow`` (``rotation.rows_of``) and copied with the aten op: Python indexing,
@@ -327,7 +341,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     streams.join()
     dk, dv = grads.result()
     dsink = None if sink is None else sink_grad(dob, ob, finite_lse_for_backward(lse), sink).to(sink.dtype)
-    return _sbhd(sums.result(), q.dtype), _sbhd_view(dk, k.dtype), _sbhd_view(dv, v.dtype), dsink
+    return (_sbhd(sums.result(), q.dtype), *_kv_results(dk, dv, k.dtype, v.dtype), dsink)
 
 
 class RingAttention(torch.autograd.Function):

@@ -23,7 +23,8 @@ from torch.distributed import ProcessGroup
 from ..comm.primitives import PeerExchange, PendingExchange
 from ..schedule import Schedule
 from ..merge import add_kv_
-from .rotation import bhsd, pack_kv, rows_of, split_kv
+from .packing import pack_kv, split_kv
+from .rotation import bhsd, rows_of
 
 Rows = tuple[tuple[int, int], ...]
 

@@ -15,8 +15,9 @@ blocks; ``gradients(k, v, dtype)`` gives the object that adds each block's dK/dV
 the shard held at that step (``add``: one fused kernel, ``merge.add_kv_``, into a ``[b, h_kv, n, dqk + dv]``
 buffer, dK in the first ``dqk`` columns, dV after), is told when a step is done (``done``) and returns
 the shard's ``(dk, dv)`` (``result``). A ring adds straight into the partial sum that arrived from the
-previous member (no fresh buffer, fill or extra add per step). K and V travel as one message the same way (``pack_kv``),
-each keeping its own head dim (MLA's ``dv != dqk``), so the bytes sent are exactly K's plus V's.
+previous member (no fresh buffer, fill or extra add per step). K and V travel as one message the same way
+(``packing.pack_kv``), each keeping its own head dim (MLA's ``dv != dqk``), so the bytes sent are exactly K's
+plus V's.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import torch
 from ..comm.primitives import PeerExchange, PendingExchange, RingExchange
 from .. import trace
 from ..merge import add_kv_, copy_kv_
+from .packing import pack_kv, split_kv
 from .results import runs_written, with_written
 
 
@@ -105,18 +107,6 @@ class KeySums:
                 torch.ops.aten.fill_.Scalar(rows_of(self.dkv, gap), 0.0)
         self.written = [(0, self.dkv.shape[2])]
         return self.dkv
-
-
-def pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """``k [b, h_kv, n, dqk]``, ``v [b, h_kv, n, dv]`` (views of token-major storage) -> one contiguous
-    ``[n, b, h_kv, dqk + dv]`` message (view it with ``bhsd``)."""
-    return torch.cat([k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)], dim=-1)
-
-
-def split_kv(kv: torch.Tensor, dqk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views of K and V in a ``[b, h_kv, n, dqk + dv]`` view of a ``pack_kv`` message (or of a dK/dV
-    accumulator) whose keys have ``dqk`` columns."""
-    return kv.narrow(-1, 0, dqk), kv.narrow(-1, dqk, kv.shape[-1] - dqk)  # narrow: see executor._copy_
 
 
 class RingRotation:

@@ -18,7 +18,9 @@ position order makes the group one member of a ring over ``P / P0`` members whos
 same layout (a zigzag group is a zigzag shard of the outer ring), so the outer ring runs the same
 schedule code. The ring spans all outer levels flattened (member ``m`` = groups in CP-rank order);
 it is driven with point-to-point sends to global ranks inside the CP group, so no extra process
-group is needed for any depth. Autograd: the all-to-alls and the all-gather are autograd-aware
+group is needed for any depth. K and V move as one packed tensor (``packing``): one all-to-all, one
+reorder and one all-gather for both, and in the backward one of each for dK/dV, which the executor hands
+back as the columns of its packed buffer. Autograd: the all-to-alls and the all-gather are autograd-aware
 primitives and the ring is one ``autograd.Function``, so their composition is differentiable.
 
 ``resolve_scheme`` works out once, for one shard shape, everything a call needs (this member's
@@ -43,6 +45,7 @@ from ..masks import CAUSAL, FULL, Documents, Mask
 from ..schedule import BlockTask, Schedule, gathered_tasks, layout_schedule, position_pieces
 from .executor import RingAttention, RingPlan
 from .halo import HaloRotation, halo_fits
+from .packing import packed, unpacked
 from .rotation import LocalRotation, RingRotation, Rotation
 
 
@@ -118,17 +121,22 @@ class Scheme:
         and layout, different on every rank and step."""
         plan = self.plan if self.plan.dropout_p == 0 else self.plan.with_dropout_seed(hash((dropout_seed,
                                                                                              self.cp_rank)))
+        moved = self.inner > 1 or self.gather is not None
+        if moved:  # K and V move as one packed tensor: one collective and one reorder for both
+            dqk, kv = k.shape[-1], packed(k, v)
         if self.inner > 1:
             if sink is not None:
                 heads = q.shape[2] // self.inner
                 sink = sink[self.a2a_index * heads:(self.a2a_index + 1) * heads]
             if self.kv_repeat > 1:  # fewer KV heads than ranks: each rank needs its own copy of its head
-                k, v = (x.repeat_interleave(self.kv_repeat, dim=2) for x in (k, v))
-            q, k, v = (seq_to_heads(x, self.a2a_group) for x in (q, k, v))
+                kv = kv.repeat_interleave(self.kv_repeat, dim=2)
+            q, kv = (seq_to_heads(x, self.a2a_group) for x in (q, kv))
             if self.pieces is not None:
-                q, k, v = (take_rows(x, self.pieces[0]) for x in (q, k, v))
+                q, kv = (take_rows(x, self.pieces[0]) for x in (q, kv))
         if self.gather is not None:
-            k, v = self.gather(k), self.gather(v)
+            kv = self.gather(kv)
+        if moved:
+            k, v = unpacked(kv, dqk)
         out, lse = RingAttention.apply(q, k, v, plan, sink)
         lse = lse.permute(2, 0, 1)  # [s, b, h]
         if self.inner > 1:

@@ -141,8 +141,9 @@ def layer_bytes(shape: RankShape, heads: int, kv_heads: int, tasks: Sequence[Seq
     """Bytes of a layer's work outside the steps: the out and dQ result copies (only ``through`` an fp32
     accumulator: read fp32, write the inputs' dtype), the dK and dV result copies (none for ``kv_exact`` or
     fp32 inputs: views), the zeroing of the dK/dV rows no step-0 block writes (``Accumulation.key_rows``;
-    none for a lone block), and for a ``ring`` the packing of its own K and V into a message, once a pass
-    (``rotation.pack_kv``: read both, write the message)."""
+    none for a lone block), and for a ``ring`` that packs its own K and V into a message (a flat ring: K and V
+    arrive as two tensors; after an all-to-all they arrive packed, ``Scheme.run``) that packing, once a pass
+    (``packing.pack_kv``: read both, write the message)."""
     e = shape.dtype.itemsize
     acc = 8 if e == 8 else 4
     kv_acc = e if accumulation.kv_exact else acc
@@ -257,7 +258,7 @@ def predict(shape: RankShape, a2a_degree: int, traffics: Sequence[RankTraffic], 
     c_fwd, c_bwd = step_compute(traffics, shape, a2a_degree, p)
     heads, kv_heads = shape.heads // a2a_degree, max(1, shape.kv_heads // a2a_degree)
     extra = max(layer_bytes(shape, heads, kv_heads, tr.tasks, tr.q_rows, tr.kv_rows,
-                            Accumulation.of(tr.tasks, tr.kv_rows), bool(tr.forward.get("ring_kv")))
+                            Accumulation.of(tr.tasks, tr.kv_rows), bool(tr.forward.get("ring_kv")) and a2a_degree == 1)
                 for tr in traffics) / (p.memory_bandwidth_gbps * 1e9)
     c_bwd[-1] += extra  # the result copies and the dK/dV fill, once per layer (counted with the backward)
     steps = len(c_fwd)
