@@ -93,3 +93,34 @@ def test_kv_move_as_one_tensor_one_collective_for_both(comm, sizes, want):
         world *= s
     for rank, calls in enumerate(run_distributed(world, _collective_calls, comm, sizes)):
         assert {op: calls.get(op, 0) for op in want} == want, (rank, calls)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (cuDNN's fused op)")
+@pytest.mark.parametrize("comm", ["all_gather", "a2a+all_gather", "a2a"])
+def test_on_cuda_packed_kv_into_cudnn_gives_what_separate_kv_give(comm):
+    """The K/V a collective delivers are column views of one packed tensor (head stride dqk + dv, not dqk):
+    cuDNN reads them so, forward and backward. A member's out, dq, dk and dv equal those of the same member
+    fed separate contiguous K and V (what the engine handed cuDNN before, run on an H200) within
+    1e-2 x max(1, |g|) (equal unless cuDNN picks another kernel for the other strides; the CPU op gives them
+    bit for bit). Not yet run on a GPU (none in the session that wrote it)."""
+    from mcp_context.algorithms.executor import RingAttention
+    from mcp_context.kernels.torch_sdpa import FUSED_OPS, TorchKernel
+    from mcp_context.masks import CAUSAL
+    from tools.rank_step import rank_step
+
+    step = rank_step(comm, 8, 8192, CAUSAL, TorchKernel(FUSED_OPS["cudnn"]), 32, 8, 128, rank=3)
+    assert step.packed_kv
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, dout = (torch.randn(step.q_rows, 1, step.heads, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+               for _ in range(2))
+    kv = torch.randn(step.kv_rows, 1, step.kv_heads, 256, device="cuda", generator=g, dtype=torch.bfloat16)
+    runs = []
+    for packed_input in (True, False):
+        ql, kvl = (x.detach().clone().requires_grad_() for x in (q, kv))
+        k, v = unpacked(kvl, 128) if packed_input else (x.contiguous() for x in split_kv(kvl, 128))
+        out, _ = RingAttention.apply(ql, k, v, step.plan)
+        out.backward(dout)
+        runs.append((out.detach(), ql.grad, kvl.grad))
+    for name, a, b in zip(("out", "dq", "dkv"), *runs):
+        err = ((a.double() - b.double()).abs() / b.double().abs().clamp(min=1)).max().item()
+        assert err <= 1e-2, (name, err)

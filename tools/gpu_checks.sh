@@ -2,7 +2,7 @@
 # The checks to run first on a CUDA machine, in order, each under its own timeout:
 #   1. the kernel report (which fused op serves each dtype, and why the others do not)
 #   2. the GPU tests (tests/test_gpu.py, tests/test_kernels.py, tests/test_direct_results.py,
-#      tests/test_results.py, tests/test_streams.py)
+#      tests/test_results.py, tests/test_streams.py, tests/test_packing.py)
 #   3. a representative subset of the member-schedule cases (P = 4, 8, 16; ring and a2a+p2p; bf16, fp16)
 #   4. the benchmark at S = 32K and 128K, P = 8, every scheme, Llama-3-8B heads (32/8, d = 128), bf16, then
 #      one profiled step of each scheme at 32K (what tools/calibrate_profile.py refits the planner's step
@@ -57,7 +57,7 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run it, log it, record rc and second
 
 step 1_kernel_report 45 "$PYTHON" -m mcp_context.kernels
 step 2_gpu_tests 150 "$PYTHON" -m pytest -q -rs tests/test_gpu.py tests/test_kernels.py tests/test_direct_results.py \
-    tests/test_results.py tests/test_streams.py
+    tests/test_results.py tests/test_streams.py tests/test_packing.py
 step 3_member_schedules 60 "$PYTHON" -m pytest -q -rs tests/test_member_schedules.py -k \
     "on_cuda and (P4-contiguous-ring-full-hkv1 or P8-zigzag-ring-causal-hkv8 or P8-striped-a2a+p2p-full-hkv2 \
 or P16-zigzag-ring-causal-hkv2)"
