@@ -80,3 +80,22 @@ def test_bench_picks_times_each_pick_with_its_own_hierarchy_and_skips_what_is_ov
     assert picks[0]["step"]["sizes"] == [4, 2] and picks[0]["step"]["heads_on_rank"] == 8  # 32 heads over 4
     assert all(r["efficiency"] > 0 and r["predicted_compute_efficiency"] == 0.8 for r in picks[:2])
     assert "skipped" in picks[2] and "over --max-tflop" in picks[2]["skipped"] and "efficiency" not in picks[2]
+
+
+def test_the_gpu_report_reads_a_real_run_and_says_which_targets_it_meets(tmp_path):
+    """tools/gpu_report.py over the H200's 128K benchmark lines (docs/gpu/) and a step summary: the table has
+    every scheme measured, and the targets read 0.97 for p2p at 128K/P8 (not met: >= 0.98), 32K not
+    measured, and the peak memory the highest of the steps (all_gather's 1.74x: not met)."""
+    import shutil
+
+    from tools.gpu_report import report
+
+    (tmp_path / "bench").mkdir()
+    shutil.copy("docs/gpu/h200_run2_bench_128k.jsonl", tmp_path / "bench" / "bench_attention_p8_gpu_checks.jsonl")
+    (tmp_path / "summary.jsonl").write_text(json.dumps({"step": "4_picks", "rc": 124, "seconds": 100,
+                                                        "timeout_s": 100, "log": "x"}) + "\n")
+    text = report(str(tmp_path))
+    assert "NVIDIA H200" in text and "| 4_picks | 124 (timed out) | 100 | 100 |" in text
+    assert "| 128K / 8 | p2p | 8 | 0.93 | **0.97** |" in text and "| 128K / 8 | a2a | 1 |" in text
+    assert "p2p fwd+bwd at 128K/P8: 0.970: not met (>= 0.98)" in text
+    assert "p2p fwd+bwd at 32K/P8: not measured" in text and "peak memory, highest of 3 steps: 1.735: not met" in text

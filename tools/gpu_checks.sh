@@ -8,7 +8,9 @@
 #      one profiled step of each scheme at 32K (what tools/calibrate_profile.py refits the planner's step
 #      bandwidth and call overhead from, with the benchmark's JSON), then the planner's pick at each cell of
 #      its grid (tools/bench_picks.py: S = 32K and 128K, P = 8, 16, 64, both models; 1M is over the budget)
-#   5. a 30-step bf16 pretrain of the tiny recipe on one GPU (CP 1), then its first and last loss
+#   5. a 30-step bf16 pretrain of the tiny recipe on one GPU (CP 1), then its first and last loss; then
+#      tools/gpu_report.py writes RESULTS_DIR/report.md: the step table, the benchmark and the picks as
+#      markdown, and each of issue 25's targets met or not
 #   6. the whole suite as a GPU user's pytest runs it: the CPU tests with CUDA present (pytest -n, half
 #      the cores, when pytest-xdist is installed), up to 10 minutes; SUITE=0 leaves it out (a device loan of
 #      15 minutes holds steps 1-5 after the machine's start, not step 6 too)
@@ -79,6 +81,10 @@ losses = [r['loss'] for r in map(json.loads, open(sys.argv[1])) if 'loss' in r]
 print(f'{len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}')
 sys.exit(0 if len(losses) == 30 and all(map(math.isfinite, losses)) and losses[-1] < losses[0] else 1)
 " "$RESULTS/pretrain/metrics.jsonl"
+
+# steps 1-5 as markdown, against issue 25's targets (what to paste into docs/performance.md)
+"$PYTHON" tools/gpu_report.py "$RESULTS" > "$RESULTS/report.md" 2>&1
+cat "$RESULTS/report.md"
 
 if [ "${SUITE:-1}" = 0 ]; then
     echo "results: $RESULTS (summary.jsonl, one log per step, bench/bench_attention_p8_gpu_checks.jsonl); SUITE=0: no step 6"

@@ -1,0 +1,139 @@
+#!/usr/bin/env python
+"""The results of ``make test-gpu`` as markdown, against issue 25's targets: what to paste into
+``docs/performance.md`` and a closing note after a device loan.
+
+Reads what ``tools/gpu_checks.sh`` leaves in its results folder, each part only if it is there (a run cut
+short keeps the lines it wrote): ``summary.jsonl`` (each step's rc and seconds), the benchmark's JSON lines
+(``bench/bench_attention_*.jsonl``: one rank's step of each scheme against one fused call of equal useful
+FLOPs) and ``picks.jsonl`` (``tools/bench_picks.py``: the planner's pick at each cell of its grid).
+
+    python tools/gpu_report.py runs/gpu_checks > runs/gpu_checks/report.md
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+from typing import Iterator
+
+TARGETS = {"p2p_32k_p8": 0.85, "p2p_128k_p8": 0.98, "pick": 0.95, "memory": 1.0}
+"""Issue 25's targets: p2p zigzag fwd+bwd against one fused call at 32K/P8 and 128K/P8, the planner's pick
+at every cell, and peak memory against the fused call."""
+
+
+def _lines(path: str) -> Iterator[dict]:
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
+
+
+def _k(n: int) -> str:
+    return f"{n // 1048576}M" if n % 1048576 == 0 else f"{n // 1024}K"
+
+
+def steps_table(summary: str) -> list[str]:
+    out = ["| step | rc | seconds | timeout |", "|---|---|---|---|"]
+    for r in _lines(summary):
+        rc = f"{r['rc']}" + (" (timed out)" if r["rc"] == 124 else "")
+        out.append(f"| {r['step']} | {rc} | {r['seconds']} | {r['timeout_s']} |")
+    return out
+
+
+def bench_table(paths: list[str]) -> tuple[list[str], dict]:
+    """The rank-step rows as a table, and the figures the targets read."""
+    out = ["| S / P | scheme | calls | fwd | fwd+bwd | vs fused at S/P | side stream gain | peak memory | in order |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    seen = {}
+    for path in paths:
+        for r in _lines(path):
+            if r.get("part") == "machine":
+                m = r["machine"]
+                out.insert(0, f"{os.path.basename(path)}: {m.get('cuda') or 'no GPU'}, torch {m['torch']}, "
+                              f"{m['time_utc']}, {r['reps']} repetitions (medians)\n")
+            if r.get("part") != "rank_schedule" or "fwd_bwd" not in r:
+                continue
+            fb, f = r["fwd_bwd"], r["fwd"]
+            sizes = "x".join(map(str, r.get("sizes", []))) if len(r.get("sizes", [])) > 1 else ""
+            gain = f"{fb['side_stream_gain']:.3f}" if "side_stream_gain" in fb else "-"
+            mem = f"{fb['memory_ratio']:.2f}x" if fb.get("memory_ratio") else "-"
+            in_order = (f"{fb['in_order_peak_bytes'] / fb['fused_peak_bytes']:.2f}x"
+                        if fb.get("in_order_peak_bytes") and fb.get("fused_peak_bytes") else "-")
+            scheme = f"{r['comm']} {sizes}" if sizes else r["comm"]
+            out.append(f"| {_k(r['seq_len'])} / {r['world_size']} | {scheme} | {r['attention_calls']} | "
+                       f"{f['efficiency']:.2f} | **{fb['efficiency']:.2f}** | {fb['efficiency_vs_per_rank']:.2f} | "
+                       f"{gain} | {mem} | {in_order} |")
+            seen[(r["comm"], r["seq_len"], r["world_size"])] = fb
+    return out, seen
+
+
+def picks_table(path: str) -> tuple[list[str], list[float]]:
+    out = ["| model | S | P | pick | measured fwd+bwd | predicted (compute) | measured / predicted |",
+           "|---|---|---|---|---|---|---|"]
+    measured = []
+    for r in _lines(path):
+        if r.get("part") != "pick":
+            continue
+        if "skipped" in r:
+            out.append(f"| {r['model']} | {_k(r['seq_len'])} | {r['cp']} | {r['pick']} | skipped: {r['skipped']} | "
+                       f"{r['predicted_compute_efficiency']:.2f} | - |")
+            continue
+        if r.get("device", "cuda").startswith("cpu") and not out[0].startswith("(a CPU"):
+            out.insert(0, "(a CPU smoke run: these figures mean nothing)\n")
+        measured.append(r["efficiency"])
+        out.append(f"| {r['model']} | {_k(r['seq_len'])} | {r['cp']} | {r['pick']} | **{r['efficiency']:.2f}** | "
+                   f"{r['predicted_compute_efficiency']:.2f} | {r['measured_over_predicted']:.2f} |")
+    return out, measured
+
+
+def _verdict(value, target: float, above: bool = True) -> str:
+    if value is None:
+        return "not measured"
+    met = value >= target if above else value <= target
+    return f"{value:.3f}: {'met' if met else 'not met'} ({'>=' if above else '<='} {target})"
+
+
+def report(results: str) -> str:
+    lines = [f"# GPU checks: {os.path.abspath(results)}", ""]
+    summary = os.path.join(results, "summary.jsonl")
+    if os.path.exists(summary):
+        lines += ["## Steps", ""] + steps_table(summary) + [""]
+    benches = sorted(glob.glob(os.path.join(results, "bench", "bench_attention_*.jsonl")))
+    seen: dict = {}
+    if benches:
+        table, seen = bench_table(benches)
+        lines += ["## One rank's step against one fused call of equal useful FLOPs", "",
+                  "fwd+bwd and fwd: ours over the fused call; vs fused at S/P: ring-flash-attention's baseline; "
+                  "side stream gain: the in-order step's time over the overlapped one; peak memory: ours over the "
+                  "fused call's (in order: without the side stream).", ""] + table + [""]
+    picks_path = os.path.join(results, "picks.jsonl")
+    measured: list[float] = []
+    if os.path.exists(picks_path):
+        table, measured = picks_table(picks_path)
+        lines += ["## The planner's picks", ""] + table + [""]
+    p2p = {s: seen.get(("p2p", s, 8), {}).get("efficiency") for s in (32768, 131072)}
+    peaks = [fb["memory_ratio"] for fb in seen.values() if fb.get("memory_ratio")]
+    lines += ["## Against the targets", "",
+              f"- p2p fwd+bwd at 32K/P8: {_verdict(p2p[32768], TARGETS['p2p_32k_p8'])}",
+              f"- p2p fwd+bwd at 128K/P8: {_verdict(p2p[131072], TARGETS['p2p_128k_p8'])}",
+              f"- the planner's pick, lowest of {len(measured)} cells measured: "
+              f"{_verdict(min(measured) if measured else None, TARGETS['pick'])}",
+              f"- peak memory, highest of {len(peaks)} steps: "
+              f"{_verdict(max(peaks) if peaks else None, TARGETS['memory'], above=False)}", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("results", nargs="?", default="runs/gpu_checks", help="tools/gpu_checks.sh's results folder")
+    args = ap.parse_args(argv)
+    if not os.path.isdir(args.results):
+        ap.error(f"results folder {args.results!r} does not exist; run make test-gpu first (or name its folder)")
+    print(report(args.results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
