@@ -125,3 +125,18 @@ def test_on_cuda_the_side_stream_gives_the_in_order_results(monkeypatch, rank):
     for name, a, b in zip(("dq", "dk", "dv"), got[2:], want[2:]):
         err = ((a.double() - b.double()).abs() / b.double().abs().clamp(min=1)).max().item()
         assert err <= 2e-2, (name, err)
+
+
+def test_the_side_stream_switch_is_read_and_checked(monkeypatch):
+    """MCP_CONTEXT_SIDE_STREAM: unset or 1 keeps the overlap on, 0 turns it off (so does streams.inline()),
+    anything else is refused, naming the variable and the values it takes."""
+    monkeypatch.delenv(streams.SIDE_STREAM_ENV, raising=False)
+    assert streams.side_stream_enabled()
+    with streams.inline():
+        assert not streams.side_stream_enabled()
+    assert streams.side_stream_enabled()
+    monkeypatch.setenv(streams.SIDE_STREAM_ENV, "0")
+    assert not streams.side_stream_enabled()
+    monkeypatch.setenv(streams.SIDE_STREAM_ENV, "off")
+    with pytest.raises(ValueError, match="MCP_CONTEXT_SIDE_STREAM='off' must be 0 .* or 1"):
+        streams.side_stream_enabled()

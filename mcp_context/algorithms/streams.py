@@ -16,12 +16,25 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from typing import ContextManager, Iterator, Union
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
 _enabled = True
+SIDE_STREAM_ENV = "MCP_CONTEXT_SIDE_STREAM"
+"""``0`` runs the work after each call in order on the calls' own stream (the same results; for comparing,
+or if the overlap misbehaves on a machine); ``1`` or unset: the side stream on CUDA."""
+
+
+def side_stream_enabled() -> bool:
+    """``MCP_CONTEXT_SIDE_STREAM`` (``0`` or ``1``; unset is ``1``) and no ``inline()`` in effect."""
+    raw = os.environ.get(SIDE_STREAM_ENV, "1")
+    if raw not in ("0", "1"):
+        raise ValueError(f"{SIDE_STREAM_ENV}={raw!r} must be 0 (the work after each attention call in order) or 1 "
+                         f"(on a second CUDA stream, the default); unset it for the default")
+    return _enabled and raw == "1"
 
 
 @contextlib.contextmanager
@@ -71,7 +84,7 @@ class SideStream:
 
 
 def streams_for(x: torch.Tensor) -> Union[Inline, SideStream]:
-    """A side stream for real CUDA tensors while the overlap is on, else ``Inline``."""
-    if _enabled and x.is_cuda and not is_fake(x):
+    """A side stream for real CUDA tensors while the overlap is on (``side_stream_enabled``), else ``Inline``."""
+    if side_stream_enabled() and x.is_cuda and not is_fake(x):  # a bad switch is refused on any device
         return SideStream(x.device)
     return Inline()
