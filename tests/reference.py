@@ -71,6 +71,12 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 """The engine tests' tolerances: max abs error of out, lse, dq, dk, dv (values and gradients are O(1))."""
 
 
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest ``|got - want| / max(1, |want|)``, in fp64 (absolute where ``|want| < 1``)."""
+    got, want = got.double(), want.double()
+    return ((got - want).abs() / want.abs().clamp(min=1)).max().item()
+
+
 def in_both_dtypes(compare, rank: int, world: int, *args) -> dict:
     """``compare(rank, world, *args, dtype)`` in fp64 and in fp32 (wrap with ``functools.partial`` to get
     a distributed case)."""

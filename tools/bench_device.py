@@ -28,6 +28,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from mcp_context.plan.cost import FWD_BWD_FLOP_FACTOR
 from tools.bench_cpu import Shape
 
 
@@ -161,7 +162,7 @@ def device_benchmarks(device: torch.device, shape: Shape, world_sizes, reps: int
                      for label, backward in (("fwd", False), ("fwd_bwd", True))}
             try:
                 times = _interleaved_seconds(calls, device, reps)
-                for label, flops in (("fwd", causal_flops), ("fwd_bwd", causal_flops * 3.5)):
+                for label, flops in (("fwd", causal_flops), ("fwd_bwd", causal_flops * FWD_BWD_FLOP_FACTOR)):
                     row[f"{label}_s"] = times[label]
                     row[f"{label}_tflops"] = flops / statistics.median(row[f"{label}_s"]) / 1e12
                     row[f"{label}_peak_bytes"] = _peak_bytes(calls[label], device)
@@ -243,7 +244,7 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
             out.backward(doe)
 
     sent = transfer_bytes(comm, world, shape.seq_len, h, hk, d, inner)
-    for label, backward, factor in (("fwd", False, 1.0), ("fwd_bwd", True, 3.5)):
+    for label, backward, factor in (("fwd", False, 1.0), ("fwd_bwd", True, FWD_BWD_FLOP_FACTOR)):
         flops = 4 * b * step.heads * d * pairs * factor
         calls = {"ours": lambda backward=backward: rank_step_call(backward),
                  "fused": lambda backward=backward: fused("fused", backward),

@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from mcp_context.plan.cost import FWD_BWD_FLOP_FACTOR  # noqa: E402
 from tools.bench_cpu import Shape  # noqa: E402
 from tools.bench_device import append_jsonl, schedule_row  # noqa: E402
 from tools.plan_grid import MODELS  # noqa: E402
@@ -32,8 +33,9 @@ TARGET = 0.95
 
 
 def rank_tflop(seq_len: int, cp: int, heads: int, head_dim: int) -> float:
-    """TFLOP of one rank's causal fwd+bwd (3.5 x the forward's 4 d FLOPs per visible pair and head)."""
-    return 3.5 * 4 * head_dim * heads * seq_len * (seq_len + 1) / 2 / cp / 1e12
+    """TFLOP of one rank's causal fwd+bwd (``FWD_BWD_FLOP_FACTOR`` x the forward's 4 d FLOPs per visible pair
+    and head)."""
+    return FWD_BWD_FLOP_FACTOR * 4 * head_dim * heads * seq_len * (seq_len + 1) / 2 / cp / 1e12
 
 
 def bench_picks(rows: list[dict], device: torch.device, reps: int, max_tflop: float, sink) -> list[dict]:

@@ -114,11 +114,7 @@ def _kv_results(dk: torch.Tensor, dv: torch.Tensor, k_dtype: torch.dtype, v_dtyp
     both = packed_columns(dk.permute(2, 0, 1, 3), dv.permute(2, 0, 1, 3)) if k_dtype == v_dtype else None
     if both is None:
         return _sbhd_view(dk, k_dtype), _sbhd_view(dv, v_dtype)
-    if both.dtype != k_dtype:
-        cast = both.new_empty(both.shape, dtype=k_dtype)
-        _copy_(cast, both)
-        both = cast
-    return split_kv(both, dk.shape[-1])
+    return split_kv(_sbhd(_bhsd(both), k_dtype), dk.shape[-1])
 
 
 # Rows are taken with ``narrow`` (``rotation.rows_of``) and copied with the aten op: Python indexing,
