@@ -13,10 +13,12 @@ from mcp_context.algorithms import executor, streams
 from mcp_context.algorithms.executor import RingPlan, ring_backward, ring_forward
 from mcp_context.algorithms.rotation import LocalRotation
 from mcp_context.kernels.math import MathKernel
+from mcp_context.kernels.torch_sdpa import FUSED_OPS, TorchKernel
 from mcp_context.masks import CAUSAL
-from tools.rank_step import rank_step
+from tools.rank_step import kv_inputs, rank_step
 
 from tests.reference import relative_error
+from tests.stream_races import races_of
 from tests.test_results import ROWS, TASKS
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -81,6 +83,83 @@ def test_no_result_or_accumulator_is_made_inside_the_side_stream_scope(monkeypat
         assert torch.equal(a, b)
 
 
+def _member(comm: str, rank: int, dtype: torch.dtype, kernel=None):
+    """A member's plan and inputs: every role (test_results' plan), or rank ``rank`` of ``comm`` at P = 8 as the
+    rank runs it (``RankStep.walked``: a ring walks its own shard through messages; K/V packed where a
+    collective moved them)."""
+    kernel = kernel or MathKernel()
+    g = torch.Generator().manual_seed(rank)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    if comm == "every_role":
+        plan, heads = RingPlan.build(TASKS, LocalRotation(0, 2), kernel, 0.25, ROWS), 4
+        q, k, v = rand(ROWS, 1, heads, 16), rand(ROWS, 1, 2, 16), rand(ROWS, 1, 2, 16)
+    else:
+        step = rank_step(comm, 8, 256, CAUSAL, kernel, 8, 2, 16, rank=rank)
+        (plan, kv_rows), heads = step.walked(), step.heads
+        q = rand(step.q_rows, 1, heads, 16)
+        k, v = kv_inputs(step, lambda dims: rand(kv_rows, 1, step.kv_heads, dims), 16)
+    return plan, (q, k, v, rand(*q.shape), rand(heads))
+
+
+def _step(plan, inputs, sink: bool, monkeypatch):
+    """``run(streams)`` for ``races_of``: the member's forward and backward with ``streams`` as its side stream."""
+    q, k, v, dout, s = inputs
+    s = s if sink else None
+
+    def run(sim):
+        monkeypatch.setattr(executor, "streams_for", lambda x: sim)
+        out, lse = ring_forward(q, k, v, plan, s)
+        return out, lse, *ring_backward(dout, q, k, v, out, lse, plan, s)
+    return run
+
+
+def _read(results):
+    """The caller reads every result on the main stream."""
+    for x in results:
+        if x is not None:
+            x.sum()
+
+
+MEMBERS = [("every_role", 0), ("p2p", 0), ("p2p", 3), ("p2p", 7), ("all_gather", 5), ("a2a", 0), ("a2a+p2p", 2),
+           ("a2a+all_gather", 1)]
+
+
+@pytest.mark.parametrize("kernel", ["math", "cpu_flash"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=["bf16", "fp64"])
+@pytest.mark.parametrize("sink", [False, True], ids=["", "sink"])
+@pytest.mark.parametrize("comm,rank", MEMBERS)
+def test_no_two_streams_touch_the_same_bytes_unordered(monkeypatch, comm, rank, sink, dtype, kernel):
+    """The side stream's protocol checked op by op on CPU (``tests/stream_races.py``): with the waits, marks
+    and join as ``SideStream`` makes them, no op of the side stream and op of the main stream read and write
+    the same bytes with no wait between them, and no memory a pending side op uses is freed unmarked;
+    the caller's reads of every result included. Every role, ring, gather and hierarchical members, with
+    and without a sink (every row through fp32), in bf16 (fp32 accumulators beside the results) and fp64
+    (the result is the accumulator); the math kernel and the CPU's fused op (which returns half-precision
+    outputs and gradients, as cuDNN does)."""
+    plan, inputs = _member(comm, rank, dtype, MathKernel() if kernel == "math" else TorchKernel(FUSED_OPS["cpu_flash"]))
+    races, scopes = races_of(_step(plan, inputs, sink, monkeypatch), read_after=_read)
+    assert scopes > 0
+    assert races == []
+
+
+@pytest.mark.parametrize("broken,found", [
+    ({"joins": False}, "concurrent access: side stream's"),
+    ({"record": False}, "freed in use"),
+    ({"wait": False}, "concurrent access: main stream's"),
+])
+def test_the_race_checker_finds_each_rule_broken(monkeypatch, broken, found):
+    """The checker is not vacuous: a p2p member whose side stream is never joined (the caller reads results
+    the side stream may still write), whose call outputs are not marked (their memory is freed while the
+    side stream reads them) or that never waits for the main stream (it reads a call's output while the
+    call may still write it) is reported, naming the rule."""
+    plan, inputs = _member("p2p", 3, torch.bfloat16)
+    races, _ = races_of(_step(plan, inputs, False, monkeypatch), read_after=_read, **broken)
+    assert any(r.startswith(found) for r in races), races
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (a second CUDA stream)")
 @pytest.mark.parametrize("rank", [0, 3, 7])
 def test_on_cuda_the_side_stream_gives_the_in_order_results(monkeypatch, rank):
@@ -91,8 +170,6 @@ def test_on_cuda_the_side_stream_gives_the_in_order_results(monkeypatch, rank):
     may sum dQ in another order; a missed wait leaves whole rows wrong, far outside that). The in-order run
     is checked against fp64 attention in tests/test_results.py. Not yet run on a GPU (none in the session
     that wrote it)."""
-    from mcp_context.kernels.torch_sdpa import FUSED_OPS, TorchKernel
-
     kernel = TorchKernel(FUSED_OPS["cudnn"])
     step = rank_step("p2p", 8, 32768, CAUSAL, kernel, 32, 8, 128, rank=rank)
     plan, kv_rows = step.plan, step.kv_rows  # every member's K/V here (a walked ring receives no numbers)

@@ -1,0 +1,205 @@
+"""A race checker for the executor's second stream, on CPU: the step runs in order, as on CPU, while a
+dispatch mode keeps the order a CUDA device would give it and reports every pair of accesses the two
+streams could make at once.
+
+``Simulated`` stands where ``streams.SideStream`` stands on a GPU (the executor takes it from
+``streams_for``) and follows the same protocol: ``after(*outputs)`` makes the side stream wait for the
+main stream (``wait_stream``) and marks the outputs as used there (``record_stream``); ops run inside its
+scope are side-stream ops; ``join()`` makes the main stream wait for the side stream. ``StreamRaces``
+records which bytes of which storage each op reads and writes (views are not accesses; an in-place op
+writes what its schema marks ``a!``) and reports, with the ops' names:
+
+- **concurrent access**: a main-stream op and a side-stream op on overlapping bytes, one of them a write,
+  with no wait ordering them (a side op not yet joined against a later main op; a main op the side stream
+  has not waited for against a later side op);
+- **freed in use**: memory a pending side-stream op touches, freed before a join and not marked with
+  ``record_stream``: the caching allocator could hand it to the main stream's next op.
+
+Bytes are compared exactly (element by element where the extents overlap), so disjoint rows or columns
+of one buffer are not a race. The ``wait``, ``record`` and ``joins`` switches break one rule each, so a
+test can show the checker catches that rule being broken.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+@dataclass(frozen=True)
+class _Bytes:
+    """Which bytes of its storage a tensor covers (no reference to the tensor: the checker must not keep
+    memory alive)."""
+
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    itemsize: int
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "_Bytes":
+        return cls(t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.element_size())
+
+    def extent(self) -> tuple[int, int]:
+        span = sum((s - 1) * st for s, st in zip(self.shape, self.stride) if s > 0)
+        return self.offset * self.itemsize, (self.offset + span + 1) * self.itemsize
+
+    def dense(self) -> bool:
+        return self.extent()[1] - self.extent()[0] == self.itemsize * torch.Size(self.shape).numel()
+
+    def starts(self) -> torch.Tensor:
+        """The first byte of every element."""
+        off = torch.full((), self.offset, dtype=torch.int64)
+        for size, stride in zip(self.shape, self.stride):
+            off = off.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
+        return off.flatten() * self.itemsize
+
+    def overlaps(self, other: "_Bytes") -> bool:
+        (a0, a1), (b0, b1) = self.extent(), other.extent()
+        if a1 <= b0 or b1 <= a0:
+            return False
+        if self.dense() or other.dense() or self.itemsize != other.itemsize:  # every byte in the extent
+            return True
+        return bool(torch.isin(self.starts(), other.starts()).any())
+
+
+@dataclass
+class _Access:
+    op: str
+    storage: StorageWeakRef
+    bytes: _Bytes
+    write: bool
+    side: bool
+    scope: int
+    safe_to_free: bool  # memory the side stream allocated (its own pool), or marked with record_stream
+
+
+class StreamRaces(TorchDispatchMode):
+    """Records each op's accesses on the stream it is issued to and collects the races (``races``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.side = False
+        self.scope = 0
+        self.pending_side: list[_Access] = []    # side accesses no join has ordered before the main stream
+        self.unwaited_main: list[_Access] = []   # main accesses the side stream has not waited for
+        self.recorded: list[StorageWeakRef] = []
+        self.side_owned: list[StorageWeakRef] = []
+        self.races: list[str] = []
+
+    # the protocol's two waits
+    def side_waits(self) -> None:
+        self.unwaited_main = []
+
+    def main_waits(self) -> None:
+        self.pending_side = []
+        self.recorded = []
+
+    def record(self, x: torch.Tensor) -> None:
+        self.recorded.append(StorageWeakRef(x.untyped_storage()))
+
+    @staticmethod
+    def _among(ref: StorageWeakRef, refs: list[StorageWeakRef]) -> bool:
+        return any(r.cdata == ref.cdata and not r.expired() for r in refs)
+
+    def _check_freed(self, op: str) -> None:
+        for a in self.pending_side:
+            if a.storage.expired() and not a.safe_to_free:
+                self.races.append(f"freed in use: memory the side stream's {a.op} (scope {a.scope}) "
+                                  f"{'writes' if a.write else 'reads'} was freed before a join, without "
+                                  f"record_stream, and the main stream's {op} ran next")
+        self.pending_side = [a for a in self.pending_side if not a.storage.expired()]
+        self.side_owned = [r for r in self.side_owned if not r.expired()]
+
+    def _conflicts(self, new: _Access, others: list[_Access]) -> None:
+        for a in others:
+            if (new.write or a.write) and a.storage.cdata == new.storage.cdata and not a.storage.expired() \
+                    and a.bytes.overlaps(new.bytes):
+                first, then = a, new
+                self.races.append(
+                    f"concurrent access: {'side' if first.side else 'main'} stream's {first.op} "
+                    f"{'writes' if first.write else 'reads'} bytes the {'side' if then.side else 'main'} stream's "
+                    f"{then.op} {'writes' if then.write else 'reads'}, with no wait between them "
+                    f"(scope {first.scope if first.side else then.scope})")
+
+    def _accesses(self, func, args, kwargs, out) -> list[tuple[torch.Tensor, bool, bool]]:
+        """``(tensor, written, fresh)`` for every tensor the op reads or writes."""
+        schema = func._schema
+        found: list[tuple[torch.Tensor, bool, bool]] = []
+        bound = list(args) + [kwargs[a.name] for a in schema.arguments[len(args):] if a.name in kwargs]
+        for arg, value in zip(schema.arguments, bound):
+            write = arg.alias_info is not None and arg.alias_info.is_write
+            for x in tree_flatten(value)[0]:
+                if isinstance(x, torch.Tensor) and x.numel():
+                    found.append((x, write, False))
+        aliased = {r for r, ret in enumerate(schema.returns) if ret.alias_info is not None}
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for r, x in enumerate(outs):
+            if r not in aliased and isinstance(x, torch.Tensor) and x.numel():
+                found.append((x, True, True))  # a fresh output: written by this op
+        return found
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        returns = func._schema.returns
+        if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
+            return out  # a view: no bytes move
+        name = str(func.overloadpacket.__name__)
+        if not self.side:
+            self._check_freed(name)
+        for x, write, fresh in self._accesses(func, args, kwargs, out):
+            ref = StorageWeakRef(x.untyped_storage())
+            if self.side and fresh:
+                self.side_owned.append(ref)
+            safe = self.side and (self._among(ref, self.side_owned) or self._among(ref, self.recorded))
+            new = _Access(name, ref, _Bytes.of(x), write, self.side, self.scope, safe)
+            self._conflicts(new, self.unwaited_main if self.side else self.pending_side)
+            (self.pending_side if self.side else self.unwaited_main).append(new)
+        return out
+
+
+class Simulated:
+    """The executor's side stream on CPU, for ``StreamRaces`` (see the module's docstring). ``wait``,
+    ``record`` and ``joins`` False each break one rule of the protocol (a checker's own test)."""
+
+    def __init__(self, races: StreamRaces, wait: bool = True, record: bool = True, joins: bool = True):
+        self.races, self.wait, self.record, self.joins = races, wait, record, joins
+        self.scopes = 0
+
+    @contextlib.contextmanager
+    def after(self, *outputs: torch.Tensor) -> Iterator[None]:
+        if self.wait:
+            self.races.side_waits()
+        if self.record:
+            for x in outputs:
+                self.races.record(x)
+        self.scopes += 1
+        self.races.side, self.races.scope = True, self.scopes
+        try:
+            yield
+        finally:
+            self.races.side = False
+
+    def join(self) -> None:
+        if self.joins:
+            self.races.main_waits()
+
+
+def races_of(run: Callable, wait: bool = True, record: bool = True, joins: bool = True,
+             read_after: Optional[Callable] = None) -> tuple[list[str], int]:
+    """``run(streams)`` under the checker (``streams``: a ``Simulated`` to hand the executor), then
+    ``read_after(result)`` on the main stream, as a caller reads the results; the races found and how
+    many side-stream scopes the step entered."""
+    races = StreamRaces()
+    sim = Simulated(races, wait, record, joins)
+    with races:
+        result = run(sim)
+        if read_after is not None:
+            read_after(result)
+    return races.races, sim.scopes
