@@ -99,3 +99,20 @@ def test_the_gpu_report_reads_a_real_run_and_says_which_targets_it_meets(tmp_pat
     assert "| 128K / 8 | p2p | 8 | 0.93 | **0.97** |" in text and "| 128K / 8 | a2a | 1 |" in text
     assert "p2p fwd+bwd at 128K/P8: 0.970: not met (>= 0.98)" in text
     assert "p2p fwd+bwd at 32K/P8: not measured" in text and "peak memory, highest of 3 steps: 1.735: not met" in text
+
+
+def test_the_gpu_report_shows_the_step_with_the_host_ahead(tmp_path):
+    """A GPU run's step timed with the host ahead (``bench_device._queued_once``) is reported beside the cold
+    one: its efficiency ('*' where the host still fell behind the hold), the host's issue time and the count
+    of host-device synchronisations, and the p2p targets are judged on both."""
+    from tools.gpu_report import report
+
+    line = json.loads(next(x for x in open("docs/gpu/h200_run2_bench_128k.jsonl")
+                           if '"rank_schedule"' in x and '"comm": "p2p"' in x))
+    line["fwd_bwd"].update(queued_efficiency=0.991, host_ahead=False, host_issue_s=[0.0021, 0.0019, 0.0020],
+                           host_syncs=["called a synchronizing CUDA operation"])
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "bench_attention_p8_x.jsonl").write_text(json.dumps(line) + "\n")
+    text = report(str(tmp_path))
+    assert "| 128K / 8 | p2p | 8 | 0.93 | **0.97** | 0.99* | 2.00 | 1 |" in text, text
+    assert "p2p fwd+bwd at 128K/P8: 0.970: not met (>= 0.98); host ahead 0.991: met (>= 0.98)" in text

@@ -1,7 +1,9 @@
 """Device part of ``tools/bench_attention.py``: block kernels side by side, and one rank's step of each
 scheme on one device (a ring walked as its member walks it, the other kinds over the K/V their collectives
 deliver, laid out locally: ``tools/rank_step.py``; on a GPU also in order, with no side stream:
-``side_stream_gain`` is the in-order time over the step's) against two fused
+``side_stream_gain`` is the in-order time over the step's; and with the host ahead of the GPU, as in training,
+where the layers before it keep the GPU's queue full: ``queued_efficiency``, the host's issue time and the
+host-device synchronisations one step makes) against two fused
 baselines: one SDPA call of equal useful FLOPs (ours, the strict one), and one at the per-rank length
 ``S / P`` (ring-flash-attention's, so our figures sit beside published ones). The transfers a scheme
 needs are not run on one GPU: their bytes and the time they take at stated link rates (``LINKS_GBPS``)
@@ -56,6 +58,60 @@ def _interleaved_seconds(fns: dict, device: torch.device, reps: int) -> dict[str
         for name, fn in fns.items():
             times[name].append(_once(fn, device))
     return times
+
+
+def _sleep_cycles_per_second(device: torch.device) -> float:
+    """How fast ``torch.cuda._sleep`` spins on this GPU (cycles per second), timed once."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(device)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    torch.cuda.synchronize(device)
+    return 10_000_000 / (start.elapsed_time(end) / 1e3)
+
+
+def _queued_once(fn, device: torch.device, hold_cycles: int) -> tuple[float, float, bool]:
+    """One call of ``fn`` with the GPU held busy (``torch.cuda._sleep``) while the host issues its work, as in
+    a training step, where the layers before it keep the GPU's queue full: ``(GPU seconds from the end of the
+    hold to the end of fn's work, host seconds fn took to issue it, whether the hold outlasted the issue)``.
+    When it did, the GPU never waited for the host and the first figure is the work's own GPU time."""
+    held, start, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+    torch.cuda.synchronize(device)
+    held.record()
+    torch.cuda._sleep(hold_cycles)
+    start.record()
+    t0 = time.perf_counter()
+    fn()
+    host = time.perf_counter() - t0
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / 1e3, host, host < held.elapsed_time(start) / 1e3
+
+
+def _queued_seconds(fns: dict, device: torch.device, reps: int, hold_s: float) -> dict[str, list[tuple]]:
+    """``_queued_once`` of every function in ``fns``, one call of each per repetition, each held ``hold_s``."""
+    cycles = int(hold_s * _sleep_cycles_per_second(device))
+    times: dict[str, list[tuple]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            times[name].append(_queued_once(fn, device, cycles))
+    return times
+
+
+def _host_syncs(fn) -> list[str]:
+    """The host-device synchronisations one call of ``fn`` makes (``torch.cuda.set_sync_debug_mode``): a
+    step that waits for the GPU cannot run ahead of it."""
+    import warnings
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+    return [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
 
 
 def _peak_bytes(fn, device: torch.device):
@@ -252,10 +308,20 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
         if device.type == "cuda":  # elsewhere the step runs in order anyway
             calls["in_order"] = lambda backward=backward: in_order(backward)
         t = _interleaved_seconds(calls, device, reps)
+        fused_flops = 4 * b * h * d * s_eq * (s_eq + 1) // 2 * factor
         res = {"ours_s": t["ours"], "ours_tflops": flops / statistics.median(t["ours"]) / 1e12}
         if "in_order" in t:
             res.update(in_order_s=t["in_order"],
                        side_stream_gain=statistics.median(o / a for o, a in zip(t["in_order"], t["ours"])))
+            # the same step with the host ahead of the GPU, as in training (held 2x the cold step + 1 ms)
+            queued = _queued_seconds({"ours": calls["ours"], "fused": calls["fused"]}, device, reps,
+                                     2 * statistics.median(t["ours"]) + 1e-3)
+            qa, qf = ([g for g, _, _ in queued[name]] for name in ("ours", "fused"))
+            res.update(queued_s=qa, queued_fused_s=qf,
+                       queued_efficiency=statistics.median(flops / a / (fused_flops / f) for a, f in zip(qa, qf)),
+                       host_issue_s=[h for _, h, _ in queued["ours"]],
+                       host_ahead=all(ok for _, _, ok in queued["ours"] + queued["fused"]),
+                       host_syncs=_host_syncs(calls["ours"]))
         for name in ("fused", "fused_per_rank"):
             n = baselines[name][-1]
             base_flops = 4 * b * h * d * n * (n + 1) // 2 * factor
@@ -276,7 +342,9 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
         print(f"  P={world} {comm:15} {label:8}: {res['ours_tflops']:5.0f} TFLOP/s, {res['efficiency']:.2f} of fused "
               f"({res['fused_tflops']:.0f}), {res['efficiency_vs_per_rank']:.2f} of fused at S/P "
               f"({res['fused_per_rank_tflops']:.0f}); "
-              + (f"side stream x{res['side_stream_gain']:.3f}; " if "side_stream_gain" in res else "")
+              + (f"side stream x{res['side_stream_gain']:.3f}; host ahead {res['queued_efficiency']:.2f} of fused "
+                 f"(issue {statistics.median(res['host_issue_s']) * 1e3:.2f} ms, "
+                 f"{len(res['host_syncs'])} syncs); " if "side_stream_gain" in res else "")
               + f"{step.calls} calls; transfers "
               f"{nbytes / 2**20:.0f} MiB = {res['modelled_transfer_s']['nvlink'] * 1e3:.2f} ms NVLink, "
               f"{res['modelled_transfer_s']['network'] * 1e3:.2f} ms network", flush=True)
