@@ -26,6 +26,7 @@ import math
 import os
 import statistics
 import time
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -104,7 +105,6 @@ def _queued_seconds(fns: dict, device: torch.device, reps: int, hold_s: float) -
 def _host_syncs(fn) -> list[str]:
     """The host-device synchronisations one call of ``fn`` makes (``torch.cuda.set_sync_debug_mode``): a
     step that waits for the GPU cannot run ahead of it."""
-    import warnings
     before = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("warn")
     try:
@@ -310,7 +310,7 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
         if device.type == "cuda":  # elsewhere the step runs in order anyway
             calls["in_order"] = lambda backward=backward: in_order(backward)
         t = _interleaved_seconds(calls, device, reps)
-        fused_flops = 4 * b * h * d * s_eq * (s_eq + 1) // 2 * factor
+        base_flops = {name: 4 * b * h * d * n * (n + 1) // 2 * factor for name, (*_, n) in baselines.items()}
         res = {"ours_s": t["ours"], "ours_tflops": flops / statistics.median(t["ours"]) / 1e12}
         if "in_order" in t:
             res.update(in_order_s=t["in_order"],
@@ -321,16 +321,14 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
                                      statistics.median(t["ours"]) + 2e-3)
             qa, qf = ([g for g, _, _ in queued[name]] for name in ("ours", "fused"))
             res.update(queued_s=qa, queued_fused_s=qf,
-                       queued_efficiency=statistics.median(flops / a / (fused_flops / f) for a, f in zip(qa, qf)),
+                       queued_efficiency=statistics.median(flops / a / (base_flops["fused"] / f) for a, f in zip(qa, qf)),
                        host_issue_s=[h for _, h, _ in queued["ours"]],
                        host_ahead=all(ok for _, _, ok in queued["ours"] + queued["fused"]),
                        host_syncs=_host_syncs(calls["ours"]))
         for name in ("fused", "fused_per_rank"):
-            n = baselines[name][-1]
-            base_flops = 4 * b * h * d * n * (n + 1) // 2 * factor
             res[f"{name}_s"] = t[name]
-            res[f"{name}_tflops"] = base_flops / statistics.median(t[name]) / 1e12
-            ratio = statistics.median(flops / a / (base_flops / f) for a, f in zip(t["ours"], t[name]))
+            res[f"{name}_tflops"] = base_flops[name] / statistics.median(t[name]) / 1e12
+            ratio = statistics.median(flops / a / (base_flops[name] / f) for a, f in zip(t["ours"], t[name]))
             res["efficiency" if name == "fused" else "efficiency_vs_per_rank"] = ratio
         nbytes = sent["forward"] if label == "fwd" else sent["forward"] + sent["backward"]
         res["bytes_sent"] = nbytes
