@@ -1,8 +1,11 @@
 """The device benchmark on the CPU (``--device-bench cpu``, a smoke run of the path): it bounds the math
-kernel's O(s^2) micro-benchmark and writes every result as it is measured."""
+kernel's O(s^2) micro-benchmark and writes every result as it is measured; its GPU-only branch rehearsed with
+CUDA's timing calls answered on the host; the picks tool and the GPU report over real and rehearsed rows."""
 from __future__ import annotations
 
 import json
+import time
+import warnings
 
 import pytest
 import torch
@@ -118,3 +121,54 @@ def test_the_gpu_report_shows_the_step_with_the_host_ahead(tmp_path):
     text = report(str(tmp_path))
     assert "| 128K / 8 | p2p | 8 | 0.93 | **0.97** | 0.99* | 2.00 | 1 |" in text, text
     assert "p2p fwd+bwd at 128K/P8: 0.970: not met (>= 0.98); host ahead 0.991: met (>= 0.98)" in text
+
+
+class _HostEvent:
+    """A CUDA event answered on the host (``perf_counter``): the control-flow rehearsal below."""
+
+    def __init__(self, enable_timing: bool = False):
+        self.at = None
+
+    def record(self):
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, other) -> float:
+        return (other.at - self.at) * 1e3
+
+
+def test_the_gpu_branch_of_a_rank_step_row_runs_and_feeds_the_report(monkeypatch, tmp_path):
+    """What the benchmark runs only on a GPU (the in-order timing, the step with the host ahead, the sync
+    count, peak memory), rehearsed on CPU tensors with CUDA's event, sleep, synchronise, sync-debug and
+    memory calls answered on the host, so an error in that branch shows here and not on a lent GPU. The
+    figures mean nothing; checked: the row has every field ``tools/gpu_report.py`` reads, the report
+    renders it, and a synchronising call is counted."""
+    from tools import bench_device
+    from tools.gpu_report import report
+    from mcp_context.kernels.torch_sdpa import FUSED_OPS, TorchKernel
+
+    mode = [0]
+    for name, value in {"Event": _HostEvent, "synchronize": lambda *a: None,
+                        "_sleep": lambda cycles: time.sleep(cycles / 1e9),
+                        "get_sync_debug_mode": lambda: mode[0], "set_sync_debug_mode": lambda m: mode.__setitem__(0, m),
+                        "reset_peak_memory_stats": lambda *a: None, "memory_allocated": lambda *a: 0,
+                        "max_memory_allocated": lambda *a: 1 << 20}.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    g = torch.Generator().manual_seed(0)
+    row = {"part": "rank_schedule", "world_size": 8, "comm": "p2p", "seq_len": 1024}
+    bench_device._sleep_cycles_per_second.cache_clear()
+    try:
+        bench_device.schedule_row(row, torch.device("cuda"), TorchKernel(FUSED_OPS["cpu_flash"]),
+                                  lambda *size: torch.randn(*size, generator=g), Shape(1024, 1, 4, 2, 16), reps=2)
+    finally:
+        bench_device._sleep_cycles_per_second.cache_clear()  # the rate the host answered is not a GPU's
+    fb = row["fwd_bwd"]
+    assert {"queued_efficiency", "host_issue_s", "host_ahead", "host_syncs", "side_stream_gain",
+            "in_order_peak_bytes", "memory_ratio"} <= set(fb), sorted(fb)
+    assert len(fb["queued_s"]) == len(fb["host_issue_s"]) == 2 and fb["host_syncs"] == [] and mode[0] == 0
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "bench_attention_p8_x.jsonl").write_text(json.dumps(row) + "\n")
+    assert "| 1K / 8 | p2p | 8 |" in report(str(tmp_path))
+
+    def syncing():
+        warnings.warn("called a synchronizing CUDA operation")
+    assert bench_device._host_syncs(syncing) == ["called a synchronizing CUDA operation"] and mode[0] == 0
