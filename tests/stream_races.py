@@ -131,8 +131,8 @@ class StreamRaces(TorchDispatchMode):
         """``(tensor, written, fresh)`` for every tensor the op reads or writes."""
         schema = func._schema
         found: list[tuple[torch.Tensor, bool, bool]] = []
-        bound = list(args) + [kwargs[a.name] for a in schema.arguments[len(args):] if a.name in kwargs]
-        for arg, value in zip(schema.arguments, bound):
+        for i, arg in enumerate(schema.arguments):
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
             write = arg.alias_info is not None and arg.alias_info.is_write
             for x in tree_flatten(value)[0]:
                 if isinstance(x, torch.Tensor) and x.numel():
