@@ -1,6 +1,6 @@
-"""A race checker for the executor's second stream, on CPU: the step runs in order, as on CPU, while a
-dispatch mode keeps the order a CUDA device would give it and reports every pair of accesses the two
-streams could make at once.
+"""A race checker for the executor's second stream and a ring's transfers, on CPU: the step runs in order,
+as on CPU, while a dispatch mode keeps the order a CUDA device would give it and reports every pair of
+accesses two streams could make at once.
 
 ``Simulated`` stands where ``streams.SideStream`` stands on a GPU (the executor takes it from
 ``streams_for``) and follows the same protocol: ``after(*outputs)`` makes the side stream wait for the
@@ -14,6 +14,12 @@ writes what its schema marks ``a!``) and reports, with the ops' names:
   has not waited for against a later side op);
 - **freed in use**: memory a pending side-stream op touches, freed before a join and not marked with
   ``record_stream``: the caching allocator could hand it to the main stream's next op.
+
+A ring's transfers are a third stream (``CheckedExchange``, standing where ``RingExchange`` stands): a
+transfer reads its send buffer and writes its receive buffer from when it is posted, after the main
+stream's work so far (NCCL's stream waits for the current one), until it is waited for; nothing orders it
+with the side stream. Any main or side op on those bytes meanwhile (one of them writing), or a transfer of
+bytes a side op not yet joined writes, is a concurrent access too.
 
 Bytes are compared exactly (element by element where the extents overlap), so disjoint rows or columns
 of one buffer are not a race. The ``wait``, ``record`` and ``joins`` switches break one rule each, so a
@@ -74,7 +80,7 @@ class _Access:
     storage: StorageWeakRef
     bytes: _Bytes
     write: bool
-    side: bool
+    stream: str  # "main", "side" or "transfer"
     scope: int
     safe_to_free: bool  # memory the side stream allocated (its own pool), or marked with record_stream
 
@@ -90,6 +96,8 @@ class StreamRaces(TorchDispatchMode):
         self.unwaited_main: list[_Access] = []   # main accesses the side stream has not waited for
         self.recorded: list[StorageWeakRef] = []
         self.side_owned: list[StorageWeakRef] = []
+        self.in_flight: dict[int, list[_Access]] = {}  # transfers posted and not yet waited for
+        self.transfers = 0
         self.races: list[str] = []
 
     # the protocol's two waits
@@ -99,6 +107,22 @@ class StreamRaces(TorchDispatchMode):
     def main_waits(self) -> None:
         self.pending_side = []
         self.recorded = []
+
+    def start_transfer(self, send: torch.Tensor, recv: torch.Tensor) -> int:
+        """A transfer posted now reads ``send`` and writes ``recv`` until ``end_transfer``. Its stream waits
+        for the main stream's work so far (NCCL's stream waits for the current one), not for the side
+        stream's: a side write not yet joined to bytes it moves is a race."""
+        self.transfers += 1
+        accesses = [_Access(f"transfer {self.transfers}", StorageWeakRef(x.untyped_storage()), _Bytes.of(x), write,
+                            "transfer", self.scope, True) for x, write in ((send, False), (recv, True)) if x.numel()]
+        for a in accesses:
+            self._conflicts(a, self.pending_side)
+        self.in_flight[self.transfers] = accesses
+        return self.transfers
+
+    def end_transfer(self, token: int) -> None:
+        """The main stream waits for the transfer (``wait``)."""
+        del self.in_flight[token]
 
     def record(self, x: torch.Tensor) -> None:
         self.recorded.append(StorageWeakRef(x.untyped_storage()))
@@ -120,12 +144,10 @@ class StreamRaces(TorchDispatchMode):
         for a in others:
             if (new.write or a.write) and a.storage.cdata == new.storage.cdata and not a.storage.expired() \
                     and a.bytes.overlaps(new.bytes):
-                first, then = a, new
                 self.races.append(
-                    f"concurrent access: {'side' if first.side else 'main'} stream's {first.op} "
-                    f"{'writes' if first.write else 'reads'} bytes the {'side' if then.side else 'main'} stream's "
-                    f"{then.op} {'writes' if then.write else 'reads'}, with no wait between them "
-                    f"(scope {first.scope if first.side else then.scope})")
+                    f"concurrent access: {a.stream} stream's {a.op} {'writes' if a.write else 'reads'} bytes the "
+                    f"{new.stream} stream's {new.op} {'writes' if new.write else 'reads'}, with no wait between "
+                    f"them (scope {max(a.scope, new.scope)})")
 
     def _accesses(self, func, args, kwargs, out) -> list[tuple[torch.Tensor, bool, bool]]:
         """``(tensor, written, fresh)`` for every tensor the op reads or writes."""
@@ -158,8 +180,10 @@ class StreamRaces(TorchDispatchMode):
             if self.side and fresh:
                 self.side_owned.append(ref)
             safe = self.side and (self._among(ref, self.side_owned) or self._among(ref, self.recorded))
-            new = _Access(name, ref, _Bytes.of(x), write, self.side, self.scope, safe)
+            new = _Access(name, ref, _Bytes.of(x), write, "side" if self.side else "main", self.scope, safe)
             self._conflicts(new, self.unwaited_main if self.side else self.pending_side)
+            for transfer in self.in_flight.values():
+                self._conflicts(new, transfer)
             (self.pending_side if self.side else self.unwaited_main).append(new)
         return out
 
@@ -191,11 +215,33 @@ class Simulated:
             self.races.main_waits()
 
 
+class _InFlight:
+    def __init__(self, races: StreamRaces, token: int, recv: torch.Tensor, send: torch.Tensor):
+        self.races, self.token, self.recv, self.send = races, token, recv, send  # send alive until the wait
+
+    def wait(self) -> torch.Tensor:
+        self.races.end_transfer(self.token)
+        self.send = None
+        return self.recv
+
+
+class CheckedExchange:
+    """A ring's transfer that moves nothing (as ``tools.rank_step.NoWireExchange``) and tells ``StreamRaces``
+    what it reads and writes while in flight (``start_transfer``), until it is waited for."""
+
+    def __init__(self, races: StreamRaces, ring_size: int, member: int):
+        self.races, self.peers, self.member, self.group, self.op = races, list(range(ring_size)), member, None, "checked"
+
+    def start(self, send: torch.Tensor, step: int, recv: Optional[torch.Tensor] = None, parts=None) -> _InFlight:
+        recv = torch.empty_like(send) if recv is None else recv
+        return _InFlight(self.races, self.races.start_transfer(send, recv), recv, send)
+
+
 def races_of(run: Callable, wait: bool = True, record: bool = True, joins: bool = True,
              read_after: Optional[Callable] = None) -> tuple[list[str], int]:
-    """``run(streams)`` under the checker (``streams``: a ``Simulated`` to hand the executor), then
-    ``read_after(result)`` on the main stream, as a caller reads the results; the races found and how
-    many side-stream scopes the step entered."""
+    """``run(streams)`` under the checker (``streams``: a ``Simulated`` to hand the executor; its ``races``
+    serves a ``CheckedExchange``), then ``read_after(result)`` on the main stream, as a caller reads the
+    results; the races found and how many side-stream scopes the step entered."""
     races = StreamRaces()
     sim = Simulated(races, wait, record, joins)
     with races:

@@ -4,6 +4,7 @@ against the same step run in order, with the side stream held back so a missed w
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -11,14 +12,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mcp_context.algorithms import executor, streams
 from mcp_context.algorithms.executor import RingPlan, ring_backward, ring_forward
-from mcp_context.algorithms.rotation import LocalRotation
+from mcp_context.algorithms.rotation import LocalRotation, RingRotation
 from mcp_context.kernels.math import MathKernel
 from mcp_context.kernels.torch_sdpa import FUSED_OPS, TorchKernel
 from mcp_context.masks import CAUSAL
 from tools.rank_step import kv_inputs, rank_step
 
 from tests.reference import relative_error
-from tests.stream_races import races_of
+from tests.stream_races import CheckedExchange, Simulated, StreamRaces, races_of
 from tests.test_results import ROWS, TASKS
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -104,15 +105,26 @@ def _member(comm: str, rank: int, dtype: torch.dtype, kernel=None):
     return plan, (q, k, v, rand(*q.shape), rand(heads))
 
 
+def _checked(plan: RingPlan, races) -> RingPlan:
+    """``plan`` with a ring's transfers through a ``CheckedExchange`` (``races`` sees what each moves)."""
+    if not isinstance(plan.rotation, RingRotation):
+        return plan
+    ring = plan.rotation
+    wire = CheckedExchange(races, ring.ring_size, ring.kv_exchange.member)
+    return dataclasses.replace(plan, rotation=RingRotation(wire, wire, ring.ring_size, ring.steps))
+
+
 def _step(plan, inputs, sink: bool, monkeypatch):
-    """``run(streams)`` for ``races_of``: the member's forward and backward with ``streams`` as its side stream."""
+    """``run(streams)`` for ``races_of``: the member's forward and backward with ``streams`` as its side stream
+    (and a ring's transfers checked by the same checker)."""
     q, k, v, dout, s = inputs
     s = s if sink else None
 
     def run(sim):
         monkeypatch.setattr(executor, "streams_for", lambda x: sim)
-        out, lse = ring_forward(q, k, v, plan, s)
-        return out, lse, *ring_backward(dout, q, k, v, out, lse, plan, s)
+        plan_here = _checked(plan, sim.races)
+        out, lse = ring_forward(q, k, v, plan_here, s)
+        return out, lse, *ring_backward(dout, q, k, v, out, lse, plan_here, s)
     return run
 
 
@@ -135,14 +147,25 @@ def test_no_two_streams_touch_the_same_bytes_unordered(monkeypatch, comm, rank, 
     """The side stream's protocol checked op by op on CPU (``tests/stream_races.py``): with the waits, marks
     and join as ``SideStream`` makes them, no op of the side stream and op of the main stream read and write
     the same bytes with no wait between them, and no memory a pending side op uses is freed unmarked;
-    the caller's reads of every result included. Every role, ring, gather and hierarchical members, with
+    the caller's reads of every result included. A ring's transfers too (its messages through
+    ``RingRotation``, forward and backward): no op touches a message's bytes while it is in flight, and no
+    transfer moves bytes the side stream may still write. Every role, ring, gather and hierarchical members, with
     and without a sink (every row through fp32), in bf16 (fp32 accumulators beside the results) and fp64
     (the result is the accumulator); the math kernel and the CPU's fused op (which returns half-precision
     outputs and gradients, as cuDNN does)."""
     plan, inputs = _member(comm, rank, dtype, MathKernel() if kernel == "math" else TorchKernel(FUSED_OPS["cpu_flash"]))
-    races, scopes = races_of(_step(plan, inputs, sink, monkeypatch), read_after=_read)
+    transfers = []
+    run = _step(plan, inputs, sink, monkeypatch)
+
+    def counted(sim):
+        result = run(sim)
+        transfers.append(sim.races.transfers)
+        return result
+    races, scopes = races_of(counted, read_after=_read)
     assert scopes > 0
     assert races == []
+    if isinstance(plan.rotation, RingRotation):  # every step's message, both passes, and dK/dV home
+        assert transfers[0] == 2 * plan.rotation.steps
 
 
 @pytest.mark.parametrize("broken,found", [
@@ -218,3 +241,45 @@ def test_the_side_stream_switch_is_read_and_checked(monkeypatch):
     monkeypatch.setenv(streams.SIDE_STREAM_ENV, "off")
     with pytest.raises(ValueError, match="MCP_CONTEXT_SIDE_STREAM='off' must be 0 .* or 1"):
         streams.side_stream_enabled()
+
+
+def test_the_race_checker_finds_a_message_touched_in_flight():
+    """A ring's transfers as the checker sees them: writing a send buffer, or reading a receive buffer, while
+    the transfer is in flight is reported; the same after ``wait`` is not; a transfer of bytes the side
+    stream has written and not yet joined is reported (NCCL's stream does not wait for the side stream)."""
+    def run(body):
+        races = StreamRaces()
+        with races:
+            body(races, CheckedExchange(races, 2, 0))
+        return races.races
+
+    def write_send(races, wire):
+        send = torch.zeros(8)
+        pending = wire.start(send, 0)
+        send.add_(1)
+        pending.wait()
+
+    def read_recv(races, wire):
+        recv = torch.empty(8)
+        pending = wire.start(torch.zeros(8), 0, recv)
+        recv.sum()
+        pending.wait()
+
+    def after_wait(races, wire):
+        send, recv = torch.zeros(8), torch.empty(8)
+        wire.start(send, 0, recv).wait()
+        send.add_(1), recv.sum()
+
+    def side_write_sent(races, wire):
+        sim = Simulated(races)
+        send = torch.zeros(8)
+        with sim.after():
+            send.add_(1)
+        wire.start(send, 0).wait()
+        sim.join()
+
+    assert any("transfer 1 reads" in r and "main stream's add_ writes" in r for r in run(write_send))
+    assert any("transfer 1 writes" in r and "main stream's sum reads" in r for r in run(read_recv))
+    assert run(after_wait) == []
+    assert any("side stream's add_ writes" in r and "transfer stream's transfer 1 reads" in r
+               for r in run(side_write_sent))
