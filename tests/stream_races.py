@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -108,15 +108,17 @@ class StreamRaces(TorchDispatchMode):
         self.pending_side = []
         self.recorded = []
 
-    def start_transfer(self, send: torch.Tensor, recv: torch.Tensor) -> int:
-        """A transfer posted now reads ``send`` and writes ``recv`` until ``end_transfer``. Its stream waits
+    def start_transfer(self, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor]) -> int:
+        """A transfer posted now reads ``sends`` and writes ``recvs`` until ``end_transfer``. Its stream waits
         for the main stream's work so far (NCCL's stream waits for the current one), not for the side
         stream's: a side write not yet joined to bytes it moves is a race."""
         self.transfers += 1
+        moved = [(x, False) for x in sends] + [(x, True) for x in recvs]
         accesses = [_Access(f"transfer {self.transfers}", StorageWeakRef(x.untyped_storage()), _Bytes.of(x), write,
-                            "transfer", self.scope, True) for x, write in ((send, False), (recv, True)) if x.numel()]
-        for a in accesses:
+                            "transfer", self.scope, True) for x, write in moved if x.numel()]
+        for i, a in enumerate(accesses):
             self._conflicts(a, self.pending_side)
+            self._conflicts(a, accesses[:i])  # a receive into bytes the same transfer sends
         self.in_flight[self.transfers] = accesses
         return self.transfers
 
@@ -216,25 +218,44 @@ class Simulated:
 
 
 class _InFlight:
-    def __init__(self, races: StreamRaces, token: int, recv: torch.Tensor, send: torch.Tensor):
-        self.races, self.token, self.recv, self.send = races, token, recv, send  # send alive until the wait
+    def __init__(self, races: StreamRaces, token: int, received, sent):
+        self.races, self.token, self.received, self.sent = races, token, received, sent  # sent: alive until waited
 
-    def wait(self) -> torch.Tensor:
+    def wait(self):
         self.races.end_transfer(self.token)
-        self.send = None
-        return self.recv
+        self.sent = None
+        return self.received
+
+
+class _CheckedPeers:
+    """One step's transfers with any peers (as ``PeerExchange``), checked like a ring's."""
+
+    def __init__(self, races: StreamRaces, sends: dict, recvs: dict):
+        self.races, self.sends, self.recvs = races, sends, recvs
+
+    def start(self, step: int) -> _InFlight:
+        token = self.races.start_transfer(list(self.sends.values()), list(self.recvs.values()))
+        return _InFlight(self.races, token, self.recvs, self.sends)
 
 
 class CheckedExchange:
-    """A ring's transfer that moves nothing (as ``tools.rank_step.NoWireExchange``) and tells ``StreamRaces``
-    what it reads and writes while in flight (``start_transfer``), until it is waited for."""
+    """A ring's transfers that move nothing (as ``tools.rank_step.NoWireExchange``) and tell ``StreamRaces``
+    what they read and write while in flight (``start_transfer``), until they are waited for: ``start`` as
+    ``RingExchange.start``, ``to_peers`` as ``RingExchange.to_peers``, and ``connect`` as the halo's
+    ``PeerExchange`` (``halo.Connect``)."""
 
     def __init__(self, races: StreamRaces, ring_size: int, member: int):
         self.races, self.peers, self.member, self.group, self.op = races, list(range(ring_size)), member, None, "checked"
 
     def start(self, send: torch.Tensor, step: int, recv: Optional[torch.Tensor] = None, parts=None) -> _InFlight:
         recv = torch.empty_like(send) if recv is None else recv
-        return _InFlight(self.races, self.races.start_transfer(send, recv), recv, send)
+        return _InFlight(self.races, self.races.start_transfer([send], [recv]), recv, send)
+
+    def to_peers(self, sends: dict, recvs: dict) -> _CheckedPeers:
+        return _CheckedPeers(self.races, sends, recvs)
+
+    def connect(self, sends: dict, recvs: dict, op: str) -> _CheckedPeers:
+        return self.to_peers(sends, recvs)
 
 
 def races_of(run: Callable, wait: bool = True, record: bool = True, joins: bool = True,

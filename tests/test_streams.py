@@ -12,10 +12,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mcp_context.algorithms import executor, streams
 from mcp_context.algorithms.executor import RingPlan, ring_backward, ring_forward
+from mcp_context.algorithms.halo import HaloRotation, halo_fits
 from mcp_context.algorithms.rotation import LocalRotation, RingRotation
 from mcp_context.kernels.math import MathKernel
 from mcp_context.kernels.torch_sdpa import FUSED_OPS, TorchKernel
-from mcp_context.masks import CAUSAL
+from mcp_context.masks import CAUSAL, SlidingWindow
+from mcp_context.schedule import layout_schedule
 from tools.rank_step import kv_inputs, rank_step
 
 from tests.reference import relative_error
@@ -85,9 +87,12 @@ def test_no_result_or_accumulator_is_made_inside_the_side_stream_scope(monkeypat
 
 
 def _member(comm: str, rank: int, dtype: torch.dtype, kernel=None):
-    """A member's plan and inputs: every role (test_results' plan), or rank ``rank`` of ``comm`` at P = 8 as the
-    rank runs it (``RankStep.walked``: a ring walks its own shard through messages; K/V packed where a
-    collective moved them)."""
+    """A member's plan, built against a race checker (``build(races)``: a ring's transfers through a
+    ``CheckedExchange``), and its inputs: every role (test_results' plan); rank ``rank`` of ``comm`` at P = 8
+    as the rank runs it (``RankStep.walked``: a ring walks its own shard through messages; K/V packed where a
+    collective moved them); or member ``rank`` of a flat contiguous ring of 8 over 512 tokens with a causal
+    window, ``window_halo`` (16 tokens: only the rows read move, from their owner, ``HaloRotation``) or
+    ``window_cut`` (160 tokens: the ring walk stops after step 3, and dK/dV go straight home)."""
     kernel = kernel or MathKernel()
     g = torch.Generator().manual_seed(rank)
 
@@ -95,26 +100,40 @@ def _member(comm: str, rank: int, dtype: torch.dtype, kernel=None):
         return torch.randn(*shape, generator=g).to(dtype)
 
     if comm == "every_role":
-        plan, heads = RingPlan.build(TASKS, LocalRotation(0, 2), kernel, 0.25, ROWS), 4
-        q, k, v = rand(ROWS, 1, heads, 16), rand(ROWS, 1, 2, 16), rand(ROWS, 1, 2, 16)
+        heads, rows, kv_rows, kv_heads = 4, ROWS, ROWS, 2
+
+        def build(races):
+            return RingPlan.build(TASKS, LocalRotation(0, 2), kernel, 0.25, ROWS)
+    elif comm.startswith("window"):
+        heads, rows, kv_rows, kv_heads = 8, 64, 64, 2
+        schedule = layout_schedule("contiguous", 8, 512, SlidingWindow(16 if comm == "window_halo" else 160, 0), 1,
+                                   kernel.capabilities.masks)
+        busy = max(t for t in range(8) if any(schedule.tasks[m][t] for m in range(8)))
+        assert halo_fits(schedule) == (comm == "window_halo") and busy < 7  # what resolve_scheme would pick
+
+        def build(races):
+            wire = CheckedExchange(races, 8, rank)
+            rotation = (HaloRotation(schedule, rank, range(8), wire.connect) if comm == "window_halo"
+                        else RingRotation(wire, wire, 8, steps=busy + 1))
+            return RingPlan.build(schedule.tasks[rank], rotation, kernel, 0.25, 64)
     else:
         step = rank_step(comm, 8, 256, CAUSAL, kernel, 8, 2, 16, rank=rank)
-        (plan, kv_rows), heads = step.walked(), step.heads
-        q = rand(step.q_rows, 1, heads, 16)
-        k, v = kv_inputs(step, lambda dims: rand(kv_rows, 1, step.kv_heads, dims), 16)
-    return plan, (q, k, v, rand(*q.shape), rand(heads))
+        (walked, kv_rows), heads, rows, kv_heads = step.walked(), step.heads, step.q_rows, step.kv_heads
+
+        def build(races):
+            if not step.ring:
+                return walked
+            wire = CheckedExchange(races, step.ring_size, step.member)
+            return dataclasses.replace(walked, rotation=RingRotation(wire, wire, step.ring_size))
+    q = rand(rows, 1, heads, 16)
+    if comm in ("every_role", "window_halo", "window_cut"):
+        k, v = rand(kv_rows, 1, kv_heads, 16), rand(kv_rows, 1, kv_heads, 16)
+    else:
+        k, v = kv_inputs(step, lambda dims: rand(kv_rows, 1, kv_heads, dims), 16)
+    return build, (q, k, v, rand(*q.shape), rand(heads))
 
 
-def _checked(plan: RingPlan, races) -> RingPlan:
-    """``plan`` with a ring's transfers through a ``CheckedExchange`` (``races`` sees what each moves)."""
-    if not isinstance(plan.rotation, RingRotation):
-        return plan
-    ring = plan.rotation
-    wire = CheckedExchange(races, ring.ring_size, ring.kv_exchange.member)
-    return dataclasses.replace(plan, rotation=RingRotation(wire, wire, ring.ring_size, ring.steps))
-
-
-def _step(plan, inputs, sink: bool, monkeypatch):
+def _step(build, inputs, sink: bool, monkeypatch):
     """``run(streams)`` for ``races_of``: the member's forward and backward with ``streams`` as its side stream
     (and a ring's transfers checked by the same checker)."""
     q, k, v, dout, s = inputs
@@ -122,9 +141,9 @@ def _step(plan, inputs, sink: bool, monkeypatch):
 
     def run(sim):
         monkeypatch.setattr(executor, "streams_for", lambda x: sim)
-        plan_here = _checked(plan, sim.races)
-        out, lse = ring_forward(q, k, v, plan_here, s)
-        return out, lse, *ring_backward(dout, q, k, v, out, lse, plan_here, s)
+        plan = build(sim.races)
+        out, lse = ring_forward(q, k, v, plan, s)
+        return out, lse, *ring_backward(dout, q, k, v, out, lse, plan, s)
     return run
 
 
@@ -136,7 +155,7 @@ def _read(results):
 
 
 MEMBERS = [("every_role", 0), ("p2p", 0), ("p2p", 3), ("p2p", 7), ("all_gather", 5), ("a2a", 0), ("a2a+p2p", 2),
-           ("a2a+all_gather", 1)]
+           ("a2a+all_gather", 1), ("window_halo", 3), ("window_cut", 5)]
 
 
 @pytest.mark.parametrize("kernel", ["math", "cpu_flash"])
@@ -153,19 +172,23 @@ def test_no_two_streams_touch_the_same_bytes_unordered(monkeypatch, comm, rank, 
     and without a sink (every row through fp32), in bf16 (fp32 accumulators beside the results) and fp64
     (the result is the accumulator); the math kernel and the CPU's fused op (which returns half-precision
     outputs and gradients, as cuDNN does)."""
-    plan, inputs = _member(comm, rank, dtype, MathKernel() if kernel == "math" else TorchKernel(FUSED_OPS["cpu_flash"]))
-    transfers = []
-    run = _step(plan, inputs, sink, monkeypatch)
+    build, inputs = _member(comm, rank, dtype, MathKernel() if kernel == "math" else TorchKernel(FUSED_OPS["cpu_flash"]))
+    seen = []
+    run = _step(build, inputs, sink, monkeypatch)
 
     def counted(sim):
         result = run(sim)
-        transfers.append(sim.races.transfers)
+        seen.append((build(sim.races).rotation, sim.races.transfers))
         return result
     races, scopes = races_of(counted, read_after=_read)
     assert scopes > 0
     assert races == []
-    if isinstance(plan.rotation, RingRotation):  # every step's message, both passes, and dK/dV home
-        assert transfers[0] == 2 * plan.rotation.steps
+    rotation, transfers = seen[0]
+    if isinstance(rotation, RingRotation):  # every step's message, both passes, and dK/dV home
+        assert transfers == 2 * rotation.steps
+    if isinstance(rotation, HaloRotation):  # K/V halos out and in (each pass), their dK/dV back, the own rows'
+        steps = set(rotation.send_rows) | set(rotation.recv_rows)
+        assert transfers == 2 * len(steps) + len(rotation.recv_rows) + len(rotation.send_rows) > 0
 
 
 @pytest.mark.parametrize("broken,found", [
@@ -178,8 +201,8 @@ def test_the_race_checker_finds_each_rule_broken(monkeypatch, broken, found):
     the side stream may still write), whose call outputs are not marked (their memory is freed while the
     side stream reads them) or that never waits for the main stream (it reads a call's output while the
     call may still write it) is reported, naming the rule."""
-    plan, inputs = _member("p2p", 3, torch.bfloat16)
-    races, _ = races_of(_step(plan, inputs, False, monkeypatch), read_after=_read, **broken)
+    build, inputs = _member("p2p", 3, torch.bfloat16)
+    races, _ = races_of(_step(build, inputs, False, monkeypatch), read_after=_read, **broken)
     assert any(r.startswith(found) for r in races), races
 
 

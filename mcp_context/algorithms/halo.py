@@ -15,10 +15,9 @@ backward (sent step by step, received at the end).
 """
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
-from torch.distributed import ProcessGroup
 
 from ..comm.primitives import PeerExchange, PendingExchange
 from ..schedule import Schedule
@@ -27,6 +26,9 @@ from .packing import pack_kv, split_kv
 from .rotation import bhsd, rows_of
 
 Rows = tuple[tuple[int, int], ...]
+Connect = Callable[..., PeerExchange]
+"""``connect(sends, recvs, op=...)``: one step's transfers (``PeerExchange`` over the CP group, bound with
+``functools.partial(PeerExchange, group=...)``; a checker's stand-in in tests)."""
 
 
 def halo_fits(schedule: Schedule) -> bool:
@@ -59,13 +61,14 @@ def _shape(like: torch.Tensor, rows: Rows) -> tuple[int, ...]:
 
 
 class HaloRotation:
-    """Member ``member`` of the ring whose global ranks are ``peers`` (member order), exchanging halos."""
+    """Member ``member`` of the ring whose global ranks are ``peers`` (member order), exchanging halos through
+    ``connect`` (each step's ``PeerExchange``)."""
 
     complete_sums = False  # a halo's dK/dV go home to be added
 
-    def __init__(self, schedule: Schedule, member: int, peers: Sequence[int], group: ProcessGroup):
+    def __init__(self, schedule: Schedule, member: int, peers: Sequence[int], connect: Connect):
         size = schedule.ring_size
-        self.member, self.peers, self.group, self.ring_size = member, list(peers), group, size
+        self.member, self.peers, self.connect, self.ring_size = member, list(peers), connect, size
         # step -> rows this member reads of the shard it holds then; rows its shard gives member m + t
         self.recv_rows = {t: r for t in range(1, size) if (r := schedule.kv_rows(member, t))}
         self.send_rows = {t: r for t in range(1, size) if (r := schedule.kv_rows((member + t) % size, t))}
@@ -82,7 +85,7 @@ class HaloRotation:
         for t in sorted(set(self.recv_rows) | set(self.send_rows)):
             sends = {self._dst(t): _take(kv, self.send_rows[t])} if t in self.send_rows else {}
             recvs = ({self._src(t): kv.new_empty(_shape(kv, self.recv_rows[t]))} if t in self.recv_rows else {})
-            pending[t] = PeerExchange(sends, recvs, self.group, "ring_kv").start(t)
+            pending[t] = self.connect(sends, recvs, op="ring_kv").start(t)
         yield 0, k, v
         for t, rows in self.recv_rows.items():
             block = kv.new_zeros(kv.shape)  # rows no task reads stay zero and are never read
@@ -123,14 +126,13 @@ class HaloGradients:
             dkv = self.halo.pop(step, None)
             if dkv is None:
                 dkv = torch.zeros_like(self.own)
-            send = PeerExchange({r._src(step): _take(dkv, r.recv_rows[step])}, {}, r.group, "ring_dkv")
+            send = r.connect({r._src(step): _take(dkv, r.recv_rows[step])}, {}, op="ring_dkv")
             self.sent.append(send.start(step))
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.rotation
         for t, rows in r.send_rows.items():
-            got = PeerExchange({}, {r._dst(t): self.own.new_empty(_shape(self.own, rows))}, r.group,
-                               "ring_dkv").start(t).wait()
+            got = r.connect({}, {r._dst(t): self.own.new_empty(_shape(self.own, rows))}, op="ring_dkv").start(t).wait()
             _put(self.own, rows, got[r._dst(t)], add=True)
         for pending in self.sent:
             pending.wait()

@@ -25,7 +25,7 @@ from typing import Iterator, Optional, Protocol
 
 import torch
 
-from ..comm.primitives import PeerExchange, PendingExchange, RingExchange
+from ..comm.primitives import PendingExchange, RingExchange
 from .. import trace
 from ..merge import add_kv_, copy_kv_
 from .packing import pack_kv, split_kv
@@ -240,8 +240,8 @@ class RingGradients:
         else:  # a walk cut short: the shard held now goes straight to its owner, this member's comes from its holder
             ex, size = self.dkv_exchange, self.ring_size
             holder = ex.peers[(ex.member + last) % size]
-            got = PeerExchange({ex.peers[(ex.member - last) % size]: acc}, {holder: torch.empty_like(acc)},
-                               ex.group, ex.op).start(last).wait()[holder]
+            got = ex.to_peers({ex.peers[(ex.member - last) % size]: acc},
+                              {holder: torch.empty_like(acc)}).start(last).wait()[holder]
         trace.record("dkv_wait", self.steps, t0)
         return split_kv(bhsd(got), self.dqk)
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ..comm import HCPGroups, RingExchange, gather_seq, heads_to_seq, seq_to_heads
-from ..comm.primitives import gather_seq_among
+from ..comm.primitives import PeerExchange, gather_seq_among
 from ..cp_rules import a2a_degree, comm_rule
 from ..kernels import Kernel
 from ..layouts import canonical_member_spans, layout_spans
@@ -159,7 +159,8 @@ def _ring_kv(groups: HCPGroups, schedule: Schedule, member: int, peers: list[int
     if schedule.ring_size == 1:
         return LocalRotation(0, 1), None, tasks
     if schedule.mask not in (FULL, CAUSAL) and halo_fits(schedule):  # a window, documents: only rows read
-        return HaloRotation(schedule, member, peers, groups.cp_group), None, tasks
+        connect = functools.partial(PeerExchange, group=groups.cp_group)
+        return HaloRotation(schedule, member, peers, connect), None, tasks
     size = schedule.ring_size
     busy = [t for t in range(size) if any(schedule.tasks[m][t] for m in range(size))]
     return RingRotation(RingExchange(peers, member, groups.cp_group, "ring_kv"),

@@ -57,6 +57,11 @@ class RingExchange:
             comm_stats.record(op, {self.next: nbytes})
         return PendingExchange(works, recv, send, self, step)
 
+    def to_peers(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> "PeerExchange":
+        """One step's transfers with any ranks of this ring's group, recorded under its operation (a walk cut
+        short sends a shard's dK/dV straight to its owner)."""
+        return PeerExchange(sends, recvs, self.group, self.op)
+
     def describe(self, step: int) -> str:
         """Which transfer this is, for error messages: operation, step, this rank and its peers."""
         return (f"{self.op} ring step {step}: rank {dist.get_rank()} sending to {self.next}, "
