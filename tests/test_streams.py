@@ -100,12 +100,19 @@ def _member(comm: str, rank: int, dtype: torch.dtype, kernel=None):
         return torch.randn(*shape, generator=g).to(dtype)
 
     if comm == "every_role":
-        heads, rows, kv_rows, kv_heads = 4, ROWS, ROWS, 2
+        heads, rows = 4, ROWS
+
+        def make_kv():
+            return rand(ROWS, 1, 2, 16), rand(ROWS, 1, 2, 16)
 
         def build(races):
             return RingPlan.build(TASKS, LocalRotation(0, 2), kernel, 0.25, ROWS)
     elif comm.startswith("window"):
-        heads, rows, kv_rows, kv_heads = 8, 64, 64, 2
+        heads, rows = 8, 64
+
+        def make_kv():
+            return rand(64, 1, 2, 16), rand(64, 1, 2, 16)
+
         schedule = layout_schedule("contiguous", 8, 512, SlidingWindow(16 if comm == "window_halo" else 160, 0), 1,
                                    kernel.capabilities.masks)
         busy = max(t for t in range(8) if any(schedule.tasks[m][t] for m in range(8)))
@@ -118,7 +125,10 @@ def _member(comm: str, rank: int, dtype: torch.dtype, kernel=None):
             return RingPlan.build(schedule.tasks[rank], rotation, kernel, 0.25, 64)
     else:
         step = rank_step(comm, 8, 256, CAUSAL, kernel, 8, 2, 16, rank=rank)
-        (walked, kv_rows), heads, rows, kv_heads = step.walked(), step.heads, step.q_rows, step.kv_heads
+        (walked, kv_rows), heads, rows = step.walked(), step.heads, step.q_rows
+
+        def make_kv():
+            return kv_inputs(step, lambda dims: rand(kv_rows, 1, step.kv_heads, dims), 16)
 
         def build(races):
             if not step.ring:
@@ -126,10 +136,7 @@ def _member(comm: str, rank: int, dtype: torch.dtype, kernel=None):
             wire = CheckedExchange(races, step.ring_size, step.member)
             return dataclasses.replace(walked, rotation=RingRotation(wire, wire, step.ring_size))
     q = rand(rows, 1, heads, 16)
-    if comm in ("every_role", "window_halo", "window_cut"):
-        k, v = rand(kv_rows, 1, kv_heads, 16), rand(kv_rows, 1, kv_heads, 16)
-    else:
-        k, v = kv_inputs(step, lambda dims: rand(kv_rows, 1, kv_heads, dims), 16)
+    k, v = make_kv()
     return build, (q, k, v, rand(*q.shape), rand(heads))
 
 
@@ -173,17 +180,21 @@ def test_no_two_streams_touch_the_same_bytes_unordered(monkeypatch, comm, rank, 
     (the result is the accumulator); the math kernel and the CPU's fused op (which returns half-precision
     outputs and gradients, as cuDNN does)."""
     build, inputs = _member(comm, rank, dtype, MathKernel() if kernel == "math" else TorchKernel(FUSED_OPS["cpu_flash"]))
-    seen = []
-    run = _step(build, inputs, sink, monkeypatch)
+    plans, transfers = [], []
+
+    def built(races):
+        plans.append(build(races))
+        return plans[-1]
+    run = _step(built, inputs, sink, monkeypatch)
 
     def counted(sim):
         result = run(sim)
-        seen.append((build(sim.races).rotation, sim.races.transfers))
+        transfers.append(sim.races.transfers)
         return result
     races, scopes = races_of(counted, read_after=_read)
     assert scopes > 0
     assert races == []
-    rotation, transfers = seen[0]
+    rotation, transfers = plans[0].rotation, transfers[0]
     if isinstance(rotation, RingRotation):  # every step's message, both passes, and dK/dV home
         assert transfers == 2 * rotation.steps
     if isinstance(rotation, HaloRotation):  # K/V halos out and in (each pass), their dK/dV back, the own rows'
