@@ -27,9 +27,10 @@ import torch  # noqa: E402
 from mcp_context.plan.cost import FWD_BWD_FLOP_FACTOR  # noqa: E402
 from tools.bench_cpu import Shape  # noqa: E402
 from tools.bench_device import append_jsonl, schedule_row  # noqa: E402
+from tools.gpu_report import TARGETS  # noqa: E402
 from tools.plan_grid import MODELS  # noqa: E402
 
-TARGET = 0.95
+TARGET = TARGETS["pick"]
 
 
 def rank_tflop(seq_len: int, cp: int, heads: int, head_dim: int) -> float:
