@@ -192,7 +192,7 @@ def test_no_two_streams_touch_the_same_bytes_unordered(monkeypatch, comm, rank, 
         transfers.append(sim.races.transfers)
         return result
     races, scopes = races_of(counted, read_after=_read)
-    assert scopes > 0
+    assert scopes > 0 or comm == "a2a"  # a2a's one call may give the results themselves: nothing after it
     assert races == []
     rotation, transfers = plans[0].rotation, transfers[0]
     if isinstance(rotation, RingRotation):  # every step's message, both passes, and dK/dV home

@@ -224,7 +224,7 @@ class _Sums:
 
 def _forward_piece(p: Piece, q0: int, o: torch.Tensor, l: torch.Tensor, sums: _Sums, lse: torch.Tensor) -> None:
     """What one call's output does on rows ``p.rows`` (``results``: write, hold, merge)."""
-    if p.role == HOLD or (o is sums.out and l is lse):  # held, or the call's output is the result
+    if p.role == HOLD:  # read by a later call
         return
     src = (p.rows[0] - q0, p.rows[1] - q0)
     bo, bl, lse_rows = rows_of(o, src), rows_of(l, src), rows_of(lse, p.rows)
@@ -244,7 +244,7 @@ def _forward_piece(p: Piece, q0: int, o: torch.Tensor, l: torch.Tensor, sums: _S
 
 def _backward_piece(p: Piece, q0: int, gq: torch.Tensor, sums: _Sums) -> None:
     """What one call's dQ does on rows ``p.rows``: the additive twin of ``_forward_piece``."""
-    if p.role == HOLD or gq is sums.out:
+    if p.role == HOLD:
         return
     bg = rows_of(gq, (p.rows[0] - q0, p.rows[1] - q0))
     if p.role == OWN:
@@ -285,9 +285,10 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPl
                 lse = l if _adopt_lse(l, sq, acc) else _accumulator(qb, (b, h, sq), acc, float("-inf"), results.covered)
             pieces = results.pieces[step][i]
             sums.ready(pieces)
-            with streams.after(o, l):
-                for p in pieces:
-                    _forward_piece(p, t.q[0], o, l, sums, lse)
+            if not (o is sums.out and l is lse):  # else the call's outputs are the results: nothing to do
+                with streams.after(o, l):
+                    for p in pieces:
+                        _forward_piece(p, t.q[0], o, l, sums, lse)
             sums.after(step, i, t.q[0], o, l)
         trace.record("forward_compute", step, t0)
     streams.join()
@@ -326,9 +327,10 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
             sums.offer(step, i, gq)
             pieces = plan.results.pieces[step][i]
             sums.ready(pieces)
-            with streams.after(gq):
-                for p in pieces:
-                    _backward_piece(p, t.q[0], gq, sums)
+            if gq is not sums.out:  # else the call's dQ is the result: nothing to do
+                with streams.after(gq):
+                    for p in pieces:
+                        _backward_piece(p, t.q[0], gq, sums)
             sums.after(step, i, t.q[0], gq)
             grads.add(step, t.kv, gk, gv)
         trace.record("backward_compute", step, t0)
