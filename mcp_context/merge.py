@@ -23,6 +23,7 @@ import warnings
 from typing import Callable, Optional
 
 import torch
+from torch._dynamo.exc import FailOnRecompileLimitHit
 from torch._subclasses.fake_tensor import is_fake
 
 NEG_INF = float("-inf")
@@ -65,8 +66,18 @@ def merge_pair_eager_(out: torch.Tensor, lse: torch.Tensor, a_out: torch.Tensor,
     torch.ops.aten.copy_(lse, new_lse)
 
 
+RECOMPILE_LIMIT = 64
+"""The variants one fused region may compile in a process. Each dtype, aliasing and size-1 pattern of its
+operands is one variant (a bf16 p2p step makes three merges); a process that runs several dtypes, head
+counts or schemes (a test run, a benchmark over a grid) makes more than torch's default of 8 per function.
+Past that default a ``fullgraph`` region raises ``FailOnRecompileLimitHit`` (torch 2.11 on an H200, a test
+run, 2026-11-26), which made every later merge of the process eager: the region recompiles under this
+limit instead."""
+
+
 class _Fused:
-    """``eager`` run as one compiled kernel on CUDA (compiled once, dynamic shapes), eagerly elsewhere.
+    """``eager`` run as one compiled kernel on CUDA (dynamic shapes, up to ``RECOMPILE_LIMIT`` variants),
+    eagerly elsewhere.
 
     A fake-CUDA rehearsal cannot compile, so it runs eagerly too. If compiling fails the eager form is
     used from then on, with one warning naming the reason (same results, slower)."""
@@ -81,11 +92,20 @@ class _Fused:
             self.compiled = torch.compile(self.eager, dynamic=True, fullgraph=True)
         return self.compiled
 
+    def run_compiled(self, *args: torch.Tensor) -> None:
+        """The compiled region; a variant past torch's recompile limit is compiled under ``RECOMPILE_LIMIT``
+        (the limit is read only when a call compiles, so calls of known variants pay nothing for it)."""
+        try:
+            self.compile()(*args)
+        except FailOnRecompileLimitHit:  # raised before the variant ran: nothing is written yet
+            with torch._dynamo.config.patch(recompile_limit=max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)):
+                self.compile()(*args)
+
     def __call__(self, *args: torch.Tensor) -> None:
         first = args[0]
         if first.is_cuda and not is_fake(first) and self.error is None:
             try:
-                self.compile()(*args)
+                self.run_compiled(*args)
                 return
             except Exception as err:  # noqa: BLE001 - compilation fails before anything is written
                 text = str(err).strip()

@@ -132,3 +132,32 @@ def test_compiled_pair_forms_equal_their_eager_forms_into_a_half_result():
     dq = torch.empty(1, 2, 16, 8, dtype=torch.bfloat16)
     torch.compile(add_pair_eager_, fullgraph=True)(dq, acc, block)
     assert torch.equal(acc, kept) and torch.equal(dq, (acc + block.float()).bfloat16())
+
+
+def _double_add_(out, a, b):
+    torch.ops.aten.copy_(out, a + 2 * b)
+
+
+def test_a_fused_region_compiles_past_torchs_recompile_limit(monkeypatch):
+    """A process that meets more operand variants than torch's limit of 8 per function (a test run, a
+    benchmark over a grid: dtypes, head counts, aliasing) keeps every variant compiled: a ``fullgraph``
+    region raises ``FailOnRecompileLimitHit`` at the 9th, which made every later call of the process eager.
+    Here 12 variants (4 dtypes x 3 ranks), compiled by dynamo with its eager backend (the limit is
+    dynamo's, whatever the backend), each giving the eager result."""
+    import functools
+
+    from mcp_context import merge
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    fused = merge._Fused(_double_add_, "test region")
+    assert torch._dynamo.config.recompile_limit < 12 <= merge.RECOMPILE_LIMIT
+    try:
+        for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+            for shape in ((5,), (3, 5), (2, 3, 5)):
+                a, b = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
+                out = torch.empty_like(a)
+                fused.run_compiled(out, a, b)
+                assert torch.equal(out, a + 2 * b), (dtype, shape)
+    finally:
+        torch._dynamo.reset()
+    assert fused.error is None
