@@ -162,7 +162,7 @@ def test_the_gpu_branch_of_a_rank_step_row_runs_and_feeds_the_report(monkeypatch
     finally:
         bench_device._sleep_cycles_per_second.cache_clear()  # the rate the host answered is not a GPU's
     fb = row["fwd_bwd"]
-    assert {"queued_efficiency", "host_issue_s", "host_ahead", "host_syncs", "side_stream_gain",
+    assert {"queued_efficiency", "queued_side_stream_gain", "host_issue_s", "host_ahead", "host_syncs", "side_stream_gain",
             "in_order_peak_bytes", "memory_ratio"} <= set(fb), sorted(fb)
     assert len(fb["queued_s"]) == len(fb["host_issue_s"]) == 2 and fb["host_syncs"] == [] and mode[0] == 0
     (tmp_path / "bench").mkdir()
@@ -172,3 +172,21 @@ def test_the_gpu_branch_of_a_rank_step_row_runs_and_feeds_the_report(monkeypatch
     def syncing():
         warnings.warn("called a synchronizing CUDA operation")
     assert bench_device._host_syncs(syncing) == ["called a synchronizing CUDA operation"] and mode[0] == 0
+
+
+def test_the_gpu_report_judges_the_picks_cold_and_with_the_host_ahead(tmp_path):
+    """A pick's row shows its fwd+bwd timed cold and with the host ahead ('*' where the host still fell behind),
+    and the pick target is judged on each: a cell whose GPU idles for a host that issues tiny calls reads low
+    cold and may be at the fused call's rate in training."""
+    from tools.gpu_report import report
+
+    def pick(cp, cold, ahead, kept_up):
+        return {"part": "pick", "model": "llama3_8b", "seq_len": 32768, "cp": cp, "pick": f"cp{cp} p2p zigzag",
+                "efficiency": cold, "predicted_compute_efficiency": 0.98, "measured_over_predicted": cold / 0.98,
+                "step": {"fwd_bwd": {"queued_efficiency": ahead, "host_ahead": kept_up}}}
+    rows = [pick(8, 0.97, 1.01, True), pick(64, 0.26, 0.99, False)]
+    (tmp_path / "picks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = report(str(tmp_path))
+    assert "| llama3_8b | 32K | 64 | cp64 p2p zigzag | **0.26** | 0.99* | 0.98 | 0.27 |" in text, text
+    assert ("the planner's pick, lowest of 2 cells measured: 0.260: not met (>= 0.95); host ahead, lowest of 2: "
+            "0.990: met (>= 0.95)") in text, text

@@ -2,8 +2,9 @@
 scheme on one device (a ring walked as its member walks it, the other kinds over the K/V their collectives
 deliver, laid out locally: ``tools/rank_step.py``; on a GPU also in order, with no side stream:
 ``side_stream_gain`` is the in-order time over the step's; and with the host ahead of the GPU, as in training,
-where the layers before it keep the GPU's queue full: ``queued_efficiency``, the host's issue time and the
-host-device synchronisations one step makes) against two fused
+where the layers before it keep the GPU's queue full: ``queued_efficiency``, the side stream's gain there
+(``queued_side_stream_gain``), the host's issue time and the host-device synchronisations one step makes)
+against two fused
 baselines: one SDPA call of equal useful FLOPs (ours, the strict one), and one at the per-rank length
 ``S / P`` (ring-flash-attention's, so our figures sit beside published ones). The transfers a scheme
 needs are not run on one GPU: their bytes and the time they take at stated link rates (``LINKS_GBPS``)
@@ -315,13 +316,15 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
         if "in_order" in t:
             res.update(in_order_s=t["in_order"],
                        side_stream_gain=statistics.median(o / a for o, a in zip(t["in_order"], t["ours"])))
-            # the same step with the host ahead of the GPU, as in training: held the cold step's time + 2 ms,
-            # more than the host takes to issue it unless the step is host-bound (then host_ahead is False)
-            queued = _queued_seconds({"ours": calls["ours"], "fused": calls["fused"]}, device, reps,
-                                     statistics.median(t["ours"]) + 2e-3)
-            qa, qf = ([g for g, _, _ in queued[name]] for name in ("ours", "fused"))
-            res.update(queued_s=qa, queued_fused_s=qf,
+            # the same step with the host ahead of the GPU, as in training: held twice the cold step's time
+            # + 2 ms, more than the host takes to issue it unless the step is badly host-bound (then host_ahead
+            # is False); in order too, to tell whether the side stream pays where the host is not the limit
+            queued = _queued_seconds({name: calls[name] for name in ("ours", "fused", "in_order")}, device, reps,
+                                     2 * statistics.median(t["ours"]) + 2e-3)
+            qa, qf, qi = ([g for g, _, _ in queued[name]] for name in ("ours", "fused", "in_order"))
+            res.update(queued_s=qa, queued_fused_s=qf, queued_in_order_s=qi,
                        queued_efficiency=statistics.median(flops / a / (base_flops["fused"] / f) for a, f in zip(qa, qf)),
+                       queued_side_stream_gain=statistics.median(i / a for i, a in zip(qi, qa)),
                        host_issue_s=[h for _, h, _ in queued["ours"]],
                        host_ahead=all(ok for _, _, ok in queued["ours"] + queued["fused"]),
                        host_syncs=_host_syncs(calls["ours"]))
@@ -343,7 +346,8 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
         print(f"  P={world} {comm:15} {label:8}: {res['ours_tflops']:5.0f} TFLOP/s, {res['efficiency']:.2f} of fused "
               f"({res['fused_tflops']:.0f}), {res['efficiency_vs_per_rank']:.2f} of fused at S/P "
               f"({res['fused_per_rank_tflops']:.0f}); "
-              + (f"side stream x{res['side_stream_gain']:.3f}; host ahead {res['queued_efficiency']:.2f} of fused "
+              + (f"side stream x{res['side_stream_gain']:.3f} (host ahead x{res['queued_side_stream_gain']:.3f}); "
+                 f"host ahead {res['queued_efficiency']:.2f} of fused "
                  f"(issue {statistics.median(res['host_issue_s']) * 1e3:.2f} ms, "
                  f"{len(res['host_syncs'])} syncs); " if "side_stream_gain" in res else "")
               + f"{step.calls} calls; transfers "
