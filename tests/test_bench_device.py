@@ -190,3 +190,21 @@ def test_the_gpu_report_judges_the_picks_cold_and_with_the_host_ahead(tmp_path):
     assert "| llama3_8b | 32K | 64 | cp64 p2p zigzag | **0.26** | 0.99* | 0.98 | 0.27 |" in text, text
     assert ("the planner's pick, lowest of 2 cells measured: 0.260: not met (>= 0.95); host ahead, lowest of 2: "
             "0.990: met (>= 0.95)") in text, text
+
+
+def test_the_gpu_report_reads_run_4s_picks_and_p2p_step(tmp_path):
+    """tools/gpu_report.py over the H200's run 4 (docs/gpu/h200_run4_*): the picks table shows each cell cold and
+    with the host ahead, and the targets read 32K/P8 p2p 0.74 cold (not met) and 0.86 with the host ahead (met),
+    the picks' lowest 0.36 cold and 0.77 with the host ahead (32K over 64 ranks: not met)."""
+    import shutil
+
+    from tools.gpu_report import report
+
+    (tmp_path / "bench").mkdir()
+    shutil.copy("docs/gpu/h200_run4_bench_32k.jsonl", tmp_path / "bench" / "bench_attention_p8_gpu_checks.jsonl")
+    shutil.copy("docs/gpu/h200_run4_picks.jsonl", tmp_path / "picks.jsonl")
+    text = report(str(tmp_path))
+    assert "| llama3_8b | 32K | 64 | cp8x8 a2a+all_gather zigzag | **0.36** | 0.77 | 0.98 | 0.37 |" in text, text
+    assert "p2p fwd+bwd at 32K/P8: 0.736: not met (>= 0.85); host ahead 0.857: met (>= 0.85)" in text, text
+    assert ("the planner's pick, lowest of 11 cells measured: 0.361: not met (>= 0.95); host ahead, lowest of 11: "
+            "0.775: not met (>= 0.95)") in text, text

@@ -66,8 +66,8 @@ def _cudnn_alone(q, k, v, dout, rows):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (cuDNN's fused op)")
 @pytest.mark.parametrize("runs", [[(0, S)], [(0, 24), (24, S)]], ids=["one-call", "two-documents"])
 def test_on_cuda_a_plan_without_merges_returns_cudnns_results_bit_for_bit(runs):
-    """The same on an NVIDIA GPU with ``torch:cudnn``, bf16 (not yet run on one: no GPU in the session that
-    wrote it). The one-call plan's out is cuDNN's own output, token-major as cuDNN lays it out for
+    """The same on an NVIDIA GPU with ``torch:cudnn``, bf16 (passes on an H200, 2026-11-26, since a call
+    whose outputs are the results enters no side stream). The one-call plan's out is cuDNN's own output, token-major as cuDNN lays it out for
     token-major inputs: no copy between the op and the caller."""
     from mcp_context.algorithms.executor import ring_backward, ring_forward
     from mcp_context.kernels.torch_sdpa import FUSED_OPS, TorchKernel

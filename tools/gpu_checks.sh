@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The checks to run first on a CUDA machine, in order, each under its own timeout:
+# The checks to run first on a CUDA machine, each under its own timeout, the figures first (in the order
+# 1, 4, 2, 5, 3 below):
 #   1. the kernel report (which fused op serves each dtype, and why the others do not)
 #   2. the GPU tests (tests/test_gpu.py, tests/test_kernels.py, tests/test_direct_results.py,
 #      tests/test_results.py, tests/test_streams.py, tests/test_packing.py)
@@ -19,10 +20,11 @@
 # PYTHON is the interpreter that holds CUDA torch (default python3). The repository is prepended to
 # PYTHONPATH, so the package runs from this checkout and a megatron-core installed elsewhere (pip
 # --target) stays importable. Each step writes its log to RESULTS_DIR/<step>.log as it runs and one
-# line to RESULTS_DIR/summary.jsonl when it ends (rc 124: it hit its timeout). The timeouts of steps
-# 1-5 add up to 595 s, inside 10 minutes; step 6 has 600 s of its own. On an H200 (2026-11-26) the
-# benchmark of every scheme at 32K and 128K, P = 8, took about 50 s and the GPU tests with 13 member
-# cases about 2 minutes. The refit, after it:
+# line to RESULTS_DIR/summary.jsonl when it ends (rc 124: it hit its timeout). The figures run first, the
+# tests after them (a device loan may end mid-run; the run that wrote these timeouts lost its last step).
+# The timeouts of steps 1-5 add up to 590 s, inside 10 minutes; step 6 has 600 s of its own. On an H200
+# (2026-11-26, main fd488ae) the steps took: kernel report 14 s, benchmark 127 s, profile 27 s, picks over
+# 110 s (11 of the grid's 14 timed cells), GPU tests 135 s, pretrain 33 s, member cases 35 s. The refit, after it:
 #   python tools/calibrate_profile.py --profile h200_nvlink_ib --rates RESULTS_DIR/profile.jsonl \
 #       --bench RESULTS_DIR/bench/bench_attention_p8_gpu_checks.json
 # The full member grid is its own command:
@@ -57,20 +59,17 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run it, log it, record rc and second
     [ "$rc" = 0 ] || failed=1
 }
 
-step 1_kernel_report 30 "$PYTHON" -m mcp_context.kernels
-step 2_gpu_tests 180 "$PYTHON" -m pytest -q -rs tests/test_gpu.py tests/test_kernels.py tests/test_direct_results.py \
-    tests/test_results.py tests/test_streams.py tests/test_packing.py
-step 3_member_schedules 60 "$PYTHON" -m pytest -q -rs tests/test_member_schedules.py -k \
-    "on_cuda and (P4-contiguous-ring-full-hkv1 or P8-zigzag-ring-causal-hkv8 or P8-striped-a2a+p2p-full-hkv2 \
-or P16-zigzag-ring-causal-hkv2)"
-step 4_benchmark 90 "$PYTHON" tools/bench_attention.py --no-cpu --device-bench cuda --heads 32 --kv-heads 8 \
+step 1_kernel_report 20 "$PYTHON" -m mcp_context.kernels
+step 4_benchmark 150 "$PYTHON" tools/bench_attention.py --no-cpu --device-bench cuda --heads 32 --kv-heads 8 \
     --head-dim 128 --device-seq-lens 32768 131072 --world-sizes 8 --reps 3 --out "$RESULTS/bench" --tag gpu_checks \
     --device-schemes p2p all_gather a2a a2a+p2p a2a+all_gather
-step 4_profile 60 "$PYTHON" tools/kernel_rates.py --parts profile --profile-seq-lens 32768 --cp 8 \
+step 4_profile 40 "$PYTHON" tools/kernel_rates.py --parts profile --profile-seq-lens 32768 --cp 8 \
     --out "$RESULTS/profile.jsonl"
-step 4_picks 85 "$PYTHON" tools/bench_picks.py --grid docs/img/plan_grid_h200.json --max-tflop 150 --reps 3 \
+step 4_picks 140 "$PYTHON" tools/bench_picks.py --grid docs/img/plan_grid_h200.json --max-tflop 150 --reps 3 \
     --out "$RESULTS/picks.jsonl"
-step 5_pretrain_bf16 80 "$PYTHON" -m torch.distributed.run --nproc-per-node 1 -m mcp_context.pretrain \
+step 2_gpu_tests 150 "$PYTHON" -m pytest -q -rs tests/test_gpu.py tests/test_kernels.py tests/test_direct_results.py \
+    tests/test_results.py tests/test_streams.py tests/test_packing.py
+step 5_pretrain_bf16 45 "$PYTHON" -m torch.distributed.run --nproc-per-node 1 -m mcp_context.pretrain \
     --recipe recipes/tiny_cpu.yaml --run-dir "$RESULTS/pretrain" --restart model.context_parallel_size=1 \
     model.hierarchical_context_parallel_sizes=null model.cp_comm_type=p2p model.bf16=true \
     model.params_dtype=bfloat16 train.world_size=1 train.device=cuda train.steps=30 train.eval_interval=30 \
@@ -82,6 +81,9 @@ print(f'{len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}')
 sys.exit(0 if len(losses) == 30 and all(map(math.isfinite, losses)) and losses[-1] < losses[0] else 1)
 " "$RESULTS/pretrain/metrics.jsonl"
 
+step 3_member_schedules 35 "$PYTHON" -m pytest -q -rs tests/test_member_schedules.py -k \
+    "on_cuda and (P4-contiguous-ring-full-hkv1 or P8-zigzag-ring-causal-hkv8 or P8-striped-a2a+p2p-full-hkv2 \
+or P16-zigzag-ring-causal-hkv2)"
 # steps 1-5 as markdown, against issue 25's targets (what to paste into docs/performance.md)
 "$PYTHON" tools/gpu_report.py "$RESULTS" > "$RESULTS/report.md" 2>&1
 cat "$RESULTS/report.md"
