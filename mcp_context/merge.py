@@ -19,8 +19,9 @@ Rows that see no key (padding rows of packed documents) stay ``(0, -inf)``: they
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch._dynamo.exc import FailOnRecompileLimitHit
@@ -86,6 +87,17 @@ class _Fused:
         self.eager, self.what = eager, what
         self.compiled: Optional[Callable] = None
         self.error: Optional[str] = None
+        self.compiling = True
+
+    @contextlib.contextmanager
+    def eagerly(self) -> Iterator[None]:
+        """Run the eager form on CUDA too while inside (``tools/host_costs.py`` weighs the compiled
+        region's host cost against the eager form's kernels)."""
+        before, self.compiling = self.compiling, False
+        try:
+            yield
+        finally:
+            self.compiling = before
 
     def compile(self) -> Callable:
         if self.compiled is None:
@@ -103,7 +115,7 @@ class _Fused:
 
     def __call__(self, *args: torch.Tensor) -> None:
         first = args[0]
-        if first.is_cuda and not is_fake(first) and self.error is None:
+        if first.is_cuda and not is_fake(first) and self.error is None and self.compiling:
             try:
                 self.run_compiled(*args)
                 return
@@ -194,6 +206,10 @@ def copy_kv_(dkv: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
     (the rows a sum's first block writes, ``rotation.KeySums``): one fused kernel on CUDA, where a fill and
     an add were two."""
     _copy_kv(dkv, dk, dv)
+
+
+FUSED_REGIONS = {"merge": _merge_pair, "dq_sum": _add_pair, "dkv_add": _add_kv, "dkv_first_write": _copy_kv}
+"""Every region compiled on CUDA, by name (``tools/host_costs.py`` runs each eagerly in turn)."""
 
 
 def add_sink_(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> None:

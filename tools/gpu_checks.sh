@@ -8,7 +8,9 @@
 #   4. the benchmark at S = 32K and 128K, P = 8, every scheme, Llama-3-8B heads (32/8, d = 128), bf16, then
 #      one profiled step of each scheme at 32K (what tools/calibrate_profile.py refits the planner's step
 #      bandwidth and call overhead from, with the benchmark's JSON), then the planner's pick at each cell of
-#      its grid (tools/bench_picks.py: S = 32K and 128K, P = 8, 16, 64, both models; 1M is over the budget)
+#      its grid (tools/bench_picks.py: S = 32K and 128K, P = 8, 16, 64, both models; 1M is over the budget),
+#      and where the host's time goes in two host-bound steps (tools/host_costs.py: 32K/P8 p2p, 32K/P64
+#      a2a+all_gather 8x8; each fused region eager in turn, the side stream off, a host profile)
 #   5. a 30-step bf16 pretrain of the tiny recipe on one GPU (CP 1), then its first and last loss; then
 #      tools/gpu_report.py writes RESULTS_DIR/report.md: the step table, the benchmark and the picks as
 #      markdown, and each of issue 25's targets met or not
@@ -65,11 +67,12 @@ step 4_benchmark 150 "$PYTHON" tools/bench_attention.py --no-cpu --device-bench 
     --device-schemes p2p all_gather a2a a2a+p2p a2a+all_gather
 step 4_profile 40 "$PYTHON" tools/kernel_rates.py --parts profile --profile-seq-lens 32768 --cp 8 \
     --out "$RESULTS/profile.jsonl"
-step 4_picks 140 "$PYTHON" tools/bench_picks.py --grid docs/img/plan_grid_h200.json --max-tflop 150 --reps 3 \
+step 4_host_costs 40 "$PYTHON" tools/host_costs.py --reps 3 --out "$RESULTS/host_costs.jsonl"
+step 4_picks 120 "$PYTHON" tools/bench_picks.py --grid docs/img/plan_grid_h200.json --max-tflop 150 --reps 3 \
     --out "$RESULTS/picks.jsonl"
-step 2_gpu_tests 150 "$PYTHON" -m pytest -q -rs tests/test_gpu.py tests/test_kernels.py tests/test_direct_results.py \
+step 2_gpu_tests 140 "$PYTHON" -m pytest -q -rs tests/test_gpu.py tests/test_kernels.py tests/test_direct_results.py \
     tests/test_results.py tests/test_streams.py tests/test_packing.py
-step 5_pretrain_bf16 45 "$PYTHON" -m torch.distributed.run --nproc-per-node 1 -m mcp_context.pretrain \
+step 5_pretrain_bf16 40 "$PYTHON" -m torch.distributed.run --nproc-per-node 1 -m mcp_context.pretrain \
     --recipe recipes/tiny_cpu.yaml --run-dir "$RESULTS/pretrain" --restart model.context_parallel_size=1 \
     model.hierarchical_context_parallel_sizes=null model.cp_comm_type=p2p model.bf16=true \
     model.params_dtype=bfloat16 train.world_size=1 train.device=cuda train.steps=30 train.eval_interval=30 \
@@ -81,7 +84,7 @@ print(f'{len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}')
 sys.exit(0 if len(losses) == 30 and all(map(math.isfinite, losses)) and losses[-1] < losses[0] else 1)
 " "$RESULTS/pretrain/metrics.jsonl"
 
-step 3_member_schedules 35 "$PYTHON" -m pytest -q -rs tests/test_member_schedules.py -k \
+step 3_member_schedules 30 "$PYTHON" -m pytest -q -rs tests/test_member_schedules.py -k \
     "on_cuda and (P4-contiguous-ring-full-hkv1 or P8-zigzag-ring-causal-hkv8 or P8-striped-a2a+p2p-full-hkv2 \
 or P16-zigzag-ring-causal-hkv2)"
 # steps 1-5 as markdown, against issue 25's targets (what to paste into docs/performance.md)

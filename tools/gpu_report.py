@@ -100,6 +100,29 @@ def picks_table(path: str) -> tuple[list[str], list[float], list[float]]:
     return out, measured, ahead
 
 
+def host_costs_table(path: str) -> list[str]:
+    """``tools/host_costs.py``'s rows: each variant's step against the shipped one, then the host profile."""
+    rows = list(_lines(path))
+    out = ["| case | variant | cold ms | host ahead ms | host issue ms | host issue vs shipped |", "|---|---|---|---|---|---|"]
+    shipped = {}
+    for r in rows:
+        if "profile" in r or "host_issue_ms" not in r:
+            continue
+        case = f"{r['comm']} {_k(r['seq_len'])}/{r['cp']}"
+        shipped.setdefault(case, r["host_issue_ms"])
+        out.append(f"| {case} | {r['variant']} | {r['cold_ms']:.2f} | {r['host_ahead_ms']:.2f}"
+                   f"{'' if r['host_ahead'] else '*'} | {r['host_issue_ms']:.2f} | {r['host_issue_ms'] / shipped[case]:.2f} |")
+    out += ["", "| case | host ms a step under cProfile: fused regions | attention ops | autograd engine | rest | "
+                "total | fused region calls |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "profile" in r:
+            ms = r["profile"]["ms_per_step"]
+            out.append(f"| {r['comm']} {_k(r['seq_len'])}/{r['cp']} | {ms['fused_regions']:.2f} | "
+                       f"{ms['attention_ops']:.2f} | {ms['autograd_engine']:.2f} | {ms['rest']:.2f} | {ms['total']:.2f} | "
+                       f"{r['profile']['fused_region_calls_per_step']:.0f} |")
+    return out
+
+
 def _verdict(value, target: float, above: bool = True) -> str:
     if value is None:
         return "not measured"
@@ -130,6 +153,11 @@ def report(results: str) -> str:
     if os.path.exists(picks_path):
         table, measured, ahead = picks_table(picks_path)
         lines += ["## The planner's picks", ""] + table + [""]
+    host_path = os.path.join(results, "host_costs.jsonl")
+    if os.path.exists(host_path):
+        lines += ["## Where the host's time goes (tools/host_costs.py)", "",
+                  "Each fused region run eagerly in turn, and the side stream off ('in_order'), against the step as "
+                  "shipped; '*': the host fell behind the hold.", ""] + host_costs_table(host_path) + [""]
     p2p = {s: seen.get(("p2p", s, 8), {}) for s in (32768, 131072)}
     peaks: dict[str, list[float]] = {}  # by scheme
     for (comm, _, _), fb in seen.items():

@@ -1,0 +1,60 @@
+"""tools/host_costs.py on CPU (a smoke run: the figures mean nothing here, the GPU run is what it is for):
+every variant of every case is timed and the profile's groups add up to its total."""
+import json
+
+import pytest
+
+from mcp_context import merge
+from tools.host_costs import main, parse_case, variants
+
+
+def test_each_variant_is_timed_and_the_profile_groups_add_up(tmp_path):
+    out = tmp_path / "host.jsonl"
+    assert main(["--device", "cpu", "--cases", "p2p:256:4", "a2a+all_gather:256:4:2", "--heads", "4", "--kv-heads",
+                 "2", "--head-dim", "16", "--reps", "1", "--profile-steps", "2", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    names = list(variants())
+    assert names == ["shipped", "eager:merge", "eager:dq_sum", "eager:dkv_add", "eager:dkv_first_write", "in_order"]
+    for comm, sizes in (("p2p", [4]), ("a2a+all_gather", [2, 2])):
+        mine = [r for r in rows if r["comm"] == comm]
+        timed = [r for r in mine if "profile" not in r]
+        assert [r["variant"] for r in timed] == names and all(r["cold_ms"] > 0 for r in timed)
+        assert all(r["sizes"] == sizes and "host_issue_ms" not in r for r in mine)  # no GPU: nothing held busy
+        (prof,) = [r["profile"] for r in mine if "profile" in r]
+        ms = prof["ms_per_step"]
+        assert min(ms.values()) >= 0 and ms["total"] > 0
+        assert ms["fused_regions"] + ms["attention_ops"] + ms["autograd_engine"] + ms["rest"] == pytest.approx(ms["total"])
+    p2p_profile = next(r["profile"] for r in rows if r["comm"] == "p2p" and "profile" in r)
+    assert p2p_profile["fused_region_calls_per_step"] > 0 and p2p_profile["ms_per_step"]["attention_ops"] > 0
+
+
+def test_a_region_run_eagerly_compiles_again_after_the_block_even_if_it_raised():
+    region = merge.FUSED_REGIONS["dkv_add"]
+    with pytest.raises(RuntimeError):
+        with region.eagerly():
+            assert not region.compiling
+            raise RuntimeError("inside")
+    assert region.compiling
+
+
+@pytest.mark.parametrize("text", ["p2p:32768", "p2p:32K:8", "p2p:1:2:3:4"])
+def test_a_malformed_case_is_refused_naming_it(text):
+    import argparse
+    with pytest.raises(argparse.ArgumentTypeError, match=text):
+        parse_case(text)
+
+
+def test_the_gpu_report_shows_each_variant_against_the_shipped_step(tmp_path):
+    from tools.gpu_report import report
+
+    base = {"part": "host_costs", "device": "cuda:0", "comm": "p2p", "seq_len": 32768, "cp": 8, "sizes": [8],
+            "attention_calls": 8, "heads_on_rank": 32}
+    rows = [dict(base, variant="shipped", cold_ms=9.5, host_ahead_ms=8.0, host_issue_ms=8.0, host_ahead=True),
+            dict(base, variant="eager:dkv_add", cold_ms=9.0, host_ahead_ms=8.1, host_issue_ms=7.2, host_ahead=False),
+            dict(base, variant="shipped", profile={"ms_per_step": {"fused_regions": 4.1, "attention_ops": 1.1,
+                                                                   "autograd_engine": 0.5, "rest": 3.2, "total": 8.9},
+                                                   "fused_region_calls_per_step": 17})]
+    (tmp_path / "host_costs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = report(str(tmp_path))
+    assert "| p2p 32K/8 | eager:dkv_add | 9.00 | 8.10* | 7.20 | 0.90 |" in text, text
+    assert "| p2p 32K/8 | 4.10 | 1.10 | 0.50 | 3.20 | 8.90 | 17 |" in text, text

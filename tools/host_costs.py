@@ -1,0 +1,171 @@
+#!/usr/bin/env python
+"""Where one rank step's host time goes on a GPU, and what each compiled region and the side stream cost
+or save there.
+
+A step is host-bound when the host takes longer to issue it than the GPU takes to run it: on an H200
+(docs/gpu/h200_run4_*) the ring's 32K/P8 step took 7.75 ms to issue beside 8.0 ms of GPU work, and 32K
+over 64 ranks 4.0 ms beside 1.4 ms. For each case (scheme, S, P) this times one rank's fwd+bwd as
+``tools/bench_device.py`` does (``tools/rank_step.py``: a ring walked by its member), cold and with the
+host ahead (the GPU held busy while the host issues the step), with the host's issue time, in variants:
+
+- ``shipped``: every fused region compiled, the side stream on;
+- ``eager:<region>``: one region of ``merge.FUSED_REGIONS`` run eagerly (the compiled call's host cost
+  against the eager form's extra kernels);
+- ``in_order``: no side stream (``streams.inline``);
+
+and profiles the shipped step's host side (cProfile over ``--profile-steps`` steps), its time per step
+grouped: the fused regions' calls (``merge._Fused.__call__``: the compiled call path and its launches),
+the attention ops' host side, the autograd engine, and the rest (the executor's Python and view ops).
+One JSON line per variant and per profile, written as measured. On CPU it is a smoke run: the regions
+run eagerly anyway, nothing is held busy, and the figures mean nothing.
+
+    python tools/host_costs.py --out runs/host_costs.jsonl     # on a GPU: 32K/P8 p2p, 32K/P64 a2a+all_gather 8x8
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import os
+import pstats
+import statistics
+import sys
+from typing import Callable, ContextManager
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from mcp_context.algorithms import streams  # noqa: E402
+from mcp_context.algorithms.executor import RingAttention  # noqa: E402
+from mcp_context.algorithms.packing import unpacked  # noqa: E402
+from mcp_context.kernels import get_kernel  # noqa: E402
+from mcp_context.masks import CAUSAL  # noqa: E402
+from mcp_context.merge import FUSED_REGIONS  # noqa: E402
+from tools.bench_device import _interleaved_seconds, _queued_seconds, append_jsonl  # noqa: E402
+from tools.rank_step import kv_inputs, rank_step  # noqa: E402
+
+DEFAULT_CASES = ("p2p:32768:8", "a2a+all_gather:32768:64:8")
+
+
+def parse_case(text: str) -> tuple[str, int, int, int]:
+    """``comm:S:P[:inner]`` (inner: the all-to-all degree of a hierarchical scheme, default 2)."""
+    parts = text.split(":")
+    try:
+        comm, seq_len, cp = parts[0], int(parts[1]), int(parts[2])
+        inner = int(parts[3]) if len(parts) == 4 else 2
+    except (IndexError, ValueError):
+        raise argparse.ArgumentTypeError(f"case {text!r} must be comm:S:P or comm:S:P:inner, "
+                                         f"e.g. p2p:32768:8 or a2a+all_gather:32768:64:8") from None
+    if len(parts) > 4:
+        raise argparse.ArgumentTypeError(f"case {text!r} has {len(parts)} fields; comm:S:P[:inner] has 3 or 4")
+    return comm, seq_len, cp, inner
+
+
+def variants() -> dict[str, Callable[[], ContextManager]]:
+    """The shipped step, each fused region eager in turn, and the step with no side stream."""
+    out: dict[str, Callable[[], ContextManager]] = {"shipped": contextlib.nullcontext}
+    out.update({f"eager:{name}": region.eagerly for name, region in FUSED_REGIONS.items()})
+    out["in_order"] = streams.inline
+    return out
+
+
+def host_profile(fn: Callable[[], None], steps: int, device: torch.device) -> dict:
+    """Host milliseconds per step of ``fn`` under cProfile, grouped (the profiler slows Python down, so
+    the shares say more than the sums)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        fn()
+    prof.disable()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    merge_file = os.path.join("mcp_context", "merge.py")
+    total = regions = attention = engine = 0.0
+    region_calls = 0
+    for (path, _, name), (_, calls, own, cumulative, _) in pstats.Stats(prof).stats.items():
+        total += own
+        if path.endswith(merge_file) and name == "__call__":
+            regions += cumulative
+            region_calls += calls
+        elif "_scaled_dot_product" in name:
+            attention += own
+        elif "run_backward" in name:
+            engine += own
+    per_step = {"fused_regions": regions, "attention_ops": attention, "autograd_engine": engine,
+                "rest": total - regions - attention - engine, "total": total}
+    return {"ms_per_step": {k: v / steps * 1e3 for k, v in per_step.items()},
+            "fused_region_calls_per_step": region_calls / steps}
+
+
+def case_rows(comm: str, seq_len: int, cp: int, inner: int, device: torch.device, heads: int, kv_heads: int,
+              head_dim: int, reps: int, profile_steps: int) -> list[dict]:
+    """One row per variant and a profile row, for one rank's step (rank 0) of ``comm``."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    kernel = get_kernel("auto", device, dtype, head_dim=head_dim)
+    step = rank_step(comm, cp, seq_len, CAUSAL, kernel, heads, kv_heads, head_dim, inner)
+    plan, kv_rows = step.walked()
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*size):
+        return torch.randn(*size, generator=gen).to(device, dtype)
+    q = rand(step.q_rows, 1, step.heads, head_dim).requires_grad_()
+    k, v = kv_inputs(step, lambda dims: rand(kv_rows, 1, step.kv_heads, dims).requires_grad_(), head_dim, unpacked)
+    dout = rand(step.q_rows, 1, step.heads, head_dim)
+
+    def run() -> None:
+        out, _ = RingAttention.apply(q, k, v, plan)
+        out.backward(dout)
+
+    base = {"part": "host_costs", "device": str(device), "comm": comm, "seq_len": seq_len, "cp": cp,
+            "sizes": list(step.sizes), "attention_calls": step.calls, "heads_on_rank": step.heads}
+    rows = []
+    for name, context in variants().items():
+        def call(context=context) -> None:
+            with context():
+                run()
+        cold = _interleaved_seconds({"step": call}, device, reps)["step"]
+        row = dict(base, variant=name, cold_ms=statistics.median(cold) * 1e3)
+        if device.type == "cuda":
+            queued = _queued_seconds({"step": call}, device, reps, 2 * statistics.median(cold) + 2e-3)["step"]
+            row.update(host_ahead_ms=statistics.median(g for g, _, _ in queued) * 1e3,
+                       host_issue_ms=statistics.median(h for _, h, _ in queued) * 1e3,
+                       host_ahead=all(ok for _, _, ok in queued))
+        rows.append(row)
+    rows.append(dict(base, variant="shipped", profile=host_profile(run, profile_steps, device)))
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cases", nargs="+", type=parse_case, default=[parse_case(c) for c in DEFAULT_CASES],
+                    help="comm:S:P[:inner] each (default: %(default)s)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--profile-steps", type=int, default=10)
+    ap.add_argument("--out", required=True, help="JSON lines, one per variant and profile, written as measured")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    write = append_jsonl(args.out)
+    for comm, seq_len, cp, inner in args.cases:
+        for row in case_rows(comm, seq_len, cp, inner, device, args.heads, args.kv_heads, args.head_dim, args.reps,
+                             args.profile_steps):
+            write(row)
+            if "profile" in row:
+                ms = row["profile"]["ms_per_step"]
+                print(f"  {comm} {seq_len}/{cp} profile (ms a step, under cProfile): "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in ms.items())
+                      + f"; {row['profile']['fused_region_calls_per_step']:.0f} fused region calls", flush=True)
+            else:
+                extra = (f", host ahead {row['host_ahead_ms']:.2f} ms, host issue {row['host_issue_ms']:.2f} ms"
+                         + ("" if row["host_ahead"] else " (the host fell behind the hold)")) if "host_issue_ms" in row else ""
+                print(f"  {comm} {seq_len}/{cp} {row['variant']:24} cold {row['cold_ms']:.2f} ms{extra}", flush=True)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
