@@ -67,11 +67,12 @@ def test_bench_attention_writes_the_jsonl_and_the_json(tmp_path):
 def test_bench_picks_times_each_pick_with_its_own_hierarchy_and_skips_what_is_over_the_budget(tmp_path):
     """tools/bench_picks.py on CPU (a smoke run): each grid cell's pick runs with the pick's hierarchy
     ([4, 2] is an all-to-all over 4, not the benchmark's default 2), its efficiency beside the predicted
-    one; a cell over --max-tflop is listed as skipped with the reason."""
+    ones (compute, and the step bounded by the host's issue time); a cell over --max-tflop is listed as
+    skipped with the reason."""
     from tools.bench_picks import main as picks_main
 
     cell = {"model": "llama3_8b", "fused_equal_flops_ms": 1.0, "compute_ms": 1.25, "efficiency": 0.7}
-    rows = [dict(cell, seq_len=256, cp=8, pick="cp4x2 a2a+p2p zigzag", comm="a2a+p2p", sizes=[4, 2]),
+    rows = [dict(cell, seq_len=256, cp=8, pick="cp4x2 a2a+p2p zigzag", comm="a2a+p2p", sizes=[4, 2], host_ms=2.0),
             dict(cell, seq_len=256, cp=8, pick="cp8 p2p zigzag", comm="p2p", sizes=[8]),
             dict(cell, seq_len=1048576, cp=8, pick="cp8 all_gather zigzag", comm="all_gather", sizes=[8])]
     grid = tmp_path / "grid.json"
@@ -82,6 +83,9 @@ def test_bench_picks_times_each_pick_with_its_own_hierarchy_and_skips_what_is_ov
     assert [r["sizes"] for r in picks] == [[4, 2], [8], [8]]
     assert picks[0]["step"]["sizes"] == [4, 2] and picks[0]["step"]["heads_on_rank"] == 8  # 32 heads over 4
     assert all(r["efficiency"] > 0 and r["predicted_compute_efficiency"] == 0.8 for r in picks[:2])
+    # a step is the longer of its compute and the host's issue time (the grid's host_ms; none in an older grid)
+    assert picks[0]["predicted_step_efficiency"] == 0.5 and picks[1]["predicted_step_efficiency"] == 0.8
+    assert picks[0]["measured_over_predicted"] == picks[0]["efficiency"] / 0.5
     assert "skipped" in picks[2] and "over --max-tflop" in picks[2]["skipped"] and "efficiency" not in picks[2]
 
 
@@ -187,7 +191,7 @@ def test_the_gpu_report_judges_the_picks_cold_and_with_the_host_ahead(tmp_path):
     rows = [pick(8, 0.97, 1.01, True), pick(64, 0.26, 0.99, False)]
     (tmp_path / "picks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     text = report(str(tmp_path))
-    assert "| llama3_8b | 32K | 64 | cp64 p2p zigzag | **0.26** | 0.99* | 0.98 | 0.27 |" in text, text
+    assert "| llama3_8b | 32K | 64 | cp64 p2p zigzag | **0.26** | 0.99* | 0.98 | - | 0.27 |" in text, text
     assert ("the planner's pick, lowest of 2 cells measured: 0.260: not met (>= 0.95); host ahead, lowest of 2: "
             "0.990: met (>= 0.95)") in text, text
 
@@ -204,7 +208,7 @@ def test_the_gpu_report_reads_run_4s_picks_and_p2p_step(tmp_path):
     shutil.copy("docs/gpu/h200_run4_bench_32k.jsonl", tmp_path / "bench" / "bench_attention_p8_gpu_checks.jsonl")
     shutil.copy("docs/gpu/h200_run4_picks.jsonl", tmp_path / "picks.jsonl")
     text = report(str(tmp_path))
-    assert "| llama3_8b | 32K | 64 | cp8x8 a2a+all_gather zigzag | **0.36** | 0.77 | 0.98 | 0.37 |" in text, text
+    assert "| llama3_8b | 32K | 64 | cp8x8 a2a+all_gather zigzag | **0.36** | 0.77 | 0.98 | - | 0.37 |" in text, text
     assert "p2p fwd+bwd at 32K/P8: 0.736: not met (>= 0.85); host ahead 0.857: met (>= 0.85)" in text, text
     assert ("the planner's pick, lowest of 11 cells measured: 0.361: not met (>= 0.95); host ahead, lowest of 11: "
             "0.775: not met (>= 0.95)") in text, text

@@ -12,12 +12,14 @@ rank step. The fit:
   median over the profiled steps;
 - ``call_overhead_us``: what the measured steps take beyond their calls at the tables' rates and their
   bytes at that bandwidth, per attention call (forward and backward each count one), the median over
-  the measured steps at ``--fit-world-size``.
+  the measured steps at ``--fit-world-size``;
+- ``host_layer_us`` and ``host_call_us`` (with ``--host``): the least-squares line through the host's time
+  to issue each step timed with the host ahead, by its attention calls.
 
 Then every measured step is predicted with the fitted profile and printed beside its measurement.
 
     python tools/calibrate_profile.py --profile h200_nvlink_ib --rates docs/gpu/h200_run1_rates.jsonl \\
-        --bench docs/gpu/h200_run1_bench.json
+        --bench docs/gpu/h200_run1_bench.json --host docs/gpu/h200_run4_bench_32k.jsonl docs/gpu/h200_run4_picks.jsonl
 """
 from __future__ import annotations
 
@@ -99,17 +101,50 @@ def calibrate(profile: MachineProfile, rates: list[dict], bench: dict, fit_world
     return profile, rows
 
 
+def host_steps(rows: list[dict]) -> list[tuple[int, float]]:
+    """``(attention calls per pass, host seconds to issue the fwd+bwd)`` of every rank step timed with the host
+    ahead in ``rows``: the benchmark's JSON lines (``rank_schedule`` rows) or ``tools/bench_picks.py``'s
+    (``pick`` rows, their ``step``)."""
+    out = []
+    for r in rows:
+        step = r.get("step", r) if r.get("part") in ("pick", "rank_schedule") else {}
+        host = step.get("fwd_bwd", {}).get("host_issue_s")
+        if host:
+            out.append((step["attention_calls"], statistics.median(host)))
+    return out
+
+
+def fit_host(steps: list[tuple[int, float]]) -> tuple[float, float]:
+    """``(host_layer_us, host_call_us)``: the least-squares line through the host issue times by call count
+    (at least two distinct counts)."""
+    if len({c for c, _ in steps}) < 2:
+        raise ValueError(f"the host fit needs steps of at least two call counts; got {sorted({c for c, _ in steps})}: "
+                         f"pass the benchmark's and the picks' JSON lines (--host), which time 1 to 8 calls")
+    mean_c = statistics.fmean(c for c, _ in steps)
+    mean_h = statistics.fmean(h for _, h in steps)
+    slope = (sum((c - mean_c) * (h - mean_h) for c, h in steps) / sum((c - mean_c) ** 2 for c, _ in steps))
+    return round((mean_h - slope * mean_c) * 1e6), round(slope * 1e6)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--profile", required=True, help="shipped profile name or YAML path (its tables are used)")
     ap.add_argument("--rates", required=True, help="tools/kernel_rates.py's JSON lines (with 'profile' rows)")
     ap.add_argument("--bench", required=True, help="tools/bench_attention.py's JSON (every scheme)")
     ap.add_argument("--fit-world-size", type=int, default=8)
+    ap.add_argument("--host", nargs="+", default=[], metavar="JSONL",
+                    help="JSON lines of rank steps timed with the host ahead (the benchmark's, tools/bench_picks.py's): "
+                         "fit host_layer_us and host_call_us to their host issue times")
     args = ap.parse_args(argv)
     with open(args.bench) as f:
         bench = json.load(f)
     profile, rows = calibrate(load_profile(args.profile), _lines(args.rates), bench, args.fit_world_size)
     print(f"memory_bandwidth_gbps: {profile.memory_bandwidth_gbps:.0f}\ncall_overhead_us: {profile.call_overhead_us}")
+    if args.host:
+        steps = host_steps([r for path in args.host for r in _lines(path)])
+        layer_us, call_us = fit_host(steps)
+        print(f"host_layer_us: {layer_us}\nhost_call_us: {call_us}   # {len(steps)} steps, "
+              f"{min(c for c, _ in steps)} to {max(c for c, _ in steps)} calls")
     print(f"{'S':>7} {'P':>3} {'scheme':15} {'measured ms':>12} {'predicted ms':>13} {'error':>7}")
     for r in rows:
         print(f"{r['seq_len']:>7} {r['cp']:>3} {r['comm']:15} {r['measured_ms']:>12.2f} {r['predicted_ms']:>13.2f} "

@@ -76,17 +76,22 @@ def bench_table(paths: list[str]) -> tuple[list[str], dict]:
     return out, seen
 
 
+def _step_prediction(r: dict) -> str:
+    """The planner's prediction of the step with the host's issue time ('-' for a grid from before it)."""
+    return f"{r['predicted_step_efficiency']:.2f}" if "predicted_step_efficiency" in r else "-"
+
+
 def picks_table(path: str) -> tuple[list[str], list[float], list[float]]:
     """The picks as markdown, their cold fwd+bwd figures and their figures with the host ahead."""
-    out = ["| model | S | P | pick | measured fwd+bwd | host ahead | predicted (compute) | measured / predicted |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = ["| model | S | P | pick | measured fwd+bwd | host ahead | predicted (compute) | predicted (step) | "
+           "measured / predicted |", "|---|---|---|---|---|---|---|---|---|"]
     measured, ahead = [], []
     for r in _lines(path):
         if r.get("part") != "pick":
             continue
         if "skipped" in r:
             out.append(f"| {r['model']} | {_k(r['seq_len'])} | {r['cp']} | {r['pick']} | skipped: {r['skipped']} | - | "
-                       f"{r['predicted_compute_efficiency']:.2f} | - |")
+                       f"{r['predicted_compute_efficiency']:.2f} | {_step_prediction(r)} | - |")
             continue
         if r.get("device", "cuda").startswith("cpu") and not out[0].startswith("(a CPU"):
             out.insert(0, "(a CPU smoke run: these figures mean nothing)\n")
@@ -96,7 +101,8 @@ def picks_table(path: str) -> tuple[list[str], list[float], list[float]]:
             ahead.append(fb["queued_efficiency"])
         queued = f"{fb['queued_efficiency']:.2f}" + ("" if fb["host_ahead"] else "*") if "queued_efficiency" in fb else "-"
         out.append(f"| {r['model']} | {_k(r['seq_len'])} | {r['cp']} | {r['pick']} | **{r['efficiency']:.2f}** | "
-                   f"{queued} | {r['predicted_compute_efficiency']:.2f} | {r['measured_over_predicted']:.2f} |")
+                   f"{queued} | {r['predicted_compute_efficiency']:.2f} | {_step_prediction(r)} | "
+                   f"{r['measured_over_predicted']:.2f} |")
     return out, measured, ahead
 
 

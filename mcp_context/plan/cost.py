@@ -13,7 +13,8 @@ calls in one step) of
 - the work around it (``task_bytes``): the merge or first copy of its output forward, the dQ and dK/dV
   accumulation backward, at the profile's memory bandwidth;
 
-and once per layer the result copies and the dK/dV buffer's fill. A transfer to a peer on the same node
+and once per layer the result copies and the dK/dV buffer's fill. The host issues that work at a rate of
+its own (``host_issue_seconds``); the layer takes the longer of the two (``Prediction.bound_s``). A transfer to a peer on the same node
 runs at the NVLink bandwidth, to another node at the network bandwidth; a collective whose peers are on
 both runs on both at once (the slower part counts).
 
@@ -170,10 +171,19 @@ class Prediction:
     """Forward compute of the slowest off-diagonal ring step (what a transfer hides behind)."""
     ring_step_transfer_s: float = 0.0
     """Forward K/V transfer of one ring step (slowest rank)."""
+    host_s: float = 0.0
+    """The host's time to issue the layer's forward and backward (``host_issue_seconds``)."""
 
     @property
     def total_s(self) -> float:
         return self.forward_s + self.backward_s
+
+    @property
+    def bound_s(self) -> float:
+        """The slower of the GPU's time and the host's: the GPU cannot run what the host has not issued yet.
+        In training the layers before attention may give the host a lead (then ``total_s`` is the time);
+        this takes none."""
+        return max(self.total_s, self.host_s)
 
     @property
     def total_no_overlap_s(self) -> float:
@@ -252,6 +262,15 @@ def _collective_seconds(fabric: Fabric, traffic: RankTraffic, ops: dict[str, int
                for op, b in ops.items() if not op.startswith("ring_"))
 
 
+def host_issue_seconds(profile: MachineProfile, traffics: Sequence[RankTraffic]) -> float:
+    """The host's time to issue one layer's forward and backward on the busiest rank: ``host_layer_us`` plus
+    ``host_call_us`` per attention call (a task with visible pairs; the host issues a call's merges, sums and
+    transfers with it). On an H200's host with torch 2.11 a call costs about as much host time as a 4096-row
+    causal block of 32 heads costs the GPU, so a rank with fewer tokens than that waits for its host."""
+    calls = max(sum(1 for step in tr.tasks for task in step if task.useful_pairs) for tr in traffics)
+    return (profile.host_layer_us + profile.host_call_us * calls) * 1e-6
+
+
 def predict(shape: RankShape, a2a_degree: int, traffics: Sequence[RankTraffic], fabric: Fabric) -> Prediction:
     """Forward and backward time of one attention layer (slowest rank of ``traffics`` at every step)."""
     p = fabric.profile
@@ -289,4 +308,4 @@ def predict(shape: RankShape, a2a_degree: int, traffics: Sequence[RankTraffic], 
     forward_serial = coll_fwd + sum(c_fwd) + sum(m_fwd)
     backward_serial = coll_bwd + sum(c_bwd) + sum(kv_bwd) + steps * tail
     return Prediction(forward, backward, forward_serial, backward_serial, sum(c_fwd) + sum(c_bwd),
-                      max(c_fwd[1:], default=0.0), max(m_fwd, default=0.0))
+                      max(c_fwd[1:], default=0.0), max(m_fwd, default=0.0), host_issue_seconds(p, traffics))

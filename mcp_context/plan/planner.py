@@ -92,8 +92,9 @@ class PlanRow:
 
     @property
     def seconds_per_sequence(self) -> float:
-        """One layer's attention (fwd+bwd, overlapped) per sequence for the whole cluster."""
-        return self.prediction.total_s / self.data_parallel_size
+        """One layer's attention (fwd+bwd, overlapped, or the host's issue time where longer) per sequence for
+        the whole cluster."""
+        return self.prediction.bound_s / self.data_parallel_size
 
     @property
     def memory_bytes(self) -> int:
@@ -247,7 +248,7 @@ def explain(req: PlanRequest, best: PlanRow, rows: list[PlanRow]) -> list[str]:
         fastest = min(fitting, key=lambda r: r.seconds_per_sequence)
         if fastest is best:
             reasons.append(f"fastest attention per sequence among the {len(fitting)} layouts that fit: "
-                           f"{p.total_s * 1e3:.2f} ms forward+backward per layer with data parallel size "
+                           f"{p.bound_s * 1e3:.2f} ms forward+backward per layer with data parallel size "
                            f"{best.data_parallel_size}")
         else:
             slower = best.seconds_per_sequence / fastest.seconds_per_sequence
@@ -266,6 +267,10 @@ def explain(req: PlanRequest, best: PlanRow, rows: list[PlanRow]) -> list[str]:
         comm = f"no ring to overlap: {(p.total_s - p.compute_s) * 1e3:.2f} ms of communication is exposed"
     reasons.append(f"predicted {p.forward_s * 1e3:.2f} ms forward + {p.backward_s * 1e3:.2f} ms backward per layer "
                    f"({p.compute_s * 1e3:.2f} ms of it compute); {comm}")
+    if p.host_s > p.total_s:
+        reasons.append(f"host-bound: issuing the layer takes the host {p.host_s * 1e3:.2f} ms, longer than the GPU "
+                       f"runs it ({p.total_s * 1e3:.2f} ms); the GPU waits unless the layers before attention give the "
+                       f"host a lead: fewer CP ranks for this length, or a larger micro batch, gives each call more work")
     if p.ring_step_transfer_s > 0:
         verdict = "hidden under" if p.ring_step_transfer_s <= p.ring_step_compute_s else "longer than"
         reasons.append(f"a ring step's K/V transfer ({p.ring_step_transfer_s * 1e3:.2f} ms) is {verdict} its block's "
@@ -295,7 +300,7 @@ def explain(req: PlanRequest, best: PlanRow, rows: list[PlanRow]) -> list[str]:
 
 
 def _compare(what: str, row: PlanRow, best: PlanRow) -> str:
-    return (f"{what} {row.candidate.label()}: {row.prediction.total_s * 1e3:.2f} ms per layer, "
+    return (f"{what} {row.candidate.label()}: {row.prediction.bound_s * 1e3:.2f} ms per layer, "
             f"{row.seconds_per_sequence / best.seconds_per_sequence:.3f}x the time per sequence, "
             f"{row.inter_node_bytes / 2**20:.1f} MiB over the network, {row.memory_bytes / GIB:.1f} GiB")
 

@@ -5,7 +5,8 @@ A profile is a small YAML file (shipped ones live in ``profiles/``: ``h100_nvlin
 missing, unknown or non-positive fields by name. The attention rates are tables by block shape (short
 blocks run far below long ones: 98 against 585 TFLOP/s forward+backward at 1K and 16K rows on an H200),
 with a per-call overhead and the bandwidth of the step's other work, fitted to a measured rank step
-(``tools/calibrate_profile.py``); ``measured`` says where each figure comes from. This module owns only the numbers; how they turn
+(``tools/calibrate_profile.py``), and the host's time to issue a step (a short step is bound by it);
+``measured`` says where each figure comes from. This module owns only the numbers; how they turn
 into times is ``cost.py``.
 """
 from __future__ import annotations
@@ -39,6 +40,13 @@ class MachineProfile:
     """Fixed cost of one attention call beyond its FLOPs at the table's rate (fitted to a measured step)."""
     memory_bandwidth_gbps: float
     """Effective GB/s of the step's merges, accumulations and copies (fitted to a measured profile)."""
+    host_layer_us: float
+    """The host's time to issue one attention layer's forward and backward beyond its calls (the autograd
+    function, the plan's walk; fitted to measured host issue times, ``tools/calibrate_profile.py``). A
+    property of the host CPU and the torch build as much as of the GPU."""
+    host_call_us: float
+    """The host's time to issue one attention call's forward and backward with the work after it (the op,
+    its merges, sums and transfers), fitted with ``host_layer_us``."""
     measured: str
     """Where the figures come from: machine, software, command and date; what is not measured."""
 

@@ -27,7 +27,8 @@ def row_dict(row: PlanRow) -> dict:
                            "inter_node": row.inter_node_bytes},
         "predicted_seconds_per_layer": {"forward": p.forward_s, "backward": p.backward_s,
                                         "forward_no_overlap": p.forward_no_overlap_s,
-                                        "backward_no_overlap": p.backward_no_overlap_s, "compute": p.compute_s},
+                                        "backward_no_overlap": p.backward_no_overlap_s, "compute": p.compute_s,
+                                        "host": p.host_s},
         "seconds_per_sequence_per_layer": row.seconds_per_sequence,
         "memory_bytes_per_rank": {"attention_saved": row.attention_saved_bytes,
                                   "attention_peak": row.attention_peak_bytes, "activations": row.activation_bytes,
@@ -54,7 +55,7 @@ def plan_dict(plan: Plan) -> dict:
 
 
 COLUMNS = ["layout", "dp", "balance", "steps", "L0 a2a MiB", "ring MiB", "AG MiB", "inter MiB", "fwd ms", "bwd ms",
-           "no-ovl ms", "ms/seq", "attn GiB", "act GiB", "mem GiB", "fits"]
+           "no-ovl ms", "host ms", "ms/seq", "attn GiB", "act GiB", "mem GiB", "fits"]
 
 
 def _cells(row: PlanRow) -> list[str]:
@@ -63,7 +64,7 @@ def _cells(row: PlanRow) -> list[str]:
             f"{row.ring_steps_with_work}/{row.ring_steps}",
             f"{lv['level0_all_to_all'] / MIB:.0f}", f"{lv['outer_ring'] / MIB:.0f}", f"{lv['all_gather'] / MIB:.0f}",
             f"{row.inter_node_bytes / MIB:.0f}", f"{p.forward_s * 1e3:.2f}", f"{p.backward_s * 1e3:.2f}",
-            f"{p.total_no_overlap_s * 1e3:.2f}", f"{row.seconds_per_sequence * 1e3:.3f}",
+            f"{p.total_no_overlap_s * 1e3:.2f}", f"{p.host_s * 1e3:.2f}", f"{row.seconds_per_sequence * 1e3:.3f}",
             f"{row.attention_peak_bytes / GIB:.2f}", f"{row.activation_bytes / GIB:.1f}",
             f"{row.memory_bytes / GIB:.1f}", "yes" if row.fits else "no"]
 
