@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from mcp_context import merge
 from mcp_context.algorithms import executor, streams
 from mcp_context.algorithms.executor import RingPlan, ring_backward, ring_forward
 from mcp_context.algorithms.halo import HaloRotation, halo_fits
@@ -256,7 +257,12 @@ def test_on_cuda_the_side_stream_gives_the_in_order_results(monkeypatch, rank):
         m.setattr(streams.SideStream, "after", late)
         got = run(plan)
     torch.cuda.synchronize()
-    assert len(held_back) == 2 * step.calls  # every call's work went through the side stream
+    # every call's work went through the side stream, but the adopted call's forward and backward may have none
+    # (its outputs are the results)
+    direct = 2 if plan.results.adopted is not None else 0
+    assert 2 * step.calls - direct <= len(held_back) <= 2 * step.calls, (len(held_back), step.calls, direct)
+    # both runs compiled every merge (a region that fell back to eager midway rounds differently: H200 run 3)
+    assert all(region.error is None for region in merge.FUSED_REGIONS.values())
     assert all(x.isfinite().all() for x in got[:1] + got[2:])
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     for name, a, b in zip(("dq", "dk", "dv"), got[2:], want[2:]):
