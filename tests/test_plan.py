@@ -606,8 +606,8 @@ def test_the_host_issue_time_counts_the_calls_with_work_and_bounds_the_layer(h10
 
 def test_the_host_figures_are_fitted_to_the_h200_steps_timed_with_the_host_ahead():
     """The shipped H200 profile's host_layer_us and host_call_us are tools/calibrate_profile.py's fit to run 4's
-    12 steps (2 to 8 calls), and the line predicts each of them within 30 % (the host's time scatters by a
-    fifth between runs of one step: 7.75 and 11.31 ms for p2p at 32K/P8); one call count alone is refused."""
+    12 steps (2 to 8 calls), and the line predicts each of them within 30 % (the host's time scatters between
+    runs of one step: 7.75 and 11.31 ms for p2p at 32K/P8 in runs 4 and 3); one call count alone is refused."""
     from tools.calibrate_profile import _lines, fit_host, host_steps
 
     steps = host_steps(_lines(DOCS_GPU / "h200_run4_bench_32k.jsonl") + _lines(DOCS_GPU / "h200_run4_picks.jsonl"))

@@ -19,7 +19,7 @@ the attention ops' host side, the autograd engine, and the rest (the executor's 
 One JSON line per variant and per profile, written as measured. On CPU it is a smoke run: the regions
 run eagerly anyway, nothing is held busy, and the figures mean nothing.
 
-    python tools/host_costs.py --out runs/host_costs.jsonl     # on a GPU: 32K/P8 p2p, 32K/P64 a2a+all_gather 8x8
+    python tools/host_costs.py --out runs/host_costs.jsonl     # on a GPU: 32K/P8 p2p and a2a, 32K/P64 a2a+all_gather 8x8
 """
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ from mcp_context.merge import FUSED_REGIONS  # noqa: E402
 from tools.bench_device import _interleaved_seconds, _queued_seconds, append_jsonl  # noqa: E402
 from tools.rank_step import kv_inputs, rank_step  # noqa: E402
 
-DEFAULT_CASES = ("p2p:32768:8", "a2a+all_gather:32768:64:8")
+DEFAULT_CASES = ("p2p:32768:8", "a2a+all_gather:32768:64:8", "a2a:32768:8")
+"""The two host-bound steps of the H200 runs, and the one-call step whose 2.0 ms of host issue is unexplained."""
 
 
 def parse_case(text: str) -> tuple[str, int, int, int]:
