@@ -14,9 +14,10 @@ calls in one step) of
   accumulation backward, at the profile's memory bandwidth;
 
 and once per layer the result copies and the dK/dV buffer's fill. The host issues that work at a rate of
-its own (``host_issue_seconds``); the layer takes the longer of the two (``Prediction.bound_s``). A transfer to a peer on the same node
-runs at the NVLink bandwidth, to another node at the network bandwidth; a collective whose peers are on
-both runs on both at once (the slower part counts).
+its own (``host_issue_seconds``); the layer takes the longer of the two (``Prediction.bound_s``).
+
+A transfer to a peer on the same node runs at the NVLink bandwidth, to another node at the network
+bandwidth; a collective whose peers are on both runs on both at once (the slower part counts).
 
 - Forward: the all-to-all / all-gather is exposed; ring step ``t`` computes while the shard for
   step ``t+1`` travels: ``sum_t max(compute_t, transfer_t)`` with overlap, the plain sum without.
