@@ -39,7 +39,7 @@ import torch  # noqa: E402
 from mcp_context.algorithms import streams  # noqa: E402
 from mcp_context.algorithms.executor import RingAttention  # noqa: E402
 from mcp_context.algorithms.packing import unpacked  # noqa: E402
-from mcp_context.kernels import get_kernel  # noqa: E402
+from mcp_context.kernels import Kernel, get_kernel  # noqa: E402
 from mcp_context.masks import CAUSAL  # noqa: E402
 from mcp_context.merge import FUSED_REGIONS  # noqa: E402
 from tools.bench_device import _interleaved_seconds, _queued_seconds, append_jsonl  # noqa: E402
@@ -99,17 +99,13 @@ def host_profile(fn: Callable[[], None], steps: int, device: torch.device) -> di
             "fused_region_calls_per_step": region_calls / steps}
 
 
-def case_rows(comm: str, seq_len: int, cp: int, inner: int, device: torch.device, heads: int, kv_heads: int,
-              head_dim: int, reps: int, profile_steps: int) -> list[dict]:
-    """One row per variant and a profile row, for one rank's step (rank 0) of ``comm``."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    kernel = get_kernel("auto", device, dtype, head_dim=head_dim)
+def case_rows(comm: str, seq_len: int, cp: int, inner: int, device: torch.device, kernel: Kernel,
+              rand: Callable[..., torch.Tensor], heads: int, kv_heads: int, head_dim: int, reps: int,
+              profile_steps: int) -> list[dict]:
+    """One row per variant and a profile row, for one rank's step (rank 0) of ``comm`` with ``kernel`` on
+    tensors ``rand(*size)`` makes (as ``bench_device.schedule_row`` takes them)."""
     step = rank_step(comm, cp, seq_len, CAUSAL, kernel, heads, kv_heads, head_dim, inner)
     plan, kv_rows = step.walked()
-    gen = torch.Generator().manual_seed(0)
-
-    def rand(*size):
-        return torch.randn(*size, generator=gen).to(device, dtype)
     q = rand(step.q_rows, 1, step.heads, head_dim).requires_grad_()
     k, v = kv_inputs(step, lambda dims: rand(kv_rows, 1, step.kv_heads, dims).requires_grad_(), head_dim, unpacked)
     dout = rand(step.q_rows, 1, step.heads, head_dim)
@@ -150,10 +146,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="JSON lines, one per variant and profile, written as measured")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    kernel = get_kernel("auto", device, dtype, head_dim=args.head_dim)
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*size):
+        return torch.randn(*size, generator=gen).to(device, dtype)
     write = append_jsonl(args.out)
     for comm, seq_len, cp, inner in args.cases:
-        for row in case_rows(comm, seq_len, cp, inner, device, args.heads, args.kv_heads, args.head_dim, args.reps,
-                             args.profile_steps):
+        for row in case_rows(comm, seq_len, cp, inner, device, kernel, rand, args.heads, args.kv_heads, args.head_dim,
+                             args.reps, args.profile_steps):
             write(row)
             if "profile" in row:
                 ms = row["profile"]["ms_per_step"]
