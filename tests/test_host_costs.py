@@ -9,10 +9,13 @@ from tools.host_costs import main, parse_case, variants
 
 
 def test_each_variant_is_timed_and_the_profile_groups_add_up(tmp_path):
-    out = tmp_path / "host.jsonl"
+    out = tmp_path / "runs" / "host.jsonl"
+    out.parent.mkdir()
+    out.write_text('{"part": "host_costs", "comm": "from an earlier run"}\n')  # replaced, not appended to
     assert main(["--device", "cpu", "--cases", "p2p:256:4", "a2a+all_gather:256:4:2", "--heads", "4", "--kv-heads",
                  "2", "--head-dim", "16", "--reps", "1", "--profile-steps", "2", "--out", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {r["comm"] for r in rows} == {"p2p", "a2a+all_gather"}
     names = list(variants())
     assert names == ["shipped", "eager:merge", "eager:dq_sum", "eager:dkv_add", "eager:dkv_first_write", "in_order"]
     for comm, sizes in (("p2p", [4]), ("a2a+all_gather", [2, 2])):

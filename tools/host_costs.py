@@ -152,6 +152,8 @@ def main(argv=None) -> int:
 
     def rand(*size):
         return torch.randn(*size, generator=gen).to(device, dtype)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    open(args.out, "w").close()  # this run's rows only
     write = append_jsonl(args.out)
     for comm, seq_len, cp, inner in args.cases:
         for row in case_rows(comm, seq_len, cp, inner, device, kernel, rand, args.heads, args.kv_heads, args.head_dim,
