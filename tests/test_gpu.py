@@ -119,27 +119,18 @@ def test_a_rank_step_never_waits_for_the_gpu(comm):
     """One rank's fwd+bwd at 8K over 8 ranks (as the benchmark runs it: a ring walked through its messages,
     K/V packed where a collective moved them) under ``torch.cuda.set_sync_debug_mode("error")``: any
     synchronising call (``.item()``, a device-to-host copy, ``nonzero``) raises. Passes on an H200 (2026-11-26)."""
-    from mcp_context.algorithms.executor import RingAttention
-    from mcp_context.algorithms.packing import unpacked
     from mcp_context.kernels.torch_sdpa import FUSED_OPS, TorchKernel
     from mcp_context.masks import CAUSAL
-    from tools.rank_step import kv_inputs, rank_step
+    from tools.rank_step import rank_step, walked_call
 
     step = rank_step(comm, 8, 8192, CAUSAL, TorchKernel(FUSED_OPS["cudnn"]), 32, 8, 128)
-    plan, kv_rows = step.walked()
     g = torch.Generator(device="cuda").manual_seed(0)
-
-    def rand(*shape):
-        return torch.randn(*shape, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
-
-    q = rand(step.q_rows, 1, step.heads, 128)
-    k, v = kv_inputs(step, lambda dims: rand(kv_rows, 1, step.kv_heads, dims), 128, unpacked)
-    dout = torch.randn_like(q)
-    RingAttention.apply(q, k, v, plan)[0].backward(dout)  # warm-up: compiles the merges, builds cuDNN's plans
+    call = walked_call(step, lambda *shape: torch.randn(*shape, device="cuda", generator=g, dtype=torch.bfloat16), 128)
+    call()  # warm-up: compiles the merges, builds cuDNN's plans
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        RingAttention.apply(q, k, v, plan)[0].backward(dout)
+        call()
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()

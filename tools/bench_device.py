@@ -93,9 +93,12 @@ def _queued_once(fn, device: torch.device, hold_cycles: int) -> tuple[float, flo
     return start.elapsed_time(end) / 1e3, host, host < held.elapsed_time(start) / 1e3
 
 
-def _queued_seconds(fns: dict, device: torch.device, reps: int, hold_s: float) -> dict[str, list[tuple]]:
-    """``_queued_once`` of every function in ``fns``, one call of each per repetition, each held ``hold_s``."""
-    cycles = int(hold_s * _sleep_cycles_per_second(device))
+def _queued_seconds(fns: dict, device: torch.device, reps: int, cold_s: float) -> dict[str, list[tuple]]:
+    """``_queued_once`` of every function in ``fns``, one call of each per repetition, each held twice ``cold_s``
+    (the step's cold time) + 2 ms: longer than the host takes to issue the step unless it is badly host-bound
+    (then the hold does not outlast the issue, and ``_queued_once`` says so). The cold time + 2 ms was not
+    always enough on an H200 (run 3)."""
+    cycles = int((2 * cold_s + 2e-3) * _sleep_cycles_per_second(device))
     times: dict[str, list[tuple]] = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
@@ -264,33 +267,22 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
     equal useful FLOPs (ours) and one at the per-rank length ``S / P`` (ring-flash-attention's). ``inner``:
     the all-to-all degree of a hierarchical scheme (default 2 for an even P)."""
     from mcp_context.algorithms import streams
-    from mcp_context.algorithms.executor import RingAttention
     from mcp_context.masks import CAUSAL
-    from mcp_context.algorithms.packing import unpacked
-    from tools.rank_step import HARNESS, kv_inputs, rank_step, transfer_bytes
+    from tools.rank_step import HARNESS, rank_step, transfer_bytes, walked_call
 
     b, h, hk, d = shape.batch, shape.heads, shape.kv_heads, shape.head_dim
     world, comm = row["world_size"], row["comm"]
     inner = (2 if world % 2 == 0 else 1) if inner is None else inner
     step = rank_step(comm, world, shape.seq_len, CAUSAL, kernel, h, hk, d, inner)
-    plan, kv_rows = step.walked()  # a ring as its member walks it: its own K/V, messages, no all-member buffer
     pairs = step.useful_pairs
     s_eq, s_rank = _equal_len(pairs * step.heads // h), shape.seq_len // world
     row.update(sizes=list(step.sizes), heads_on_rank=step.heads, attention_calls=step.calls, useful_pairs=pairs,
                equal_flops_causal_len=s_eq, per_rank_len=s_rank, harness=HARNESS)
-    ql = rand(step.q_rows, b, step.heads, d).requires_grad_()
-    kl, vl = kv_inputs(step, lambda dims: rand(kv_rows, b, step.kv_heads, dims).requires_grad_(), d,
-                       unpacked)  # K/V as the rank holds them: packed where a collective moved them
-    do = rand(step.q_rows, b, step.heads, d)
+    rank_step_call = walked_call(step, rand, d, b)  # a ring as its member walks it: its own K/V, its messages
     baselines = {}
     for name, n in (("fused", s_eq), ("fused_per_rank", s_rank)):
         baselines[name] = (rand(b, h, n, d).requires_grad_(), rand(b, hk, n, d).requires_grad_(),
                            rand(b, hk, n, d).requires_grad_(), rand(b, h, n, d), n)
-
-    def rank_step_call(backward):
-        out, _ = RingAttention.apply(ql, kl, vl, plan)
-        if backward:
-            out.backward(do)
 
     def in_order(backward):  # the same step with the work after each call on the calls' own stream
         with streams.inline():
@@ -316,11 +308,10 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
         if "in_order" in t:
             res.update(in_order_s=t["in_order"],
                        side_stream_gain=statistics.median(o / a for o, a in zip(t["in_order"], t["ours"])))
-            # the same step with the host ahead of the GPU, as in training: held twice the cold step's time
-            # + 2 ms, more than the host takes to issue it unless the step is badly host-bound (then host_ahead
-            # is False); in order too, to tell whether the side stream pays where the host is not the limit
+            # the same step with the host ahead of the GPU, as in training (host_ahead False where the host
+            # still fell behind); in order too, to tell whether the side stream pays where the host is not the limit
             queued = _queued_seconds({name: calls[name] for name in ("ours", "fused", "in_order")}, device, reps,
-                                     2 * statistics.median(t["ours"]) + 2e-3)
+                                     statistics.median(t["ours"]))
             qa, qf, qi = ([g for g, _, _ in queued[name]] for name in ("ours", "fused", "in_order"))
             res.update(queued_s=qa, queued_fused_s=qf, queued_in_order_s=qi,
                        queued_efficiency=statistics.median(flops / a / (base_flops["fused"] / f) for a, f in zip(qa, qf)),

@@ -37,13 +37,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from mcp_context.algorithms import streams  # noqa: E402
-from mcp_context.algorithms.executor import RingAttention  # noqa: E402
-from mcp_context.algorithms.packing import unpacked  # noqa: E402
 from mcp_context.kernels import Kernel, get_kernel  # noqa: E402
 from mcp_context.masks import CAUSAL  # noqa: E402
 from mcp_context.merge import FUSED_REGIONS  # noqa: E402
 from tools.bench_device import _interleaved_seconds, _queued_seconds, append_jsonl  # noqa: E402
-from tools.rank_step import kv_inputs, rank_step  # noqa: E402
+from tools.rank_step import rank_step, walked_call  # noqa: E402
 
 DEFAULT_CASES = ("p2p:32768:8", "a2a+all_gather:32768:64:8", "a2a:32768:8")
 """The two host-bound steps of the H200 runs, and the one-call step whose 2.0 ms of host issue is unexplained."""
@@ -105,14 +103,7 @@ def case_rows(comm: str, seq_len: int, cp: int, inner: int, device: torch.device
     """One row per variant and a profile row, for one rank's step (rank 0) of ``comm`` with ``kernel`` on
     tensors ``rand(*size)`` makes (as ``bench_device.schedule_row`` takes them)."""
     step = rank_step(comm, cp, seq_len, CAUSAL, kernel, heads, kv_heads, head_dim, inner)
-    plan, kv_rows = step.walked()
-    q = rand(step.q_rows, 1, step.heads, head_dim).requires_grad_()
-    k, v = kv_inputs(step, lambda dims: rand(kv_rows, 1, step.kv_heads, dims).requires_grad_(), head_dim, unpacked)
-    dout = rand(step.q_rows, 1, step.heads, head_dim)
-
-    def run() -> None:
-        out, _ = RingAttention.apply(q, k, v, plan)
-        out.backward(dout)
+    run = walked_call(step, rand, head_dim)
 
     base = {"part": "host_costs", "device": str(device), "comm": comm, "seq_len": seq_len, "cp": cp,
             "sizes": list(step.sizes), "attention_calls": step.calls, "heads_on_rank": step.heads}
@@ -124,7 +115,7 @@ def case_rows(comm: str, seq_len: int, cp: int, inner: int, device: torch.device
         cold = _interleaved_seconds({"step": call}, device, reps)["step"]
         row = dict(base, variant=name, cold_ms=statistics.median(cold) * 1e3)
         if device.type == "cuda":
-            queued = _queued_seconds({"step": call}, device, reps, 2 * statistics.median(cold) + 2e-3)["step"]
+            queued = _queued_seconds({"step": call}, device, reps, statistics.median(cold))["step"]
             row.update(host_ahead_ms=statistics.median(g for g, _, _ in queued) * 1e3,
                        host_issue_ms=statistics.median(h for _, h, _ in queued) * 1e3,
                        host_ahead=all(ok for _, _, ok in queued))

@@ -63,24 +63,13 @@ def _rates(sink, heads: int, kv_heads: int, d: int, reps: int) -> None:
 def _profile(sink, seq_len: int, cp: int, heads: int, kv_heads: int, d: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    from mcp_context.algorithms.executor import RingAttention
-    from mcp_context.algorithms.packing import unpacked
-    from tools.rank_step import HARNESS, SCHEMES, kv_inputs, rank_step
+    from tools.rank_step import HARNESS, SCHEMES, rank_step, walked_call
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
     kernel = get_kernel("auto", dev, dtype, head_dim=d)
     for comm in SCHEMES:
         step = rank_step(comm, cp, seq_len, CAUSAL, kernel, heads, kv_heads, d)
-        plan, kv_rows = step.walked()
-        q = torch.randn(step.q_rows, 1, step.heads, d, device=dev, dtype=dtype, requires_grad=True)
-        k, v = kv_inputs(step, lambda dims: torch.randn(kv_rows, 1, step.kv_heads, dims, device=dev, dtype=dtype,
-                                                        requires_grad=True), d, unpacked)
-        do = torch.randn_like(q)
-
-        def run(plan=plan):
-            out, _ = RingAttention.apply(q, k, v, plan)
-            out.backward(do)
-
+        run = walked_call(step, lambda *size: torch.randn(*size, device=dev, dtype=dtype), d)
         for _ in range(3):  # compile and cuDNN graph builds happen here
             run()
         torch.cuda.synchronize()

@@ -36,8 +36,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mcp_context.algorithms.executor import RingPlan  # noqa: E402
-from mcp_context.algorithms.packing import split_kv  # noqa: E402
+from mcp_context.algorithms.executor import RingAttention, RingPlan  # noqa: E402
+from mcp_context.algorithms.packing import split_kv, unpacked  # noqa: E402
 from mcp_context.algorithms.rotation import LocalRotation, RingRotation  # noqa: E402
 from mcp_context.cp_rules import a2a_degree, comm_rule  # noqa: E402
 from mcp_context.kernels import Kernel  # noqa: E402
@@ -146,6 +146,25 @@ def kv_inputs(step: RankStep, make: Callable[[int], torch.Tensor], head_dim: int
     if step.packed_kv:
         return split(make(2 * head_dim), head_dim)
     return make(head_dim), make(head_dim)
+
+
+def walked_call(step: RankStep, rand: Callable[..., torch.Tensor], head_dim: int, batch: int = 1
+                ) -> Callable[[bool], None]:
+    """``call(backward=True)``: one forward of ``step`` (and its backward) as the timing tools run it, the plan
+    walked as the rank walks it (``RankStep.walked``) over q, K/V and an output gradient made once by
+    ``rand(*size)``; K/V as the rank holds them (``kv_inputs``: packed where a collective moved them).
+    Gradients accumulate into the leaves, for ours and the fused baselines alike."""
+    plan, kv_rows = step.walked()
+    q = rand(step.q_rows, batch, step.heads, head_dim).requires_grad_()
+    k, v = kv_inputs(step, lambda dims: rand(kv_rows, batch, step.kv_heads, dims).requires_grad_(), head_dim,
+                     unpacked)
+    dout = rand(step.q_rows, batch, step.heads, head_dim)
+
+    def call(backward: bool = True) -> None:
+        out, _ = RingAttention.apply(q, k, v, plan)
+        if backward:
+            out.backward(dout)
+    return call
 
 
 def transfer_bytes(comm: str, cp: int, seq_len: int, heads: int, kv_heads: int, head_dim: int,
