@@ -608,6 +608,7 @@ def test_the_host_figures_are_fitted_to_the_h200_steps_timed_with_the_host_ahead
     """The shipped H200 profile's host_layer_us and host_call_us are tools/calibrate_profile.py's fit to run 4's
     12 steps (2 to 8 calls), and the line predicts each of them within 30 % (the host's time scatters between
     runs of one step: 7.75 and 11.31 ms for p2p at 32K/P8 in runs 4 and 3); one call count alone is refused."""
+    from mcp_context.plan.cost import host_seconds
     from tools.calibrate_profile import _lines, fit_host, host_steps
 
     steps = host_steps(_lines(DOCS_GPU / "h200_run4_bench_32k.jsonl") + _lines(DOCS_GPU / "h200_run4_picks.jsonl"))
@@ -615,7 +616,7 @@ def test_the_host_figures_are_fitted_to_the_h200_steps_timed_with_the_host_ahead
     shipped = load_profile("h200_nvlink_ib")
     assert fit_host(steps) == (shipped.host_layer_us, shipped.host_call_us)
     for calls, seconds in steps:
-        assert (shipped.host_layer_us + calls * shipped.host_call_us) * 1e-6 == pytest.approx(seconds, rel=0.3)
+        assert host_seconds(shipped, calls) == pytest.approx(seconds, rel=0.3)
     with pytest.raises(ValueError, match="at least two call counts"):
         fit_host([(8, 0.009), (8, 0.010)])
 
@@ -628,6 +629,7 @@ def test_the_h200_profile_predicts_the_steps_measured_on_this_engine_within_10_p
     1.02-1.06 of the measured time at 128K."""
     import statistics
 
+    from mcp_context.plan.cost import host_seconds
     from tools.calibrate_profile import _lines, predicted_step
 
     profile = load_profile("h200_nvlink_ib")
@@ -640,6 +642,6 @@ def test_the_h200_profile_predicts_the_steps_measured_on_this_engine_within_10_p
     assert {(s, p) for _, s, p, *_ in steps} == {(32768, 8), (131072, 8), (131072, 16)} and len(steps) == 5
     for comm, seq_len, cp, h, hk, step in steps:
         gpu = predicted_step(profile, comm, seq_len, cp, h, hk, 128, harness=2)[0]
-        host = (profile.host_layer_us + profile.host_call_us * step["attention_calls"]) * 1e-6
+        host = host_seconds(profile, step["attention_calls"])
         measured = statistics.median(step["fwd_bwd"]["ours_s"])
         assert max(gpu, host) == pytest.approx(measured, rel=0.10), (comm, seq_len, cp, gpu, host, measured)

@@ -35,6 +35,11 @@ def _k(n: int) -> str:
     return f"{n // 1048576}M" if n % 1048576 == 0 else f"{n // 1024}K"
 
 
+def _held(value: float, host_ahead: bool) -> str:
+    """A figure timed with the GPU held busy, ``*`` where the host fell behind the hold (the GPU waited for it)."""
+    return f"{value:.2f}" + ("" if host_ahead else "*")
+
+
 def steps_table(summary: str) -> list[str]:
     out = ["| step | rc | seconds | timeout |", "|---|---|---|---|"]
     for r in _lines(summary):
@@ -65,8 +70,8 @@ def bench_table(paths: list[str]) -> tuple[list[str], dict]:
                         if fb.get("in_order_peak_bytes") and fb.get("fused_peak_bytes") else "-")
             scheme = f"{r['comm']} {sizes}" if sizes else r["comm"]
             ahead = issue = syncs = "-"
-            if "queued_efficiency" in fb:  # '*': the host fell behind the hold, so the GPU waited for it
-                ahead = f"{fb['queued_efficiency']:.2f}" + ("" if fb["host_ahead"] else "*")
+            if "queued_efficiency" in fb:
+                ahead = _held(fb["queued_efficiency"], fb["host_ahead"])
                 issue = f"{statistics.median(fb['host_issue_s']) * 1e3:.2f}"
                 syncs = str(len(fb["host_syncs"]))
             out.append(f"| {_k(r['seq_len'])} / {r['world_size']} | {scheme} | {r['attention_calls']} | "
@@ -99,7 +104,7 @@ def picks_table(path: str) -> tuple[list[str], list[float], list[float]]:
         fb = r.get("step", {}).get("fwd_bwd", {})
         if "queued_efficiency" in fb:
             ahead.append(fb["queued_efficiency"])
-        queued = f"{fb['queued_efficiency']:.2f}" + ("" if fb["host_ahead"] else "*") if "queued_efficiency" in fb else "-"
+        queued = _held(fb["queued_efficiency"], fb["host_ahead"]) if "queued_efficiency" in fb else "-"
         out.append(f"| {r['model']} | {_k(r['seq_len'])} | {r['cp']} | {r['pick']} | **{r['efficiency']:.2f}** | "
                    f"{queued} | {r['predicted_compute_efficiency']:.2f} | {_step_prediction(r)} | "
                    f"{r['measured_over_predicted']:.2f} |")
@@ -116,8 +121,8 @@ def host_costs_table(path: str) -> list[str]:
             continue
         case = f"{r['comm']} {_k(r['seq_len'])}/{r['cp']}"
         shipped.setdefault(case, r["host_issue_ms"])
-        out.append(f"| {case} | {r['variant']} | {r['cold_ms']:.2f} | {r['host_ahead_ms']:.2f}"
-                   f"{'' if r['host_ahead'] else '*'} | {r['host_issue_ms']:.2f} | {r['host_issue_ms'] / shipped[case]:.2f} |")
+        out.append(f"| {case} | {r['variant']} | {r['cold_ms']:.2f} | {_held(r['host_ahead_ms'], r['host_ahead'])} | "
+                   f"{r['host_issue_ms']:.2f} | {r['host_issue_ms'] / shipped[case]:.2f} |")
     out += ["", "| case | host ms a step under cProfile: fused regions | attention ops | autograd engine | rest | "
                 "total | fused region calls |", "|---|---|---|---|---|---|---|"]
     for r in rows:

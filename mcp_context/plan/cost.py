@@ -268,7 +268,12 @@ def host_issue_seconds(profile: MachineProfile, traffics: Sequence[RankTraffic])
     ``host_call_us`` per attention call (a task with visible pairs; the host issues a call's merges, sums and
     transfers with it). On an H200's host with torch 2.11 a call costs about as much host time as a 4096-row
     causal block of 32 heads costs the GPU, so a rank with fewer tokens than that waits for its host."""
-    calls = max(sum(1 for step in tr.tasks for task in step if task.useful_pairs) for tr in traffics)
+    return host_seconds(profile, max(sum(1 for step in tr.tasks for task in step if task.useful_pairs)
+                                     for tr in traffics))
+
+
+def host_seconds(profile: MachineProfile, calls: int) -> float:
+    """The host's time to issue a layer of ``calls`` attention calls (``host_issue_seconds``)."""
     return (profile.host_layer_us + profile.host_call_us * calls) * 1e-6
 
 
