@@ -38,6 +38,7 @@ def context_parallel_attention(
     cu_seqlens_padded: Optional[torch.Tensor] = None,
     softmax_offset: Optional[torch.Tensor] = None,
     mask: Optional[Mask] = None,
+    step_graphs: bool = False,
 ):
     """Exact attention over a sequence sharded across the context-parallel ranks of ``groups``.
 
@@ -73,6 +74,11 @@ def context_parallel_attention(
     within=...)`` for a packed sequence (built once per step, it spares every call the parse).
     ``check_ranks``: check that all CP ranks agree on shapes and configuration first (default: on
     for gloo groups, off for NCCL unless ``MCP_CONTEXT_CHECK_RANKS=1``).
+    ``step_graphs``: replay this rank's attention step from CUDA graphs captured once per shard shape
+    (``algorithms/graphs.py``), so the host issues one launch where it issued every call, merge and sum: for
+    short shards, where the host falls behind the GPU. CUDA only, for the comm types whose K/V are local to
+    the step (``a2a``, ``all_gather``, ``a2a+all_gather``), without dropout or packed documents; anything
+    else is refused. Not yet run on a GPU.
     """
     documents = None
     if isinstance(mask, Documents):
@@ -80,7 +86,8 @@ def context_parallel_attention(
             raise ValueError("pass either mask=Documents(...) or cu_seqlens/cu_seqlens_padded, not both")
         documents, mask = mask, mask.within
     engine = engine_for(groups, causal=causal, layout=layout, comm=comm, softmax_scale=softmax_scale, backend=backend,
-                        dropout_p=dropout_p, check_ranks=check_ranks, window_size=window_size, mask=mask)
+                        dropout_p=dropout_p, check_ranks=check_ranks, window_size=window_size, mask=mask,
+                        step_graphs=step_graphs)
     return engine(q, k, v, return_lse=return_lse, dropout_seed=dropout_seed, cu_seqlens=cu_seqlens,
                   cu_seqlens_padded=cu_seqlens_padded, softmax_offset=softmax_offset, documents=documents)
 

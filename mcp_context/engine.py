@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from .algorithms import Scheme, resolve_scheme
+from .algorithms import Scheme, graphs, resolve_scheme
 from .comm import HCPGroups
 from .cp_rules import (ALL_LAYOUTS, COMM_TYPES, a2a_degree, check_heads, check_layout, check_levels, check_seq_len,
                        normalize_comm)
@@ -167,8 +167,13 @@ class ContextParallelAttention:
     def __init__(self, groups: Union[HCPGroups, ProcessGroup, None], causal: bool = True, layout: str = "zigzag",
                  comm: str = "a2a+p2p", softmax_scale: Optional[float] = None, backend: str = "auto",
                  dropout_p: float = 0.0, check_ranks: Optional[bool] = None,
-                 window_size: Optional[tuple[int, int]] = None, mask: Optional[Mask] = None):
+                 window_size: Optional[tuple[int, int]] = None, mask: Optional[Mask] = None,
+                 step_graphs: bool = False):
         self.comm = normalize_comm(comm)
+        if not isinstance(step_graphs, bool):
+            raise TypeError(f"step_graphs={step_graphs!r} must be a bool (True replays each shard shape's step from "
+                            f"CUDA graphs, algorithms/graphs.py), not {type(step_graphs).__name__}")
+        self.step_graphs = step_graphs
         check_layout(layout, packed=True)  # a packed-only layout needs cu_seqlens: checked per call
         if not isinstance(causal, bool):
             raise TypeError(f"causal={causal!r} must be a bool (True for causal attention, False for full), "
@@ -263,12 +268,23 @@ class ContextParallelAttention:
             scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
             scheme = resolve_scheme(self.groups, self.comm, self.layout, mask if packed else self.mask, q.shape[0],
                                     k.shape[2], kernel, scale, self.dropout_p)
+            if self.step_graphs:
+                scheme = self._graphed(scheme, q.device, packed)
             self._schemes[key] = scheme
             if packed:
                 self._packed_keys.append(key)
                 if len(self._packed_keys) > _PACKED_SCHEMES:
                     del self._schemes[self._packed_keys.pop(0)]
         return scheme
+
+    def _graphed(self, scheme: Scheme, device: torch.device, packed: bool) -> Scheme:
+        """``scheme`` with its step replayed from CUDA graphs (``graphs.StepGraphs``), or the reason it cannot be."""
+        why = ("a packed sequence's documents change from batch to batch, and each packing would capture new "
+               "graphs" if packed else graphs.refusal(scheme.plan, device))
+        if why is not None:
+            raise ValueError(f"step_graphs=True with comm={self.comm!r}: {why}; or build the engine with "
+                             f"step_graphs=False")
+        return dataclasses.replace(scheme, plan=dataclasses.replace(scheme.plan, runner=graphs.StepGraphs()))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, return_lse: bool = False,
                  dropout_seed: Optional[int] = None, cu_seqlens: Optional[torch.Tensor] = None,

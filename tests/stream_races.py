@@ -244,6 +244,8 @@ class CheckedExchange:
     ``RingExchange.start``, ``to_peers`` as ``RingExchange.to_peers``, and ``connect`` as the halo's
     ``PeerExchange`` (``halo.Connect``)."""
 
+    captures = False  # it records host-side what each transfer touches: a replay would record nothing
+
     def __init__(self, races: StreamRaces, ring_size: int, member: int):
         self.races, self.peers, self.member, self.group, self.op = races, list(range(ring_size)), member, None, "checked"
 

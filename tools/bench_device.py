@@ -3,8 +3,9 @@ scheme on one device (a ring walked as its member walks it, the other kinds over
 deliver, laid out locally: ``tools/rank_step.py``; on a GPU also in order, with no side stream:
 ``side_stream_gain`` is the in-order time over the step's; and with the host ahead of the GPU, as in training,
 where the layers before it keep the GPU's queue full: ``queued_efficiency``, the side stream's gain there
-(``queued_side_stream_gain``), the host's issue time and the host-device synchronisations one step makes)
-against two fused
+(``queued_side_stream_gain``), the host's issue time and the host-device synchronisations one step makes;
+and replayed from CUDA graphs, ``graphed_efficiency``: ``algorithms/graphs.py``, which the engine uses in
+training only where no transfer runs inside the step, ``graphs_in_training``) against two fused
 baselines: one SDPA call of equal useful FLOPs (ours, the strict one), and one at the per-rank length
 ``S / P`` (ring-flash-attention's, so our figures sit beside published ones). The transfers a scheme
 needs are not run on one GPU: their bytes and the time they take at stated link rates (``LINKS_GBPS``)
@@ -279,6 +280,15 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
     row.update(sizes=list(step.sizes), heads_on_rank=step.heads, attention_calls=step.calls, useful_pairs=pairs,
                equal_flops_causal_len=s_eq, per_rank_len=s_rank, harness=HARNESS)
     rank_step_call = walked_call(step, rand, d, b)  # a ring as its member walks it: its own K/V, its messages
+    if device.type == "cuda":  # the same step replayed from CUDA graphs (step_graphs): the host issues one launch
+        from mcp_context.algorithms.graphs import StepGraphs
+
+        graphed_call = walked_call(step, rand, d, b, StepGraphs())
+
+        def graphed_from_scratch(backward):  # its peak memory: a fresh runner's capture and first replay, the
+            fresh = walked_call(step, rand, d, b, StepGraphs())  # leaves' gradients made too (an upper bound)
+            fresh(backward)
+            fresh(backward)
     baselines = {}
     for name, n in (("fused", s_eq), ("fused_per_rank", s_rank)):
         baselines[name] = (rand(b, h, n, d).requires_grad_(), rand(b, hk, n, d).requires_grad_(),
@@ -300,8 +310,9 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
         calls = {"ours": lambda backward=backward: rank_step_call(backward),
                  "fused": lambda backward=backward: fused("fused", backward),
                  "fused_per_rank": lambda backward=backward: fused("fused_per_rank", backward)}
-        if device.type == "cuda":  # elsewhere the step runs in order anyway
+        if device.type == "cuda":  # elsewhere the step runs in order anyway, and nothing replays a graph
             calls["in_order"] = lambda backward=backward: in_order(backward)
+            calls["graphed"] = lambda backward=backward: graphed_call(backward)
         t = _interleaved_seconds(calls, device, reps)
         base_flops = {name: 4 * b * h * d * n * (n + 1) // 2 * factor for name, (*_, n) in baselines.items()}
         res = {"ours_s": t["ours"], "ours_tflops": flops / statistics.median(t["ours"]) / 1e12}
@@ -319,6 +330,12 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
                        host_issue_s=[h for _, h, _ in queued["ours"]],
                        host_ahead=all(ok for _, _, ok in queued["ours"] + queued["fused"]),
                        host_syncs=_host_syncs(calls["ours"]))
+        if "graphed" in t:  # in training only where no transfer runs inside the step (graphs_in_training)
+            res.update(graphed_s=t["graphed"], graphs_in_training=step.graphs_in_training,
+                       graphed_efficiency=statistics.median(flops / a / (base_flops["fused"] / f)
+                                                            for a, f in zip(t["graphed"], t["fused"])),
+                       graphed_peak_bytes=_peak_bytes(lambda backward=backward: graphed_from_scratch(backward),
+                                                      device))
         for name in ("fused", "fused_per_rank"):
             res[f"{name}_s"] = t[name]
             res[f"{name}_tflops"] = base_flops[name] / statistics.median(t[name]) / 1e12
@@ -340,7 +357,8 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
               + (f"side stream x{res['side_stream_gain']:.3f} (host ahead x{res['queued_side_stream_gain']:.3f}); "
                  f"host ahead {res['queued_efficiency']:.2f} of fused "
                  f"(issue {statistics.median(res['host_issue_s']) * 1e3:.2f} ms, "
-                 f"{len(res['host_syncs'])} syncs); " if "side_stream_gain" in res else "")
+                 f"{len(res['host_syncs'])} syncs); graphed {res['graphed_efficiency']:.2f} of fused; "
+                 if "side_stream_gain" in res else "")
               + f"{step.calls} calls; transfers "
               f"{nbytes / 2**20:.0f} MiB = {res['modelled_transfer_s']['nvlink'] * 1e3:.2f} ms NVLink, "
               f"{res['modelled_transfer_s']['network'] * 1e3:.2f} ms network", flush=True)

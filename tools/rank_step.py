@@ -27,6 +27,7 @@ packed tensor, as ``Scheme.run`` does (``kv_inputs``). ``HARNESS`` names this in
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mcp_context.algorithms.executor import RingAttention, RingPlan  # noqa: E402
+from mcp_context.algorithms.executor import RingAttention, RingPlan, StepRunner  # noqa: E402
 from mcp_context.algorithms.packing import split_kv, unpacked  # noqa: E402
 from mcp_context.algorithms.rotation import LocalRotation, RingRotation  # noqa: E402
 from mcp_context.cp_rules import a2a_degree, comm_rule  # noqa: E402
@@ -63,7 +64,10 @@ class _Received:
 
 
 class NoWireExchange:
-    """Allocates what a ``RingExchange`` transfer allocates (a receive buffer like the message), sends nothing."""
+    """Allocates what a ``RingExchange`` transfer allocates (a receive buffer like the message), sends nothing
+    (so a walk over it can be captured in a CUDA graph: ``captures``)."""
+
+    captures = True
 
     def __init__(self, ring_size: int, member: int):
         self.peers, self.member, self.group, self.op = list(range(ring_size)), member, None, "rehearsal"
@@ -98,6 +102,12 @@ class RankStep:
     def ring(self) -> bool:
         """K/V travel member to member (p2p, a2a+p2p), where the other kinds hold them all."""
         return not self.gathered and self.ring_size > 1
+
+    @property
+    def graphs_in_training(self) -> bool:
+        """Whether the engine replays this step from CUDA graphs in training (``step_graphs``): where no
+        transfer runs inside it (a walked ring's step captures here only because its transfers move nothing)."""
+        return not self.ring
 
     def walked(self) -> tuple[RingPlan, int]:
         """The plan as the rank runs it and the K/V rows it reads: a ring's walk over its own shard
@@ -148,13 +158,15 @@ def kv_inputs(step: RankStep, make: Callable[[int], torch.Tensor], head_dim: int
     return make(head_dim), make(head_dim)
 
 
-def walked_call(step: RankStep, rand: Callable[..., torch.Tensor], head_dim: int, batch: int = 1
-                ) -> Callable[[bool], None]:
+def walked_call(step: RankStep, rand: Callable[..., torch.Tensor], head_dim: int, batch: int = 1,
+                runner: Optional[StepRunner] = None) -> Callable[[bool], None]:
     """``call(backward=True)``: one forward of ``step`` (and its backward) as the timing tools run it, the plan
     walked as the rank walks it (``RankStep.walked``) over q, K/V and an output gradient made once by
     ``rand(*size)``; K/V as the rank holds them (``kv_inputs``: packed where a collective moved them).
-    Gradients accumulate into the leaves, for ours and the fused baselines alike."""
+    Gradients accumulate into the leaves, for ours and the fused baselines alike. ``runner``: how the step
+    runs (``graphs.StepGraphs``: replayed from CUDA graphs; None: eagerly)."""
     plan, kv_rows = step.walked()
+    plan = dataclasses.replace(plan, runner=runner)
     q = rand(step.q_rows, batch, step.heads, head_dim).requires_grad_()
     k, v = kv_inputs(step, lambda dims: rand(kv_rows, batch, step.kv_heads, dims).requires_grad_(), head_dim,
                      unpacked)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch
 
@@ -30,6 +30,17 @@ from .rotation import Rotation, rows_of
 from .streams import streams_for
 
 
+class StepRunner(Protocol):
+    """How a plan's step runs when not eagerly (``graphs.StepGraphs``: replayed from CUDA graphs): the
+    same contract as ``ring_forward`` and ``ring_backward``, which it runs once to capture."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: "RingPlan",
+                sink: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, plan: "RingPlan", sink: Optional[torch.Tensor]) -> tuple: ...
+
+
 @dataclass(frozen=True)
 class RingPlan:
     """What one member executes: its tasks per ring step, how shards arrive, and the kernel.
@@ -40,7 +51,8 @@ class RingPlan:
     (``rotation.complete_sums``) and adds at most two blocks, so summing in the inputs' half precision rounds
     exactly as fp32 then one cast would (two bf16 numbers add exactly in fp32 arithmetic before the one
     rounding): the all-gather's plans, whose fp32 dK/dV buffer over the whole sequence was the largest
-    thing they held."""
+    thing they held. ``runner``: how the step runs (None: eagerly, ``ring_forward``/``ring_backward``; a
+    ``StepRunner`` such as ``graphs.StepGraphs``: replayed from captured CUDA graphs)."""
 
     tasks: Sequence[Sequence[BlockTask]]
     rotation: Rotation
@@ -51,6 +63,7 @@ class RingPlan:
     dropout_p: float = 0.0
     dropout_seed: Optional[int] = None  # already distinct per rank; mixed with step and task here
     kv_sums_exact: bool = False
+    runner: Optional[StepRunner] = None
 
     @property
     def merges(self) -> bool:
@@ -348,7 +361,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, plan: RingPlan, sink: Optional[torch.Tensor] = None):
-        out, lse = ring_forward(q, k, v, plan, sink)
+        out, lse = (ring_forward if plan.runner is None else plan.runner.forward)(q, k, v, plan, sink)
         ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.plan = plan
         ctx.mark_non_differentiable(lse)
@@ -357,5 +370,6 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, sink = ctx.saved_tensors
-        dq, dk, dv, dsink = ring_backward(dout, q, k, v, out, lse, ctx.plan, sink)
+        run = ring_backward if ctx.plan.runner is None else ctx.plan.runner.backward
+        dq, dk, dv, dsink = run(dout, q, k, v, out, lse, ctx.plan, sink)
         return dq, dk, dv, None, dsink

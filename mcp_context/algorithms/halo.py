@@ -65,6 +65,7 @@ class HaloRotation:
     ``connect`` (each step's ``PeerExchange``)."""
 
     complete_sums = False  # a halo's dK/dV go home to be added
+    captures = False  # point-to-point transfers per step: not captured (graphs)
 
     def __init__(self, schedule: Schedule, member: int, peers: Sequence[int], connect: Connect):
         size = schedule.ring_size

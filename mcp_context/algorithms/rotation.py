@@ -60,9 +60,12 @@ def rows_of(x: torch.Tensor, rows: tuple[int, int]) -> torch.Tensor:
 
 class Rotation(Protocol):
     """How K/V shards reach a ring member step by step (``blocks``) and their gradients get home.
-    ``complete_sums``: every dK/dV sum the walk accumulates is complete here (no other member adds to it)."""
+    ``complete_sums``: every dK/dV sum the walk accumulates is complete here (no other member adds to it).
+    ``captures``: a walk can be captured in a CUDA graph and replayed (``graphs``): nothing it does crosses
+    a process, or what does is known to replay."""
 
     complete_sums: bool
+    captures: bool
 
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """``(step, k_block, v_block)`` for every step walked."""
@@ -115,6 +118,7 @@ class RingRotation:
     def __init__(self, kv_exchange: RingExchange, dkv_exchange: RingExchange, ring_size: int,
                  steps: Optional[int] = None):
         self.kv_exchange, self.dkv_exchange, self.ring_size = kv_exchange, dkv_exchange, ring_size
+        self.captures = kv_exchange.captures and dkv_exchange.captures
         self.steps = ring_size if steps is None else steps  # steps walked (the last busy step + 1)
 
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
@@ -249,6 +253,8 @@ class RingGradients:
 class LocalRotation:
     """Member ``member`` of a ring of ``ring_size`` whose K/V rows (every member's shard, in member
     order) are all on this device."""
+
+    captures = True  # views and adds on this device only
 
     def __init__(self, member: int, ring_size: int):
         self.member, self.ring_size = member, ring_size

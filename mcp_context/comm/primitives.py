@@ -38,7 +38,11 @@ def _others(group: ProcessGroup) -> list[int]:
 
 
 class RingExchange:
-    """Point-to-point neighbours of one ring: ``peers`` are global ranks in ring order."""
+    """Point-to-point neighbours of one ring: ``peers`` are global ranks in ring order. ``captures``: False,
+    its transfers have not been replayed from a CUDA graph on our machines (NCCL can capture point-to-point
+    operations; one GPU cannot run two ranks to check it), so a ring's step is not captured."""
+
+    captures = False
 
     def __init__(self, peers: Sequence[int], member: int, group: ProcessGroup, op: str):
         self.peers, self.member, self.group, self.op = list(peers), member, group, op
