@@ -123,7 +123,7 @@ def test_the_gpu_report_shows_the_step_with_the_host_ahead(tmp_path):
     (tmp_path / "bench").mkdir()
     (tmp_path / "bench" / "bench_attention_p8_x.jsonl").write_text(json.dumps(line) + "\n")
     text = report(str(tmp_path))
-    assert "| 128K / 8 | p2p | 8 | 0.93 | **0.97** | 0.99* | 2.00 | 1 |" in text, text
+    assert "| 128K / 8 | p2p | 8 | 0.93 | **0.97** | 0.99* | - | 2.00 | 1 |" in text, text
     assert "p2p fwd+bwd at 128K/P8: 0.970: not met (>= 0.98); host ahead 0.991: met (>= 0.98)" in text
 
 
@@ -143,12 +143,14 @@ class _HostEvent:
 def test_the_gpu_branch_of_a_rank_step_row_runs_and_feeds_the_report(monkeypatch, tmp_path):
     """What the benchmark runs only on a GPU (the in-order timing, the step with the host ahead, the sync
     count, peak memory), rehearsed on CPU tensors with CUDA's event, sleep, synchronise, sync-debug and
-    memory calls answered on the host, so an error in that branch shows here and not on a lent GPU. The
-    figures mean nothing; checked: the row has every field ``tools/gpu_report.py`` reads, the report
-    renders it, and a synchronising call is counted."""
+    memory calls answered on the host and the step graph's capture by ``test_graphs.rerun``, so an error in
+    that branch shows here and not on a lent GPU. The figures mean nothing; checked: the row has every field
+    ``tools/gpu_report.py`` reads, the report renders it, and a synchronising call is counted."""
     from tools import bench_device
     from tools.gpu_report import report
+    from mcp_context.algorithms.graphs import StepGraphs
     from mcp_context.kernels.torch_sdpa import FUSED_OPS, TorchKernel
+    from tests.test_graphs import rerun
 
     mode = [0]
     for name, value in {"Event": _HostEvent, "synchronize": lambda *a: None,
@@ -157,6 +159,7 @@ def test_the_gpu_branch_of_a_rank_step_row_runs_and_feeds_the_report(monkeypatch
                         "reset_peak_memory_stats": lambda *a: None, "memory_allocated": lambda *a: 0,
                         "max_memory_allocated": lambda *a: 1 << 20}.items():
         monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(StepGraphs, "_cuda_graph", lambda self, run, static: rerun(run, static))
     g = torch.Generator().manual_seed(0)
     row = {"part": "rank_schedule", "world_size": 8, "comm": "p2p", "seq_len": 1024}
     bench_device._sleep_cycles_per_second.cache_clear()
@@ -167,11 +170,14 @@ def test_the_gpu_branch_of_a_rank_step_row_runs_and_feeds_the_report(monkeypatch
         bench_device._sleep_cycles_per_second.cache_clear()  # the rate the host answered is not a GPU's
     fb = row["fwd_bwd"]
     assert {"queued_efficiency", "queued_side_stream_gain", "host_issue_s", "host_ahead", "host_syncs", "side_stream_gain",
-            "in_order_peak_bytes", "memory_ratio"} <= set(fb), sorted(fb)
+            "in_order_peak_bytes", "memory_ratio", "graphed_s", "graphed_efficiency", "graphed_peak_bytes"} <= set(fb), \
+        sorted(fb)
+    assert fb["graphs_in_training"] is False  # a p2p ring: the engine does not capture its transfers
     assert len(fb["queued_s"]) == len(fb["host_issue_s"]) == 2 and fb["host_syncs"] == [] and mode[0] == 0
     (tmp_path / "bench").mkdir()
     (tmp_path / "bench" / "bench_attention_p8_x.jsonl").write_text(json.dumps(row) + "\n")
-    assert "| 1K / 8 | p2p | 8 |" in report(str(tmp_path))
+    text = report(str(tmp_path))
+    assert "| 1K / 8 | p2p | 8 |" in text and f"| {fb['graphed_efficiency']:.2f}† |" in text, text
 
     def syncing():
         warnings.warn("called a synchronizing CUDA operation")
@@ -179,21 +185,25 @@ def test_the_gpu_branch_of_a_rank_step_row_runs_and_feeds_the_report(monkeypatch
 
 
 def test_the_gpu_report_judges_the_picks_cold_and_with_the_host_ahead(tmp_path):
-    """A pick's row shows its fwd+bwd timed cold and with the host ahead ('*' where the host still fell behind),
-    and the pick target is judged on each: a cell whose GPU idles for a host that issues tiny calls reads low
-    cold and may be at the fused call's rate in training."""
+    """A pick's row shows its fwd+bwd timed cold, with the host ahead ('*' where the host still fell behind) and
+    replayed from CUDA graphs ('†' for a ring, which the engine does not capture), and the pick target is judged
+    on each (graphed: over the picks the engine captures): a cell whose GPU idles for a host that issues tiny
+    calls reads low cold and may be at the fused call's rate in training."""
     from tools.gpu_report import report
 
-    def pick(cp, cold, ahead, kept_up):
-        return {"part": "pick", "model": "llama3_8b", "seq_len": 32768, "cp": cp, "pick": f"cp{cp} p2p zigzag",
+    def pick(cp, comm, cold, ahead, kept_up, graphed):
+        return {"part": "pick", "model": "llama3_8b", "seq_len": 32768, "cp": cp, "pick": f"cp{cp} {comm} zigzag",
                 "efficiency": cold, "predicted_compute_efficiency": 0.98, "measured_over_predicted": cold / 0.98,
-                "step": {"fwd_bwd": {"queued_efficiency": ahead, "host_ahead": kept_up}}}
-    rows = [pick(8, 0.97, 1.01, True), pick(64, 0.26, 0.99, False)]
+                "step": {"fwd_bwd": {"queued_efficiency": ahead, "host_ahead": kept_up, "graphed_efficiency": graphed,
+                                     "graphs_in_training": comm != "p2p"}}}
+    rows = [pick(8, "p2p", 0.97, 1.01, True, 0.99), pick(64, "a2a", 0.26, 0.99, False, 0.96)]
     (tmp_path / "picks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     text = report(str(tmp_path))
-    assert "| llama3_8b | 32K | 64 | cp64 p2p zigzag | **0.26** | 0.99* | 0.98 | - | 0.27 |" in text, text
+    assert "| llama3_8b | 32K | 64 | cp64 a2a zigzag | **0.26** | 0.99* | 0.96 | 0.98 | - | 0.27 |" in text, text
+    assert "| llama3_8b | 32K | 8 | cp8 p2p zigzag | **0.97** | 1.01 | 0.99† | 0.98 | - | 0.99 |" in text, text
     assert ("the planner's pick, lowest of 2 cells measured: 0.260: not met (>= 0.95); host ahead, lowest of 2: "
-            "0.990: met (>= 0.95)") in text, text
+            "0.990: met (>= 0.95); replayed from CUDA graphs (step_graphs, the 1 picks whose K/V are local to the "
+            "step), lowest: 0.960: met (>= 0.95)") in text, text
 
 
 def test_the_gpu_report_reads_run_4s_picks_and_p2p_step(tmp_path):
@@ -208,7 +218,7 @@ def test_the_gpu_report_reads_run_4s_picks_and_p2p_step(tmp_path):
     shutil.copy("docs/gpu/h200_run4_bench_32k.jsonl", tmp_path / "bench" / "bench_attention_p8_gpu_checks.jsonl")
     shutil.copy("docs/gpu/h200_run4_picks.jsonl", tmp_path / "picks.jsonl")
     text = report(str(tmp_path))
-    assert "| llama3_8b | 32K | 64 | cp8x8 a2a+all_gather zigzag | **0.36** | 0.77 | 0.98 | - | 0.37 |" in text, text
+    assert "| llama3_8b | 32K | 64 | cp8x8 a2a+all_gather zigzag | **0.36** | 0.77 | - | 0.98 | - | 0.37 |" in text, text
     assert "p2p fwd+bwd at 32K/P8: 0.736: not met (>= 0.85); host ahead 0.857: met (>= 0.85)" in text, text
     assert ("the planner's pick, lowest of 11 cells measured: 0.361: not met (>= 0.95); host ahead, lowest of 11: "
             "0.775: not met (>= 0.95)") in text, text

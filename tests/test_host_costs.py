@@ -66,19 +66,23 @@ def test_the_gpu_report_shows_each_variant_against_the_shipped_step(tmp_path):
 def test_the_gpu_branch_runs_on_cpu_tensors_with_cudas_timing_calls_answered_on_the_host(monkeypatch):
     """What runs only on a GPU (the step with the host ahead, the host issue time, the synchronise after the
     profile), rehearsed as tests/test_bench_device.py rehearses the benchmark's: CPU tensors, CUDA's event,
-    sleep and synchronise answered on the host. Checked: each variant's row has the fields gpu_report reads."""
+    sleep and synchronise answered on the host, the step graph's capture by ``test_graphs.rerun``. Checked:
+    each variant's row (and the graphed step's) has the fields gpu_report reads."""
     import time
 
     import torch
 
+    from mcp_context.algorithms.graphs import StepGraphs
     from mcp_context.kernels.torch_sdpa import FUSED_OPS, TorchKernel
     from tests.test_bench_device import _HostEvent
+    from tests.test_graphs import rerun
     from tools import bench_device
     from tools.host_costs import case_rows
 
     for name, value in {"Event": _HostEvent, "synchronize": lambda *a: None,
                         "_sleep": lambda cycles: time.sleep(cycles / 1e9)}.items():
         monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(StepGraphs, "_cuda_graph", lambda self, run, static: rerun(run, static))
     g = torch.Generator().manual_seed(0)
     bench_device._sleep_cycles_per_second.cache_clear()
     try:
@@ -87,6 +91,6 @@ def test_the_gpu_branch_runs_on_cpu_tensors_with_cudas_timing_calls_answered_on_
     finally:
         bench_device._sleep_cycles_per_second.cache_clear()  # the rate the host answered is not a GPU's
     timed = [r for r in rows if "profile" not in r]
-    assert len(timed) == len(variants()) and len(rows) == len(timed) + 1
+    assert [r["variant"] for r in timed] == [*variants(), "graphed"] and len(rows) == len(timed) + 1
     assert all({"host_ahead_ms", "host_issue_ms", "host_ahead", "cold_ms"} <= set(r) and r["device"] == "cuda"
                for r in timed)

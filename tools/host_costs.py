@@ -12,6 +12,8 @@ host ahead (the GPU held busy while the host issues the step), with the host's i
 - ``eager:<region>``: one region of ``merge.FUSED_REGIONS`` run eagerly (the compiled call's host cost
   against the eager form's extra kernels);
 - ``in_order``: no side stream (``streams.inline``);
+- ``graphed`` (CUDA only): replayed from CUDA graphs (``algorithms/graphs.py``, ``step_graphs``), one launch
+  to issue;
 
 and profiles the shipped step's host side (cProfile over ``--profile-steps`` steps), its time per step
 grouped: the fused regions' calls (``merge._Fused.__call__``: the compiled call path and its launches),
@@ -37,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from mcp_context.algorithms import streams  # noqa: E402
+from mcp_context.algorithms.graphs import StepGraphs  # noqa: E402
 from mcp_context.kernels import Kernel, get_kernel  # noqa: E402
 from mcp_context.masks import CAUSAL  # noqa: E402
 from mcp_context.merge import FUSED_REGIONS  # noqa: E402
@@ -107,11 +110,16 @@ def case_rows(comm: str, seq_len: int, cp: int, inner: int, device: torch.device
 
     base = {"part": "host_costs", "device": str(device), "comm": comm, "seq_len": seq_len, "cp": cp,
             "sizes": list(step.sizes), "attention_calls": step.calls, "heads_on_rank": step.heads}
-    rows = []
+    calls: dict[str, Callable[[], None]] = {}
     for name, context in variants().items():
         def call(context=context) -> None:
             with context():
                 run()
+        calls[name] = call
+    if device.type == "cuda":  # the step replayed from CUDA graphs: what is left of the host's issue time
+        calls["graphed"] = walked_call(step, rand, head_dim, runner=StepGraphs())
+    rows = []
+    for name, call in calls.items():
         cold = _interleaved_seconds({"step": call}, device, reps)["step"]
         row = dict(base, variant=name, cold_ms=statistics.median(cold) * 1e3)
         if device.type == "cuda":
