@@ -215,3 +215,35 @@ def _engine_parity(rank, world):
 def test_on_cuda_the_engine_with_step_graphs_gives_the_eager_engines_results():
     """One CP rank (nothing crosses a process), comm a2a: the engine's scheme replays its step from graphs."""
     assert run_distributed(1, _engine_parity)[0] <= 2e-2
+
+
+def _megatron_layer(rank, world):
+    import megatron_patches
+    from megatron.core import parallel_state
+
+    from mcp_context.megatron.specs import get_gpt_layer_hcp_spec
+    from tests.tiny_gpt import batch, init_parallel, tiny_config, tiny_gpt
+
+    megatron_patches.apply_all(device="cpu")
+    init_parallel(context_parallel_size=world)
+    try:
+        config = tiny_config(context_parallel_size=world, cp_comm_type="a2a")
+        model = tiny_gpt(config, get_gpt_layer_hcp_spec(step_graphs=True))
+        attention = [m for m in model.modules() if type(m).__name__ == "HCPDotProductAttention"]
+        tokens, positions, labels = batch()
+        n = tokens.shape[1] // world
+        try:
+            model(tokens[:, :n], positions[:, :n], None, labels=labels[:, :n])
+            return len(attention), None
+        except ValueError as err:
+            return len(attention), str(err)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_the_megatron_specs_step_graphs_reach_the_engine():
+    """``get_gpt_layer_hcp_spec(step_graphs=True)``: every layer's core attention builds its engine with it, and
+    on the CPU the first call refuses it, naming the switch (a CUDA run replays; not yet run on a GPU)."""
+    layers, error = run_distributed(2, _megatron_layer)[0]
+    assert layers >= 1 and error == ("step_graphs=True with comm='a2a': CUDA graphs replay on a CUDA device, and "
+                                     "the shards are on cpu; or build the engine with step_graphs=False")

@@ -133,8 +133,9 @@ class HCPDotProductAttention(MegatronModule):
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
                  k_channels: Optional[int] = None, v_channels: Optional[int] = None,
                  cp_comm_type: Optional[str] = None, pg_collection: Any = None, model_comm_pgs: Any = None,
-                 layer_spec: Optional[LayerSpecFacts] = None):
+                 layer_spec: Optional[LayerSpecFacts] = None, step_graphs: bool = False):
         super().__init__(config=config)
+        self.step_graphs = step_graphs  # the spec's choice (get_gpt_layer_hcp_spec): checked by the engine
         normalize_cp_comm_type(config)
         validate_cp_config(config)
         check_attention_fields(config)
@@ -271,7 +272,8 @@ class HCPDotProductAttention(MegatronModule):
             check_deterministic(self.config, self.backend, device)
             self._engines[key] = engine_for(
                 groups, causal=causal, layout=LAYOUT, comm=comm, softmax_scale=self.softmax_scale,
-                backend=self.backend, dropout_p=self.dropout_p if dropout else 0.0, window_size=self.window_size)
+                backend=self.backend, dropout_p=self.dropout_p if dropout else 0.0, window_size=self.window_size,
+                step_graphs=self.step_graphs)
         return self._engines[key]
 
     @staticmethod

@@ -36,14 +36,17 @@ MOE_PLACEHOLDER_EXPERTS = 2  # megatron-core's spec only asks whether there are 
 def get_gpt_layer_hcp_spec(num_experts: Optional[int] = None, moe_grouped_gemm: bool = False,
                            qk_layernorm: bool = False, normalization: str = "RMSNorm", use_te: bool = False,
                            core_attention: str = "hcp", qk_l2_norm: bool = False,
-                           multi_latent_attention: bool = False) -> ModuleSpec:
+                           multi_latent_attention: bool = False, step_graphs: bool = False) -> ModuleSpec:
     """A GPT transformer-layer spec whose attention is context-parallel on any device.
 
     The arguments are megatron-core's ``get_gpt_layer_local_spec`` ones and build the same layer (q/k
     LayerNorm or L2 norm, MoE with local experts, MLA). ``use_te``: Transformer Engine linears and norms
     (needs TE). ``core_attention``: ``"hcp"`` (ours, every cp_comm_type and hierarchy depth) or ``"te"``
     (TE's ``TEDotProductAttention``, only with ``use_te``). With ours, the spec carries the structure it
-    builds (``LayerSpecFacts``) and the model's config is checked against it at build time.
+    builds (``LayerSpecFacts``) and the model's config is checked against it at build time. ``step_graphs``:
+    our attention replays each shard shape's step from CUDA graphs (``algorithms/graphs.py``; CUDA, comm types
+    a2a/all_gather/a2a+all_gather, attention_dropout 0; anything else is refused at the first call; not yet
+    run on a GPU).
     """
     if core_attention not in CORE_ATTENTIONS:
         raise ValueError(f"core_attention={core_attention!r} is not one of {', '.join(CORE_ATTENTIONS)}")
@@ -66,16 +69,18 @@ def get_gpt_layer_hcp_spec(num_experts: Optional[int] = None, moe_grouped_gemm: 
     facts = LayerSpecFacts(qk_layernorm=qk_layernorm, qk_l2_norm=qk_l2_norm, moe=num_experts is not None,
                            moe_grouped_gemm=num_experts is not None and moe_grouped_gemm,
                            multi_latent_attention=multi_latent_attention, use_te=use_te)
-    return _with_core_attention(spec, dataclasses.replace(facts, name=facts.getter_call()))
+    return _with_core_attention(spec, dataclasses.replace(facts, name=facts.getter_call()), step_graphs)
 
 
 def get_gpt_decoder_block_hcp_spec(config: Any, use_te: bool = False, normalization: Optional[str] = None,
                                    qk_l2_norm: bool = False, vp_stage: Optional[int] = None,
-                                   pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
+                                   pp_rank: Optional[int] = None, step_graphs: bool = False
+                                   ) -> TransformerBlockSubmodules:
     """The decoder block of ``config`` with one layer spec per layer, our core attention in each: megatron-core's
     ``get_gpt_decoder_block_spec`` (dense and MoE layers as ``config.moe_layer_freq`` says, e.g. DeepSeek-V3's
     dense first layers, Qwen3-MoE's ``mlp_only_layers``; this pipeline stage's layers only), the same arguments.
-    ``GPTModel`` takes it where it takes a layer spec. Each layer checks the config against the block's structure."""
+    ``GPTModel`` takes it where it takes a layer spec. Each layer checks the config against the block's structure.
+    ``step_graphs``: as in ``get_gpt_layer_hcp_spec``."""
     if use_te and _te_import_error() is not None:
         raise RuntimeError("get_gpt_decoder_block_hcp_spec(use_te=True) needs Transformer Engine, which is not "
                            "importable here; install mcp_context[te] on a CUDA machine, or use use_te=False")
@@ -87,14 +92,15 @@ def get_gpt_decoder_block_hcp_spec(config: Any, use_te: bool = False, normalizat
                            multi_latent_attention=bool(config.multi_latent_attention), use_te=use_te,
                            moe_layer_freq=tuple(freq) if isinstance(freq, list) else freq)
     facts = dataclasses.replace(facts, name=facts.getter_call())
-    return dataclasses.replace(block, layer_specs=[_with_core_attention(spec, facts) for spec in block.layer_specs])
+    return dataclasses.replace(block, layer_specs=[_with_core_attention(spec, facts, step_graphs)
+                                                   for spec in block.layer_specs])
 
 
-def _with_core_attention(spec: ModuleSpec, facts: LayerSpecFacts) -> ModuleSpec:
+def _with_core_attention(spec: ModuleSpec, facts: LayerSpecFacts, step_graphs: bool = False) -> ModuleSpec:
     """``spec`` with our core attention, which checks the model's config against ``facts`` when built."""
     spec = copy.deepcopy(spec)
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
-        module=HCPDotProductAttention, params={"layer_spec": facts})
+        module=HCPDotProductAttention, params={"layer_spec": facts, "step_graphs": step_graphs})
     return spec
 
 

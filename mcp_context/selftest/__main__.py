@@ -180,7 +180,7 @@ def build_setup(args: argparse.Namespace, world_size: Optional[int]) -> Setup:
         raise ValueError(f"CP size {cp_size}: a self-test of context parallelism needs at least 2 CP ranks; launch "
                          f"with torchrun --nproc-per-node N (N >= 2) or pass --simulate --cp-size N")
     if not args.simulate and world_size != cp_size:
-        layout = (f"drop --cp-size (a dynamic-CP recipe's checks run over every launched rank)"
+        layout = ("drop --cp-size (a dynamic-CP recipe's checks run over every launched rank)"
                   if values["dynamic_budget"] is not None else
                   f"set model.context_parallel_size={world_size} (with --cp-size {world_size} for flags)")
         raise ValueError(f"the world has {world_size} ranks but the CP size is {cp_size}: launch with torchrun "

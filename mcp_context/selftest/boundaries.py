@@ -121,7 +121,6 @@ def check_layout(setup: Setup, batch: dict, slices: list[dict], packed: bool) ->
 
     cp, seq = setup.cp_size, setup.seq_len
     cu, padded = (list(setup.documents[0]), list(setup.documents[1])) if packed else (None, None)
-    where = " of every document" if packed else ""
     problems = []
     for rank, mine in enumerate(slices):
         rows = expected_rows("zigzag", cp, rank, seq, padded)
