@@ -235,3 +235,52 @@ def test_documented_recipe_commands_run_as_written(argv, capsys):
 
     main = {"mcp_context.recipes": recipes_cli, "mcp_context.megatron_lm": megatron_lm_cli}[argv[0]]
     assert main(argv[1:]) == 0, capsys.readouterr().err
+
+
+GRAPHS = ["model.cp_step_graphs=true", "model.cp_comm_type=a2a", "model.hierarchical_context_parallel_sizes=null",
+          "train.device=cuda"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.cp_step_graphs=true", "train.device=cpu"], "model.cp_step_graphs=true with train.device='cpu': CUDA "
+                                                        "graphs replay on a CUDA device; set train.device=cuda"),
+    (["model.cp_step_graphs=true", "train.device=cuda"], "model.cp_step_graphs=true with model.cp_comm_type='a2a+p2p': "
+                                                         "its ring moves K/V between ranks inside the step"),
+    (GRAPHS[:1] + ["model.cp_comm_type=p2p", "model.hierarchical_context_parallel_sizes=null", "train.device=cuda"],
+     "model.cp_step_graphs=true with model.cp_comm_type='p2p'"),
+    (GRAPHS + ["model.attention_dropout=0.1"], "model.cp_step_graphs=true with model.attention_dropout=0.1: dropout "
+                                               "draws a new mask per call; set it to 0; or set model.cp_step_graphs=false"),
+    (GRAPHS + ["data.reset_attention_mask=true"], "model.cp_step_graphs=true with data.reset_attention_mask=true: "
+                                                  "packed documents change from batch to batch"),
+])
+def test_step_graphs_are_refused_where_the_engine_cannot_replay_naming_the_key(overrides, message):
+    """``model.cp_step_graphs``: a device, comm type, dropout or packing the engine would refuse at its first call
+    is refused before a launch, naming the key and the fix."""
+    with pytest.raises(RecipeError) as err:
+        validate_recipe(load_recipe(None, overrides))
+    assert message in str(err.value)
+
+
+def test_step_graphs_pass_where_the_engine_replays_and_reach_the_spec(monkeypatch):
+    """a2a, all_gather and a2a+all_gather on CUDA, and any comm at CP 1, validate; the spec our entry builds
+    carries the choice to the core attention (the printed Megatron-LM command refuses it:
+    tests/test_recipes_megatron_lm.py's REFUSED) and a launch whose train.device=auto resolves to the CPU (CUDA hidden here, as on CI) refuses it
+    naming the key."""
+    import torch
+
+    from mcp_context.pretrain.launch import check_recipe_for_training
+    from mcp_context.recipes.schema import decoder_spec
+
+    for comm in (["model.cp_comm_type=a2a", "model.hierarchical_context_parallel_sizes=null"],
+                 ["model.cp_comm_type=all_gather", "model.hierarchical_context_parallel_sizes=null"],
+                 ["model.cp_comm_type=a2a+all_gather"],
+                 ["model.context_parallel_size=1", "model.cp_comm_type=p2p",
+                  "model.hierarchical_context_parallel_sizes=null"]):
+        validate_recipe(load_recipe(None, GRAPHS[:1] + comm + ["train.device=cuda"]))
+    cfg = load_recipe(None, GRAPHS)
+    spec = decoder_spec(cfg.model, None)
+    assert spec.submodules.self_attention.submodules.core_attention.params["step_graphs"] is True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RecipeError, match=r"model.cp_step_graphs=true replays the attention step from CUDA graphs, "
+                                          r"and this run trains on the CPU \(train.device\)"):
+        check_recipe_for_training(load_recipe(None, GRAPHS[:-1] + ["train.device=auto", "train.world_size=4"]), 4)

@@ -297,6 +297,8 @@ REFUSED = {
     "model.original_max_position_embeddings": MLA + ["model.original_max_position_embeddings=8192"],
     "model.beta_fast": MLA + ["model.beta_fast=1.0"],  # Kimi K2's
     "model.beta_slow": MLA + ["model.beta_slow=2.0"],
+    "model.cp_step_graphs": ["model.cp_step_graphs=true", "model.cp_comm_type=a2a",
+                             "model.hierarchical_context_parallel_sizes=null", "train.device=cuda"],
 }
 
 

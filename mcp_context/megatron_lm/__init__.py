@@ -52,6 +52,8 @@ REFUSED_UNLESS_DEFAULT = {
                                               "original_max_position_embeddings (MLATransformerConfig's 4096 applies)",
     "model.beta_fast": "Megatron-LM 0.16.1 has no flag for MLA's YaRN beta_fast (MLATransformerConfig's 32 applies)",
     "model.beta_slow": "Megatron-LM 0.16.1 has no flag for MLA's YaRN beta_slow (MLATransformerConfig's 1 applies)",
+    "model.cp_step_graphs": "--spec takes a module-level spec, and none of mcp_context.megatron.specs replays the "
+                            "attention step from CUDA graphs (get_gpt_layer_hcp_spec(step_graphs=True) does, in a script)",
 }
 """Recipe fields Megatron-LM can only take at their default: another value is a ``RecipeError``
 (``tests/test_recipes_megatron_lm.py`` walks these too)."""

@@ -44,7 +44,8 @@ def check_recipe_for_training(cfg: RecipeConfig, world_size: int) -> None:
 
     Checks that the recipe's ``train.world_size`` equals the launch, runs ``validate_recipe`` at the
     launched world size, then checks what the loop needs: one pipeline stage, a
-    ``checkpoint.load`` that holds a checkpoint, and, on the CPU (``train.device``), fp32 parameters and the plain (not distributed) optimizer.
+    ``checkpoint.load`` that holds a checkpoint, and, on the CPU (``train.device``), fp32 parameters, the plain (not
+    distributed) optimizer and no step graphs.
     """
     t, m, o = cfg.train, cfg.model, cfg.optimizer
     if t.world_size is not None and t.world_size != world_size:
@@ -100,3 +101,6 @@ def check_recipe_for_training(cfg: RecipeConfig, world_size: int) -> None:
                 "optimizer.use_distributed_optimizer=true needs CUDA (megatron-core's distributed optimizer "
                 "allocates its buffers on the GPU); set it to false on CPU"
             )
+        if m.cp_step_graphs:
+            raise RecipeError("model.cp_step_graphs=true replays the attention step from CUDA graphs, and this run "
+                              "trains on the CPU (train.device); set model.cp_step_graphs=false")

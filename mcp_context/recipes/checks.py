@@ -16,7 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
-from mcp_context.cp_rules import dynamic_document_multiple, heads_per_tp_rank
+from mcp_context.cp_rules import a2a_degree, comm_rule, dynamic_document_multiple, heads_per_tp_rank
 from mcp_context.recipes.schema import (MLA_FIELDS, MOE_FIELDS, YARN_FIELDS, DataConfig, ModelConfig, RecipeConfig, RecipeError,
                                          check_vocab_size, precision)
 
@@ -82,6 +82,7 @@ def validate_recipe(cfg: RecipeConfig, world_size: Optional[int] = None) -> None
             f"model.max_position_embeddings={m.max_position_embeddings} is smaller than "
             f"model.seq_length={m.seq_length}; raise it to at least {m.seq_length}"
         )
+    _validate_step_graphs(cfg)
     world = _resolve_world_size(cfg, world_size)
     _validate_dynamic_cp(cfg, world)
     _validate_batch(cfg, world)
@@ -201,6 +202,31 @@ def _validate_tensor_parallel_kv_heads(m: ModelConfig) -> None:
                           m.tensor_model_parallel_size, prefix="model.")
     except ValueError as err:
         raise RecipeError(str(err)) from None
+
+
+def _validate_step_graphs(cfg: RecipeConfig) -> None:
+    """``model.cp_step_graphs`` where the engine can replay the step (``algorithms/graphs.refusal``): on CUDA,
+    with K/V local to the step, no attention dropout and no packed documents; refused here, before a launch."""
+    m = cfg.model
+    if not m.cp_step_graphs:
+        return
+    ring = m.context_parallel_size // a2a_degree(m.cp_comm_type, m.hierarchical_context_parallel_sizes
+                                                 or [m.context_parallel_size]) > 1
+    refused = [(setting, why) for setting, why, bad in [
+        (f"train.device={cfg.train.device!r}", "CUDA graphs replay on a CUDA device; set train.device=cuda",
+         cfg.train.device == "cpu"),
+        (f"model.cp_comm_type={m.cp_comm_type!r}", "its ring moves K/V between ranks inside the step, whose "
+         "transfers are not captured; use a2a, all_gather or a2a+all_gather",
+         comm_rule(m.cp_comm_type).kv == "ring" and ring),
+        (f"model.attention_dropout={m.attention_dropout}", "dropout draws a new mask per call; set it to 0",
+         m.attention_dropout > 0),
+        ("data.reset_attention_mask=true", "packed documents change from batch to batch, and each packing would "
+         "capture new graphs; set it false", cfg.data.reset_attention_mask),
+        ("model.hybrid_context_parallel=true", "dynamic CP runs packed documents; set it false",
+         m.hybrid_context_parallel)] if bad]
+    if refused:
+        setting, why = refused[0]
+        raise RecipeError(f"model.cp_step_graphs=true with {setting}: {why}; or set model.cp_step_graphs=false")
 
 
 def _validate_dynamic_cp(cfg: RecipeConfig, world_size: Optional[int]) -> None:

@@ -217,6 +217,11 @@ class ModelConfig:
     layer_spec: Literal["local", "te"] = "local"
     """Layer spec of mcp_context.megatron.specs: local (pure PyTorch, any device) or te
     (Transformer Engine linear/norm layers, GPU only)."""
+    cp_step_graphs: bool = False
+    """Replay each rank's attention step from CUDA graphs captured once per shard shape (the spec's
+    step_graphs, docs/design.md): for short shards, where the host falls behind the GPU. CUDA, cp_comm_type
+    a2a, all_gather or a2a+all_gather (or CP 1), attention_dropout 0, no packed documents. Not yet run on
+    a GPU."""
 
 
 # ModelConfig fields that are GPTModel (or recipe) arguments, not TransformerConfig fields.
@@ -233,6 +238,7 @@ _GPT_MODEL_FIELDS = frozenset(
         "rope_scaling_factor",
         "share_embeddings_and_output_weights",
         "layer_spec",
+        "cp_step_graphs",
     }
 )
 
@@ -512,7 +518,7 @@ def layer_spec_kwargs(model: ModelConfig) -> dict[str, Any]:
             f"get_gpt_decoder_block_hcp_spec(config) (mcp_context.recipes.schema.decoder_spec)")
     return dict(num_experts=model.num_moe_experts, qk_layernorm=model.qk_layernorm,
                 multi_latent_attention=model.multi_latent_attention, normalization=model.normalization,
-                use_te=model.layer_spec == "te")
+                use_te=model.layer_spec == "te", step_graphs=model.cp_step_graphs)
 
 
 def decoder_spec(model: ModelConfig, config: Any) -> Any:
@@ -523,7 +529,7 @@ def decoder_spec(model: ModelConfig, config: Any) -> Any:
 
     if model.num_moe_experts is not None and model.moe_layer_freq != 1:
         return get_gpt_decoder_block_hcp_spec(config, use_te=model.layer_spec == "te",
-                                              normalization=model.normalization)
+                                              normalization=model.normalization, step_graphs=model.cp_step_graphs)
     return get_gpt_layer_hcp_spec(**layer_spec_kwargs(model))
 
 
