@@ -27,6 +27,8 @@ import torch
 from torch._dynamo.exc import FailOnRecompileLimitHit
 from torch._subclasses.fake_tensor import is_fake
 
+from .errors import first_line
+
 NEG_INF = float("-inf")
 
 
@@ -120,8 +122,7 @@ class _Fused:
                 self.run_compiled(*args)
                 return
             except Exception as err:  # noqa: BLE001 - compilation fails before anything is written
-                text = str(err).strip()
-                self.error = f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
+                self.error = first_line(err)
                 warnings.warn(f"torch.compile of the {self.what} failed ({self.error}); running it eagerly "
                               f"(slower, same results)", stacklevel=2)
         self.eager(*args)

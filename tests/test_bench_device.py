@@ -140,17 +140,13 @@ class _HostEvent:
         return (other.at - self.at) * 1e3
 
 
-def test_the_gpu_branch_of_a_rank_step_row_runs_and_feeds_the_report(monkeypatch, tmp_path):
-    """What the benchmark runs only on a GPU (the in-order timing, the step with the host ahead, the sync
-    count, peak memory), rehearsed on CPU tensors with CUDA's event, sleep, synchronise, sync-debug and
-    memory calls answered on the host and the step graph's capture by ``test_graphs.rerun``, so an error in
-    that branch shows here and not on a lent GPU. The figures mean nothing; checked: the row has every field
-    ``tools/gpu_report.py`` reads, the report renders it, and a synchronising call is counted."""
+def _gpu_branch_row(monkeypatch, capture) -> tuple[dict, list]:
+    """A p2p 1K/P8 row through the benchmark's GPU branch on CPU tensors, CUDA's event, sleep, synchronise,
+    sync-debug and memory calls answered on the host and the step graph's capture by ``capture``; and the
+    sync-debug mode the branch left behind."""
     from tools import bench_device
-    from tools.gpu_report import report
     from mcp_context.algorithms.graphs import StepGraphs
     from mcp_context.kernels.torch_sdpa import FUSED_OPS, TorchKernel
-    from tests.test_graphs import rerun
 
     mode = [0]
     for name, value in {"Event": _HostEvent, "synchronize": lambda *a: None,
@@ -159,7 +155,7 @@ def test_the_gpu_branch_of_a_rank_step_row_runs_and_feeds_the_report(monkeypatch
                         "reset_peak_memory_stats": lambda *a: None, "memory_allocated": lambda *a: 0,
                         "max_memory_allocated": lambda *a: 1 << 20}.items():
         monkeypatch.setattr(torch.cuda, name, value)
-    monkeypatch.setattr(StepGraphs, "_cuda_graph", lambda self, run, static: rerun(run, static))
+    monkeypatch.setattr(StepGraphs, "_cuda_graph", lambda self, run, static: capture(run, static))
     g = torch.Generator().manual_seed(0)
     row = {"part": "rank_schedule", "world_size": 8, "comm": "p2p", "seq_len": 1024}
     bench_device._sleep_cycles_per_second.cache_clear()
@@ -168,6 +164,20 @@ def test_the_gpu_branch_of_a_rank_step_row_runs_and_feeds_the_report(monkeypatch
                                   lambda *size: torch.randn(*size, generator=g), Shape(1024, 1, 4, 2, 16), reps=2)
     finally:
         bench_device._sleep_cycles_per_second.cache_clear()  # the rate the host answered is not a GPU's
+    return row, mode
+
+
+def test_the_gpu_branch_of_a_rank_step_row_runs_and_feeds_the_report(monkeypatch, tmp_path):
+    """What the benchmark runs only on a GPU (the in-order timing, the step with the host ahead and replayed
+    from a graph, the sync count, peak memory), rehearsed on CPU tensors (``_gpu_branch_row``, the capture by
+    ``test_graphs.rerun``), so an error in that branch shows here and not on a lent GPU. The figures mean
+    nothing; checked: the row has every field ``tools/gpu_report.py`` reads, the report renders it, and a
+    synchronising call is counted."""
+    from tools import bench_device
+    from tools.gpu_report import report
+    from tests.test_graphs import rerun
+
+    row, mode = _gpu_branch_row(monkeypatch, rerun)
     fb = row["fwd_bwd"]
     assert {"queued_efficiency", "queued_side_stream_gain", "host_issue_s", "host_ahead", "host_syncs", "side_stream_gain",
             "in_order_peak_bytes", "memory_ratio", "graphed_s", "graphed_efficiency", "graphed_peak_bytes"} <= set(fb), \
@@ -182,6 +192,21 @@ def test_the_gpu_branch_of_a_rank_step_row_runs_and_feeds_the_report(monkeypatch
     def syncing():
         warnings.warn("called a synchronizing CUDA operation")
     assert bench_device._host_syncs(syncing) == ["called a synchronizing CUDA operation"] and mode[0] == 0
+
+
+def test_a_graph_capture_that_fails_is_the_rows_note_and_the_rest_is_timed(monkeypatch, tmp_path):
+    """The graphed step has not yet run on a GPU: a capture that raises leaves the row's other figures
+    measured, names the failure in the row (``graphed_error``) and in the report's graphed column."""
+    from tools.gpu_report import report
+
+    def broken(run, static):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+    row, _ = _gpu_branch_row(monkeypatch, broken)
+    assert row["graphed_error"] == "RuntimeError: operation not permitted when stream is capturing"
+    assert "queued_efficiency" in row["fwd_bwd"] and "graphed_s" not in row["fwd_bwd"]
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "bench_attention_p8_x.jsonl").write_text(json.dumps(row) + "\n")
+    assert "| failed: RuntimeError: operation not permitted when stream is capturing |" in report(str(tmp_path))
 
 
 def test_the_gpu_report_judges_the_picks_cold_and_with_the_host_ahead(tmp_path):

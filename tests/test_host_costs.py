@@ -63,11 +63,18 @@ def test_the_gpu_report_shows_each_variant_against_the_shipped_step(tmp_path):
     assert "| p2p 32K/8 | 4.10 | 1.10 | 0.50 | 3.20 | 8.90 | 17 |" in text, text
 
 
-def test_the_gpu_branch_runs_on_cpu_tensors_with_cudas_timing_calls_answered_on_the_host(monkeypatch):
+def _broken_capture(run, static):
+    raise RuntimeError("operation not permitted when stream is capturing")
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_the_gpu_branch_runs_on_cpu_tensors_with_cudas_timing_calls_answered_on_the_host(monkeypatch, tmp_path,
+                                                                                          broken):
     """What runs only on a GPU (the step with the host ahead, the host issue time, the synchronise after the
     profile), rehearsed as tests/test_bench_device.py rehearses the benchmark's: CPU tensors, CUDA's event,
     sleep and synchronise answered on the host, the step graph's capture by ``test_graphs.rerun``. Checked:
-    each variant's row (and the graphed step's) has the fields gpu_report reads."""
+    each variant's row (and the graphed step's) has the fields gpu_report reads; a capture that raises (not yet
+    run on a GPU) is the graphed row's error, shown in the report, and every other variant is still timed."""
     import time
 
     import torch
@@ -82,7 +89,8 @@ def test_the_gpu_branch_runs_on_cpu_tensors_with_cudas_timing_calls_answered_on_
     for name, value in {"Event": _HostEvent, "synchronize": lambda *a: None,
                         "_sleep": lambda cycles: time.sleep(cycles / 1e9)}.items():
         monkeypatch.setattr(torch.cuda, name, value)
-    monkeypatch.setattr(StepGraphs, "_cuda_graph", lambda self, run, static: rerun(run, static))
+    capture = _broken_capture if broken else rerun
+    monkeypatch.setattr(StepGraphs, "_cuda_graph", lambda self, run, static: capture(run, static))
     g = torch.Generator().manual_seed(0)
     bench_device._sleep_cycles_per_second.cache_clear()
     try:
@@ -90,7 +98,15 @@ def test_the_gpu_branch_runs_on_cpu_tensors_with_cudas_timing_calls_answered_on_
                          lambda *size: torch.randn(*size, generator=g), 4, 2, 16, reps=1, profile_steps=1)
     finally:
         bench_device._sleep_cycles_per_second.cache_clear()  # the rate the host answered is not a GPU's
-    timed = [r for r in rows if "profile" not in r]
-    assert [r["variant"] for r in timed] == [*variants(), "graphed"] and len(rows) == len(timed) + 1
+    timed = [r for r in rows if "profile" not in r and "error" not in r]
+    assert [r["variant"] for r in timed] == [*variants()] + ([] if broken else ["graphed"])
     assert all({"host_ahead_ms", "host_issue_ms", "host_ahead", "cold_ms"} <= set(r) and r["device"] == "cuda"
                for r in timed)
+    errors = [r for r in rows if "error" in r]
+    assert [r["error"] for r in errors] == (["RuntimeError: operation not permitted when stream is capturing"]
+                                            if broken else [])
+    if broken:
+        from tools.gpu_report import report
+
+        (tmp_path / "host_costs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        assert "| graphed | failed: RuntimeError: operation not permitted when stream is capturing |" in report(str(tmp_path))

@@ -34,6 +34,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from mcp_context.errors import first_line
 from mcp_context.plan.cost import FWD_BWD_FLOP_FACTOR
 from tools.bench_cpu import Shape
 
@@ -284,11 +285,16 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
         from mcp_context.algorithms.graphs import StepGraphs
 
         graphed_call = walked_call(step, rand, d, b, StepGraphs())
+        try:  # captured once before any timing: a capture that fails is this row's note, not the run's end
+            graphed_call(True)
+        except Exception as err:  # noqa: BLE001 - not yet run on a GPU: every failure is reported as it is
+            row["graphed_error"] = first_line(err)
+            print(f"  P={world} {comm}: the graphed step failed ({row['graphed_error']}); timed without it", flush=True)
 
-        def graphed_from_scratch(backward):  # its peak memory: a fresh runner's capture and first replay, the
-            fresh = walked_call(step, rand, d, b, StepGraphs())  # leaves' gradients made too (an upper bound)
-            fresh(backward)
-            fresh(backward)
+        def graphed_from_scratch():  # its peak memory: a fresh runner's capture and first replay, the leaves'
+            fresh = walked_call(step, rand, d, b, StepGraphs())  # gradients made too (an upper bound)
+            fresh()
+            fresh()
     baselines = {}
     for name, n in (("fused", s_eq), ("fused_per_rank", s_rank)):
         baselines[name] = (rand(b, h, n, d).requires_grad_(), rand(b, hk, n, d).requires_grad_(),
@@ -312,7 +318,8 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
                  "fused_per_rank": lambda backward=backward: fused("fused_per_rank", backward)}
         if device.type == "cuda":  # elsewhere the step runs in order anyway, and nothing replays a graph
             calls["in_order"] = lambda backward=backward: in_order(backward)
-            calls["graphed"] = lambda backward=backward: graphed_call(backward)
+            if "graphed_error" not in row:
+                calls["graphed"] = lambda backward=backward: graphed_call(backward)
         t = _interleaved_seconds(calls, device, reps)
         base_flops = {name: 4 * b * h * d * n * (n + 1) // 2 * factor for name, (*_, n) in baselines.items()}
         res = {"ours_s": t["ours"], "ours_tflops": flops / statistics.median(t["ours"]) / 1e12}
@@ -333,9 +340,9 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
         if "graphed" in t:  # in training only where no transfer runs inside the step (graphs_in_training)
             res.update(graphed_s=t["graphed"], graphs_in_training=step.graphs_in_training,
                        graphed_efficiency=statistics.median(flops / a / (base_flops["fused"] / f)
-                                                            for a, f in zip(t["graphed"], t["fused"])),
-                       graphed_peak_bytes=_peak_bytes(lambda backward=backward: graphed_from_scratch(backward),
-                                                      device))
+                                                            for a, f in zip(t["graphed"], t["fused"])))
+            if backward:  # a fresh capture costs a warm-up step and a device synchronisation: fwd+bwd only
+                res["graphed_peak_bytes"] = _peak_bytes(graphed_from_scratch, device)
         for name in ("fused", "fused_per_rank"):
             res[f"{name}_s"] = t[name]
             res[f"{name}_tflops"] = base_flops[name] / statistics.median(t[name]) / 1e12
@@ -357,8 +364,8 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
               + (f"side stream x{res['side_stream_gain']:.3f} (host ahead x{res['queued_side_stream_gain']:.3f}); "
                  f"host ahead {res['queued_efficiency']:.2f} of fused "
                  f"(issue {statistics.median(res['host_issue_s']) * 1e3:.2f} ms, "
-                 f"{len(res['host_syncs'])} syncs); graphed {res['graphed_efficiency']:.2f} of fused; "
-                 if "side_stream_gain" in res else "")
+                 f"{len(res['host_syncs'])} syncs); " if "side_stream_gain" in res else "")
+              + (f"graphed {res['graphed_efficiency']:.2f} of fused; " if "graphed_efficiency" in res else "")
               + f"{step.calls} calls; transfers "
               f"{nbytes / 2**20:.0f} MiB = {res['modelled_transfer_s']['nvlink'] * 1e3:.2f} ms NVLink, "
               f"{res['modelled_transfer_s']['network'] * 1e3:.2f} ms network", flush=True)

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The checks to run first on a CUDA machine, each under its own timeout, the figures first (in the order
-# 1, 4, 2, 5, 3 below):
+# 1, 4, 2, 5 below; 3 and 6 only without SUITE=0):
 #   1. the kernel report (which fused op serves each dtype, and why the others do not)
-#   2. the GPU tests (tests/test_gpu.py, tests/test_kernels.py, tests/test_direct_results.py,
-#      tests/test_results.py, tests/test_streams.py, tests/test_packing.py, tests/test_graphs.py)
+#   2. the step replayed from CUDA graphs against the eager step (tests/test_graphs.py, first: not yet run
+#      on a GPU), then the GPU tests (tests/test_gpu.py, tests/test_kernels.py, tests/test_direct_results.py,
+#      tests/test_results.py, tests/test_streams.py, tests/test_packing.py)
 #   3. a representative subset of the member-schedule cases (P = 4, 8, 16; ring and a2a+p2p; bf16, fp16)
-#   4. the benchmark at S = 32K and 128K, P = 8, every scheme, Llama-3-8B heads (32/8, d = 128), bf16, then
+#   4. the benchmark at S = 32K and 128K, P = 8, every scheme, Llama-3-8B heads (32/8, d = 128), bf16 (each
+#      step also in order, with the host ahead and replayed from CUDA graphs), then
 #      one profiled step of each scheme at 32K (what tools/calibrate_profile.py refits the planner's step
 #      bandwidth and call overhead from, with the benchmark's JSON), then the planner's pick at each cell of
 #      its grid (tools/bench_picks.py: S = 32K and 128K, P = 8, 16, 64, both models; 1M is over the budget),
@@ -16,8 +18,8 @@
 #      tools/gpu_report.py writes RESULTS_DIR/report.md: the step table, the benchmark and the picks as
 #      markdown, and each of issue 25's targets met or not
 #   6. the whole suite as a GPU user's pytest runs it: the CPU tests with CUDA present (pytest -n, half
-#      the cores, when pytest-xdist is installed), up to 10 minutes; SUITE=0 leaves it out (a device loan of
-#      15 minutes holds steps 1-5 after the machine's start, not step 6 too)
+#      the cores, when pytest-xdist is installed), up to 10 minutes; SUITE=0 leaves 3 and 6 out (a device loan
+#      of 15 minutes holds steps 1, 2, 4 and 5 after the machine's start, not 3 and 6 too)
 #
 # Usage: PYTHON=/path/to/python tools/gpu_checks.sh [RESULTS_DIR]   (or: make test-gpu PYTHON=...)
 # PYTHON is the interpreter that holds CUDA torch (default python3). The repository is prepended to
@@ -25,7 +27,8 @@
 # --target) stays importable. Each step writes its log to RESULTS_DIR/<step>.log as it runs and one
 # line to RESULTS_DIR/summary.jsonl when it ends (rc 124: it hit its timeout). The figures run first, the
 # tests after them (a device loan may end mid-run; the run that wrote these timeouts lost its last step).
-# The timeouts of steps 1-5 add up to 590 s, inside 10 minutes; step 6 has 600 s of its own. On an H200
+# The timeouts of steps 1, 2, 4 and 5 add up to 580 s, inside 10 minutes (the member cases, 30 s, moved after
+# them when the graphed step joined the benchmark and the tests); step 6 has 600 s of its own. On an H200
 # (2026-11-26, main fd488ae) the steps took: kernel report 14 s, benchmark 127 s, profile 27 s, picks over
 # 110 s (11 of the grid's 14 timed cells), GPU tests 135 s, pretrain 33 s, member cases 35 s. The refit, after it:
 #   python tools/calibrate_profile.py --profile h200_nvlink_ib --rates RESULTS_DIR/profile.jsonl \
@@ -63,16 +66,17 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run it, log it, record rc and second
 }
 
 step 1_kernel_report 20 "$PYTHON" -m mcp_context.kernels
-step 4_benchmark 150 "$PYTHON" tools/bench_attention.py --no-cpu --device-bench cuda --heads 32 --kv-heads 8 \
+step 4_benchmark 165 "$PYTHON" tools/bench_attention.py --no-cpu --device-bench cuda --heads 32 --kv-heads 8 \
     --head-dim 128 --device-seq-lens 32768 131072 --world-sizes 8 --reps 3 --out "$RESULTS/bench" --tag gpu_checks \
     --device-schemes p2p all_gather a2a a2a+p2p a2a+all_gather
-step 4_profile 40 "$PYTHON" tools/kernel_rates.py --parts profile --profile-seq-lens 32768 --cp 8 \
+step 4_profile 35 "$PYTHON" tools/kernel_rates.py --parts profile --profile-seq-lens 32768 --cp 8 \
     --out "$RESULTS/profile.jsonl"
-step 4_host_costs 40 "$PYTHON" tools/host_costs.py --reps 3 --out "$RESULTS/host_costs.jsonl"
-step 4_picks 120 "$PYTHON" tools/bench_picks.py --grid docs/img/plan_grid_h200.json --max-tflop 150 --reps 3 \
+step 4_host_costs 45 "$PYTHON" tools/host_costs.py --reps 3 --out "$RESULTS/host_costs.jsonl"
+step 4_picks 110 "$PYTHON" tools/bench_picks.py --grid docs/img/plan_grid_h200.json --max-tflop 150 --reps 3 \
     --out "$RESULTS/picks.jsonl"
-step 2_gpu_tests 140 "$PYTHON" -m pytest -q -rs tests/test_gpu.py tests/test_kernels.py tests/test_direct_results.py \
-    tests/test_results.py tests/test_streams.py tests/test_packing.py tests/test_graphs.py
+step 2_graph_tests 35 "$PYTHON" -m pytest -q -rs tests/test_graphs.py
+step 2_gpu_tests 120 "$PYTHON" -m pytest -q -rs tests/test_gpu.py tests/test_kernels.py tests/test_direct_results.py \
+    tests/test_results.py tests/test_streams.py tests/test_packing.py
 step 5_pretrain_bf16 40 "$PYTHON" -m torch.distributed.run --nproc-per-node 1 -m mcp_context.pretrain \
     --recipe recipes/tiny_cpu.yaml --run-dir "$RESULTS/pretrain" --restart model.context_parallel_size=1 \
     model.hierarchical_context_parallel_sizes=null model.cp_comm_type=p2p model.bf16=true \
@@ -85,17 +89,17 @@ print(f'{len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}')
 sys.exit(0 if len(losses) == 30 and all(map(math.isfinite, losses)) and losses[-1] < losses[0] else 1)
 " "$RESULTS/pretrain/metrics.jsonl"
 
-step 3_member_schedules 30 "$PYTHON" -m pytest -q -rs tests/test_member_schedules.py -k \
-    "on_cuda and (P4-contiguous-ring-full-hkv1 or P8-zigzag-ring-causal-hkv8 or P8-striped-a2a+p2p-full-hkv2 \
-or P16-zigzag-ring-causal-hkv2)"
-# steps 1-5 as markdown, against issue 25's targets (what to paste into docs/performance.md)
+# steps 1, 2, 4 and 5 as markdown, against issue 25's targets (what to paste into docs/performance.md)
 "$PYTHON" tools/gpu_report.py "$RESULTS" > "$RESULTS/report.md" 2>&1
 cat "$RESULTS/report.md"
 
 if [ "${SUITE:-1}" = 0 ]; then
-    echo "results: $RESULTS (summary.jsonl, one log per step, bench/bench_attention_p8_gpu_checks.jsonl); SUITE=0: no step 6"
+    echo "results: $RESULTS (summary.jsonl, one log per step, bench/bench_attention_p8_gpu_checks.jsonl); SUITE=0: no steps 3 and 6"
     exit $failed
 fi
+step 3_member_schedules 30 "$PYTHON" -m pytest -q -rs tests/test_member_schedules.py -k \
+    "on_cuda and (P4-contiguous-ring-full-hkv1 or P8-zigzag-ring-causal-hkv8 or P8-striped-a2a+p2p-full-hkv2 \
+or P16-zigzag-ring-causal-hkv2)"
 workers=$(( $(nproc) / 2 ))
 xdist=$("$PYTHON" -c "import xdist" 2>/dev/null && [ "$workers" -gt 1 ] && echo "-n $workers")
 # shellcheck disable=SC2086  # $xdist is empty or two words

@@ -70,7 +70,7 @@ def bench_table(paths: list[str]) -> tuple[list[str], dict]:
                         if fb.get("in_order_peak_bytes") and fb.get("fused_peak_bytes") else "-")
             scheme = f"{r['comm']} {sizes}" if sizes else r["comm"]
             ahead = issue = syncs = "-"
-            graphed = _graphed(fb)
+            graphed = _graphed(fb, r.get("graphed_error", ""))
             if "queued_efficiency" in fb:
                 ahead = _held(fb["queued_efficiency"], fb["host_ahead"])
                 issue = f"{statistics.median(fb['host_issue_s']) * 1e3:.2f}"
@@ -87,8 +87,11 @@ def _step_prediction(r: dict) -> str:
     return f"{r['predicted_step_efficiency']:.2f}" if "predicted_step_efficiency" in r else "-"
 
 
-def _graphed(fb: dict) -> str:
-    """A step's figure replayed from CUDA graphs ('†': a ring, whose transfers the engine does not capture)."""
+def _graphed(fb: dict, error: str = "") -> str:
+    """A step's figure replayed from CUDA graphs ('†': a ring, whose transfers the engine does not capture), or
+    the capture's failure."""
+    if error:
+        return f"failed: {error}"
     if "graphed_efficiency" not in fb:
         return "-"
     return f"{fb['graphed_efficiency']:.2f}" + ("" if fb["graphs_in_training"] else "†")
@@ -117,7 +120,8 @@ def picks_table(path: str) -> tuple[list[str], list[float], list[float], list[fl
             graphed.append(fb["graphed_efficiency"])
         queued = _held(fb["queued_efficiency"], fb["host_ahead"]) if "queued_efficiency" in fb else "-"
         out.append(f"| {r['model']} | {_k(r['seq_len'])} | {r['cp']} | {r['pick']} | **{r['efficiency']:.2f}** | "
-                   f"{queued} | {_graphed(fb)} | {r['predicted_compute_efficiency']:.2f} | {_step_prediction(r)} | "
+                   f"{queued} | {_graphed(fb, r.get('step', {}).get('graphed_error', ''))} | "
+                   f"{r['predicted_compute_efficiency']:.2f} | {_step_prediction(r)} | "
                    f"{r['measured_over_predicted']:.2f} |")
     return out, measured, ahead, graphed
 
@@ -128,9 +132,11 @@ def host_costs_table(path: str) -> list[str]:
     out = ["| case | variant | cold ms | host ahead ms | host issue ms | host issue vs shipped |", "|---|---|---|---|---|---|"]
     shipped = {}
     for r in rows:
+        case = f"{r['comm']} {_k(r['seq_len'])}/{r['cp']}"
+        if "error" in r:
+            out.append(f"| {case} | {r['variant']} | failed: {r['error']} | - | - | - |")
         if "profile" in r or "host_issue_ms" not in r:
             continue
-        case = f"{r['comm']} {_k(r['seq_len'])}/{r['cp']}"
         shipped.setdefault(case, r["host_issue_ms"])
         out.append(f"| {case} | {r['variant']} | {r['cold_ms']:.2f} | {_held(r['host_ahead_ms'], r['host_ahead'])} | "
                    f"{r['host_issue_ms']:.2f} | {r['host_issue_ms'] / shipped[case]:.2f} |")

@@ -40,6 +40,7 @@ import torch  # noqa: E402
 
 from mcp_context.algorithms import streams  # noqa: E402
 from mcp_context.algorithms.graphs import StepGraphs  # noqa: E402
+from mcp_context.errors import first_line  # noqa: E402
 from mcp_context.kernels import Kernel, get_kernel  # noqa: E402
 from mcp_context.masks import CAUSAL  # noqa: E402
 from mcp_context.merge import FUSED_REGIONS  # noqa: E402
@@ -116,9 +117,14 @@ def case_rows(comm: str, seq_len: int, cp: int, inner: int, device: torch.device
             with context():
                 run()
         calls[name] = call
-    if device.type == "cuda":  # the step replayed from CUDA graphs: what is left of the host's issue time
-        calls["graphed"] = walked_call(step, rand, head_dim, runner=StepGraphs())
     rows = []
+    if device.type == "cuda":  # the step replayed from CUDA graphs: what is left of the host's issue time
+        graphed = walked_call(step, rand, head_dim, runner=StepGraphs())
+        try:  # captured before any timing: a failure is this variant's row, not the run's end
+            graphed()
+            calls["graphed"] = graphed
+        except Exception as err:  # noqa: BLE001 - not yet run on a GPU: every failure is reported as it is
+            rows.append(dict(base, variant="graphed", error=first_line(err)))
     for name, call in calls.items():
         cold = _interleaved_seconds({"step": call}, device, reps)["step"]
         row = dict(base, variant=name, cold_ms=statistics.median(cold) * 1e3)
@@ -163,6 +169,8 @@ def main(argv=None) -> int:
                 print(f"  {comm} {seq_len}/{cp} profile (ms a step, under cProfile): "
                       + ", ".join(f"{k} {v:.2f}" for k, v in ms.items())
                       + f"; {row['profile']['fused_region_calls_per_step']:.0f} fused region calls", flush=True)
+            elif "error" in row:
+                print(f"  {comm} {seq_len}/{cp} {row['variant']:24} failed: {row['error']}", flush=True)
             else:
                 extra = (f", host ahead {row['host_ahead_ms']:.2f} ms, host issue {row['host_issue_ms']:.2f} ms"
                          + ("" if row["host_ahead"] else " (the host fell behind the hold)")) if "host_issue_ms" in row else ""

@@ -52,38 +52,33 @@ def refusal(plan: RingPlan, device: torch.device) -> Optional[str]:
     return None
 
 
-def _static_like(*xs: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
-    """Buffers like ``xs`` (None stays None), strides kept where dense; two neighbours that are the columns of
-    one packed tensor (``packing.packed_columns``, K and V) become the columns of one new packed buffer."""
+def _map_packed(xs: tuple[Optional[torch.Tensor], ...], one: Callable[[torch.Tensor], torch.Tensor],
+                whole: Callable[[torch.Tensor], torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
+    """``one(x)`` for each tensor of ``xs`` (None stays None), except that two neighbours that are the columns
+    of one packed tensor (K and V, dK and dV: ``packing.packed_columns``) become the same columns of
+    ``whole(packed)``."""
     out: list[Optional[torch.Tensor]] = []
     i = 0
     while i < len(xs):
-        x = xs[i]
-        pair = packed_columns(x, xs[i + 1]) if x is not None and i + 1 < len(xs) and xs[i + 1] is not None else None
+        x, y = xs[i], xs[i + 1] if i + 1 < len(xs) else None
+        pair = packed_columns(x, y) if x is not None and y is not None else None
         if pair is not None:
-            out.extend(split_kv(torch.empty_like(pair), x.shape[-1]))
+            out.extend(split_kv(whole(pair), x.shape[-1]))
             i += 2
-            continue
-        out.append(None if x is None else torch.empty_like(x, memory_format=torch.preserve_format))
-        i += 1
+        else:
+            out.append(None if x is None else one(x))
+            i += 1
     return tuple(out)
+
+
+def _static_like(*xs: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
+    """Buffers like ``xs``, strides kept where dense, a packed K/V pair packed (``_map_packed``)."""
+    return _map_packed(xs, lambda x: torch.empty_like(x, memory_format=torch.preserve_format), torch.empty_like)
 
 
 def _cloned(*xs: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
-    """Copies of a replay's outputs that the next replay cannot overwrite, packed pairs kept packed (as
-    ``_static_like`` makes them)."""
-    out: list[Optional[torch.Tensor]] = []
-    i = 0
-    while i < len(xs):
-        x = xs[i]
-        pair = packed_columns(x, xs[i + 1]) if x is not None and i + 1 < len(xs) and xs[i + 1] is not None else None
-        if pair is not None:
-            out.extend(split_kv(pair.clone(), x.shape[-1]))
-            i += 2
-            continue
-        out.append(None if x is None else x.clone(memory_format=torch.preserve_format))
-        i += 1
-    return tuple(out)
+    """Copies of a replay's outputs that the next replay cannot overwrite, a packed dK/dV pair packed."""
+    return _map_packed(xs, lambda x: x.clone(memory_format=torch.preserve_format), torch.clone)
 
 
 def _signature(*xs: Optional[torch.Tensor]) -> tuple:

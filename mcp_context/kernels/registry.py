@@ -33,6 +33,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from ..errors import first_line
 from ..masks import ANTICAUSAL_BLOCK, CAUSAL_BLOCK, FULL_BLOCK, block_mask
 from .base import Capabilities, Kernel
 from .math import MathKernel
@@ -126,7 +127,7 @@ class FallbackKernel:
             try:
                 return run(kernel)
             except Exception as err:  # noqa: BLE001 - any exception: this op does not serve this shape
-                reason = _first_line(err)
+                reason = first_line(err)
                 self.failures.setdefault(key, {})[kernel.name] = reason
                 warnings.warn(f"{kernel.name} failed on a {key[-1].kind} block q{list(key[0])} k{list(key[1])} "
                               f"v{list(key[2])} ({reason}); this block shape goes to {chain[i + 1].name} from now "
@@ -142,11 +143,6 @@ class FallbackKernel:
 
 
 _VERDICTS: dict[tuple, Verdict] = {}
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0][:300] if text else ''}"
 
 
 def _bhsd_view(storage: torch.Tensor, offset: int, rows: int) -> torch.Tensor:
@@ -212,7 +208,7 @@ def probe(name: str, device: torch.device, dtype: torch.dtype, dropout: bool = F
             kernel: Kernel = TEKernel(device, dtype)
             verdict = Verdict(name, kernel)
         except Exception as err:  # noqa: BLE001 - any failure means TE does not serve here
-            verdict = Verdict(name, None, _first_line(err))
+            verdict = Verdict(name, None, first_line(err))
     else:
         kernel = MathKernel() if name == "math" else TorchKernel(FUSED_OPS[name.split(":", 1)[1]])
         reason = None if name == "math" else refusal(kernel, device, dtype, dropout, head_dim, v_head_dim)
@@ -236,7 +232,7 @@ def refusal(kernel: Kernel, device: torch.device, dtype: torch.dtype, dropout: b
         try:
             reason = _disagreement(kernel, device, dtype, head_dim, v_head_dim)
         except Exception as err:  # noqa: BLE001 - any exception means "does not serve here"
-            reason = _first_line(err)
+            reason = first_line(err)
     return reason
 
 

@@ -18,6 +18,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from ..errors import first_line
 from ..kernels import get_kernel
 from . import boundaries, compare, plan
 from .distributed import EngineRun, median_ms
@@ -66,15 +67,11 @@ class Ranks:
             print(f"selftest: {text}", file=sys.stderr, flush=True)
 
 
-def _first_line(err: BaseException) -> str:
-    return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
-
-
 def _guarded(fn: Callable[[], CheckResult], name: str) -> CheckResult:
     try:
         return fn()
     except Exception as err:  # a check that raises has failed; the others still run
-        return CheckResult(name, False, _first_line(err), {"error": traceback.format_exc(limit=3)})
+        return CheckResult(name, False, first_line(err), {"error": traceback.format_exc(limit=3)})
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -211,7 +208,7 @@ def attention_check(setup: Setup, kind: AttentionKind, dtype: torch.dtype, data:
         run = EngineRun(setup, kind, dtype, rounded, groups, fault)
         local = run.call()
     except Exception as err:  # the engine's own rank-agreement check raises on every rank alike
-        error = _first_line(err)
+        error = first_line(err)
     error = ranks.first_error(error)
     if error is not None:
         return CheckResult(name, False, error), None, None
@@ -377,7 +374,7 @@ def layer_check(setup: Setup, kind: AttentionKind, ranks: Ranks, groups, fault: 
     try:
         figures = layer_parity(setup, kind, groups, setup.model, fault)
     except Exception as err:  # building or running the layer fails alike on every rank
-        error = _first_line(err)
+        error = first_line(err)
     error = ranks.first_error(error)
     if error is not None:
         return CheckResult(name, False, error)
@@ -411,7 +408,7 @@ def dynamic_check(setup: Setup, ranks: Ranks, simulate: bool, fault: Optional[st
         alone = [dist.new_group([r]) for r in range(ranks.size)][ranks.rank]
         step = dynamic.step_on_rank(setup, ranks.group, alone, fault)
     except Exception as err:  # a plan the ranks disagree on raises alike on every rank, before any collective
-        error = _first_line(err)
+        error = first_line(err)
     error = ranks.first_error(error)
     if error is not None:
         return CheckResult(dynamic.NAME, False, error)
@@ -424,4 +421,4 @@ def _boundaries_guarded(setup: Setup, ranks: Ranks, groups) -> list[CheckResult]
     try:
         return boundary_checks(setup, ranks, group)
     except Exception as err:  # a slicing error raises alike on every rank
-        return [CheckResult("boundaries", False, _first_line(err), {"error": traceback.format_exc(limit=3)})]
+        return [CheckResult("boundaries", False, first_line(err), {"error": traceback.format_exc(limit=3)})]
