@@ -12,8 +12,9 @@ copies the inputs in, replays, and clones the outputs out.
   (``api.engine_for``) and no result aliases memory the next replay overwrites. K and V that are the
   columns of one packed tensor (what a collective hands on) get static buffers of the same shape, so the
   captured step takes the same no-copy paths; dK and dV come back as the columns of one buffer likewise.
-  The copies are memory-bound and small beside the step (q, k, v forward; dout, q, k, v, out, lse
-  backward: about 1 % of a 32K/P8 step's bytes at H200 bandwidth, estimated, not measured).
+  The copies are memory-bound and small beside the step (forward: q, k, v in, out and lse out; backward:
+  dout, q, k, v, out, lse in, dq, dk, dv out: about 1.5 % of the 32K/P8 ring's step and 3 % of 32K/P64's
+  one-head a2a step at an H200's bandwidth, estimated from the bytes, not measured).
 - **One memory pool per runner** serves all its graphs: everything a replay allocates is dead once its
   outputs are cloned, and replays run one after another on the caller's stream.
 - **Captured in order**: the work after each call runs on the calls' stream (``streams.inline``); the
@@ -138,7 +139,9 @@ class StepGraphs:
             with torch.cuda.stream(warm):
                 run(*static)
             torch.cuda.current_stream(first.device).wait_stream(warm)
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread_local: a data loader's thread copying a batch to the GPU while a new shape captures (mid
+            # training) must not invalidate the capture, as the default "global" mode would have it
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 outputs = run(*static)
         return graph.replay, tuple(outputs)
 

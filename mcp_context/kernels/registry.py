@@ -127,7 +127,7 @@ class FallbackKernel:
             try:
                 return run(kernel)
             except Exception as err:  # noqa: BLE001 - any exception: this op does not serve this shape
-                reason = first_line(err)
+                reason = first_line(err, 300)
                 self.failures.setdefault(key, {})[kernel.name] = reason
                 warnings.warn(f"{kernel.name} failed on a {key[-1].kind} block q{list(key[0])} k{list(key[1])} "
                               f"v{list(key[2])} ({reason}); this block shape goes to {chain[i + 1].name} from now "
@@ -208,7 +208,7 @@ def probe(name: str, device: torch.device, dtype: torch.dtype, dropout: bool = F
             kernel: Kernel = TEKernel(device, dtype)
             verdict = Verdict(name, kernel)
         except Exception as err:  # noqa: BLE001 - any failure means TE does not serve here
-            verdict = Verdict(name, None, first_line(err))
+            verdict = Verdict(name, None, first_line(err, 300))
     else:
         kernel = MathKernel() if name == "math" else TorchKernel(FUSED_OPS[name.split(":", 1)[1]])
         reason = None if name == "math" else refusal(kernel, device, dtype, dropout, head_dim, v_head_dim)
@@ -232,7 +232,7 @@ def refusal(kernel: Kernel, device: torch.device, dtype: torch.dtype, dropout: b
         try:
             reason = _disagreement(kernel, device, dtype, head_dim, v_head_dim)
         except Exception as err:  # noqa: BLE001 - any exception means "does not serve here"
-            reason = first_line(err)
+            reason = first_line(err, 300)
     return reason
 
 
