@@ -19,7 +19,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from mcp_context.algorithms import graphs
-from mcp_context.algorithms.executor import RingAttention, RingPlan
+from mcp_context.algorithms.executor import RingAttention, RingPlan, ring_backward
 from mcp_context.algorithms.halo import HaloRotation
 from mcp_context.algorithms.packing import packed_columns, split_kv
 from mcp_context.algorithms.rotation import RingRotation
@@ -116,6 +116,38 @@ def test_the_engine_refuses_graphs_it_cannot_replay_naming_the_switch():
     assert errors["type"].startswith("step_graphs='yes' must be a bool")
 
 
+@pytest.mark.parametrize("comm, sink", [("a2a", False), ("all_gather", True), ("a2a+all_gather", False)])
+def test_the_runners_own_ops_rehearse_on_fake_cuda_tensors(comm, sink):
+    """The CUDA path's rehearsal (``tests/rehearsal.py``): the runner's buffers, copies in and clones out around
+    the executor's forward and backward, on fake CUDA bf16 tensors with the kernel cuDNN would serve, K/V packed
+    where the scheme moves them, the capture by ``rerun`` (CUDA's capture itself cannot run here). Each result
+    comes back a CUDA tensor of its shape and dtype, not a view of the captured outputs, dK/dV the columns of
+    one buffer where the eager step gives them so. The backward is driven directly: the autograd engine aborts on fake CUDA tensors."""
+    with FakeTensorMode():
+        kernel = get_kernel("auto", CUDA, torch.bfloat16, head_dim=128)
+        step = rank_step(comm, 8, 32768, CAUSAL, kernel, 32, 8, 128)
+        plan, kv_rows = step.plan, step.kv_rows
+        runner = graphs.StepGraphs(rerun)
+
+        def empty(*shape):
+            return torch.empty(*shape, device=CUDA, dtype=torch.bfloat16)
+        q, dout = empty(step.q_rows, 1, step.heads, 128), empty(step.q_rows, 1, step.heads, 128)
+        k, v = kv_inputs(step, lambda dims: empty(kv_rows, 1, step.kv_heads, dims), 128)
+        s = torch.empty(step.heads, device=CUDA) if sink else None
+        for _ in range(2):
+            out, lse = runner.forward(q, k, v, plan, s)
+            grads = runner.backward(dout, q, k, v, out, lse, plan, s)
+        assert runner.captures == 2
+        assert (tuple(out.shape), out.dtype, out.device.type) == ((step.q_rows, 1, step.heads, 128), torch.bfloat16,
+                                                                  "cuda")
+        assert [tuple(g.shape) for g in grads[:3]] == [tuple(x.shape) for x in (q, k, v)]
+        assert all(g.device.type == "cuda" for g in grads[:3]) and (grads[3] is not None) == sink
+        captured = next(c for key, c in runner.graphs.items() if key[0] == "backward")
+        assert not any(torch._C._is_alias_of(g, o) for g, o in zip(grads[:3], captured.outputs[:3]))
+        eager = ring_backward(dout, q, k, v, out, lse, plan, s)  # packed dK/dV where the executor packs them
+        assert (packed_columns(grads[1], grads[2]) is None) == (packed_columns(eager[1], eager[2]) is None)
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graph capture)")
 
 
@@ -135,7 +167,7 @@ def rerun(run, static):
     def replay():
         for o, new in zip(outputs, run(*static)):
             if o is not None:
-                o.copy_(new)
+                torch.ops.aten.copy_(o, new)  # not Tensor.copy_: fake CUDA tensors (executor._copy_)
     return replay, outputs
 
 
