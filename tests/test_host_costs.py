@@ -3,6 +3,7 @@ every variant of every case is timed and the profile's groups add up to its tota
 import json
 
 import pytest
+import torch
 
 from mcp_context import merge
 from tools.host_costs import main, parse_case, variants
@@ -24,6 +25,7 @@ def test_each_variant_is_timed_and_the_profile_groups_add_up(tmp_path):
         assert [r["variant"] for r in timed] == names and all(r["cold_ms"] > 0 for r in timed)
         assert all(r["sizes"] == sizes and "host_issue_ms" not in r for r in mine)  # no GPU: nothing held busy
         (prof,) = [r["profile"] for r in mine if "profile" in r]
+        assert [r["runtime_api"] for r in mine if "profile" in r] == [{}]  # no CUDA calls on the CPU
         ms = prof["ms_per_step"]
         assert min(ms.values()) >= 0 and ms["total"] > 0
         assert ms["fused_regions"] + ms["attention_ops"] + ms["autograd_engine"] + ms["rest"] == pytest.approx(ms["total"])
@@ -110,3 +112,29 @@ def test_the_gpu_branch_runs_on_cpu_tensors_with_cudas_timing_calls_answered_on_
 
         (tmp_path / "host_costs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         assert "| graphed | failed: RuntimeError: operation not permitted when stream is capturing |" in report(str(tmp_path))
+
+
+def test_the_runtime_profile_keeps_the_cuda_calls_longest_on_the_host_per_step():
+    """``runtime_rows``: CUDA runtime and driver calls only (not aten ops, not cuDNN or CUTLASS kernels), per
+    step, longest first, at most ``RUNTIME_CALLS_KEPT``; on the CPU the profile finds none."""
+    from tools.host_costs import RUNTIME_CALLS_KEPT, runtime_calls, runtime_rows
+
+    events = [("cudaLaunchKernel", 280, 1400.0), ("cudaMemcpyAsync", 4, 3000.0), ("aten::add_", 50, 900.0),
+              ("cudnn_generated_fort_native_sdpa", 20, 0.0), ("cutlass_80_tensorop_gemm", 10, 0.0),
+              ("cuLaunchKernel", 60, 300.0)] + [(f"cudaEventQuery{i}", 1, float(i)) for i in range(10)]
+    rows = runtime_rows(events, 2)
+    assert list(rows)[:3] == ["cudaMemcpyAsync", "cudaLaunchKernel", "cuLaunchKernel"]
+    assert rows["cudaMemcpyAsync"] == {"calls": 2, "host_us": 1500.0} and len(rows) == RUNTIME_CALLS_KEPT
+    assert runtime_calls(lambda: torch.ones(4).add_(1), 2, torch.device("cpu")) == {}
+
+
+def test_the_gpu_report_lists_each_cases_runtime_calls(tmp_path):
+    from tools.gpu_report import report
+
+    row = {"part": "host_costs", "device": "cuda:0", "comm": "a2a", "seq_len": 32768, "cp": 8, "sizes": [8],
+           "variant": "shipped", "profile": {"ms_per_step": {"fused_regions": 0.0, "attention_ops": 0.2,
+                                                             "autograd_engine": 0.1, "rest": 0.3, "total": 0.6},
+                                             "fused_region_calls_per_step": 0},
+           "runtime_api": {"cudaMemcpyAsync": {"calls": 2.0, "host_us": 1500.0}}}
+    (tmp_path / "host_costs.jsonl").write_text(json.dumps(row) + "\n")
+    assert "| a2a 32K/8 | cudaMemcpyAsync 2x 1500 |" in report(str(tmp_path))

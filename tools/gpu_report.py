@@ -148,6 +148,12 @@ def host_costs_table(path: str) -> list[str]:
             out.append(f"| {r['comm']} {_k(r['seq_len'])}/{r['cp']} | {ms['fused_regions']:.2f} | "
                        f"{ms['attention_ops']:.2f} | {ms['autograd_engine']:.2f} | {ms['rest']:.2f} | {ms['total']:.2f} | "
                        f"{r['profile']['fused_region_calls_per_step']:.0f} |")
+    runtime = [r for r in rows if r.get("runtime_api")]
+    if runtime:
+        out += ["", "| case | CUDA runtime calls a step: calls x, host µs (longest first) |", "|---|---|"]
+        for r in runtime:
+            calls = ", ".join(f"{name} {c['calls']:.0f}x {c['host_us']:.0f}" for name, c in r["runtime_api"].items())
+            out.append(f"| {r['comm']} {_k(r['seq_len'])}/{r['cp']} | {calls} |")
     return out
 
 

@@ -17,7 +17,9 @@ host ahead (the GPU held busy while the host issues the step), with the host's i
 
 and profiles the shipped step's host side (cProfile over ``--profile-steps`` steps), its time per step
 grouped: the fused regions' calls (``merge._Fused.__call__``: the compiled call path and its launches),
-the attention ops' host side, the autograd engine, and the rest (the executor's Python and view ops).
+the attention ops' host side, the autograd engine, and the rest (the executor's Python and view ops); and
+the CUDA runtime calls that take the host longest a step (``runtime_calls``: torch.profiler), where a call
+that blocks the host shows (the one-call step's 2.0 ms is unexplained).
 One JSON line per variant and per profile, written as measured. On CPU it is a smoke run: the regions
 run eagerly anyway, nothing is held busy, and the figures mean nothing.
 
@@ -30,6 +32,7 @@ import contextlib
 import cProfile
 import os
 import pstats
+import re
 import statistics
 import sys
 from typing import Callable, ContextManager
@@ -101,6 +104,34 @@ def host_profile(fn: Callable[[], None], steps: int, device: torch.device) -> di
             "fused_region_calls_per_step": region_calls / steps}
 
 
+RUNTIME_CALLS_KEPT = 8
+"""The CUDA runtime and driver calls a runtime profile keeps, by host time (``runtime_calls``)."""
+
+
+def runtime_rows(events, steps: int) -> dict[str, dict[str, float]]:
+    """The CUDA runtime and driver calls among ``events`` (``(name, count, host_us)``, summed over ``steps``
+    steps), per step, the ``RUNTIME_CALLS_KEPT`` longest on the host first: a call that blocks the host (a
+    pageable copy waits for the stream to reach it; ``cudaMalloc``, ``cudaFree``, a synchronisation) shows
+    here, where the sync-debug count does not see it."""
+    rows = {name: {"calls": count / steps, "host_us": host_us / steps} for name, count, host_us in events
+            if re.match(r"cu(da)?[A-Z]", name)}  # cudaMemcpyAsync, cuLaunchKernel; not cudnn or cutlass kernels
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1]["host_us"])[:RUNTIME_CALLS_KEPT])
+
+
+def runtime_calls(fn: Callable[[], None], steps: int, device: torch.device) -> dict[str, dict[str, float]]:
+    """``runtime_rows`` of ``steps`` calls of ``fn`` under torch.profiler (nothing on a CPU: no CUDA calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda" and torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return runtime_rows(((e.key, e.count, e.cpu_time_total) for e in prof.key_averages()), steps)
+
+
 def case_rows(comm: str, seq_len: int, cp: int, inner: int, device: torch.device, kernel: Kernel,
               rand: Callable[..., torch.Tensor], heads: int, kv_heads: int, head_dim: int, reps: int,
               profile_steps: int) -> list[dict]:
@@ -134,7 +165,8 @@ def case_rows(comm: str, seq_len: int, cp: int, inner: int, device: torch.device
                        host_issue_ms=statistics.median(h for _, h, _ in queued) * 1e3,
                        host_ahead=all(ok for _, _, ok in queued))
         rows.append(row)
-    rows.append(dict(base, variant="shipped", profile=host_profile(run, profile_steps, device)))
+    rows.append(dict(base, variant="shipped", profile=host_profile(run, profile_steps, device),
+                     runtime_api=runtime_calls(run, profile_steps, device)))
     return rows
 
 
