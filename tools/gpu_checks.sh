@@ -27,7 +27,7 @@
 # --target) stays importable. Each step writes its log to RESULTS_DIR/<step>.log as it runs and one
 # line to RESULTS_DIR/summary.jsonl when it ends (rc 124: it hit its timeout). The figures run first, the
 # tests after them (a device loan may end mid-run; the run that wrote these timeouts lost its last step).
-# The timeouts of steps 1, 2, 4 and 5 add up to 580 s, inside 10 minutes (the member cases, 30 s, moved after
+# The timeouts of steps 1, 2, 4 and 5 add up to 575 s, inside 10 minutes (the member cases, 30 s, moved after
 # them when the graphed step joined the benchmark and the tests); step 6 has 600 s of its own. On an H200
 # (2026-11-26, main fd488ae) the steps took: kernel report 14 s, benchmark 127 s, profile 27 s, picks over
 # 110 s (11 of the grid's 14 timed cells), GPU tests 135 s, pretrain 33 s, member cases 35 s. The refit, after it:
@@ -66,16 +66,16 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run it, log it, record rc and second
 }
 
 step 1_kernel_report 20 "$PYTHON" -m mcp_context.kernels
-step 4_benchmark 165 "$PYTHON" tools/bench_attention.py --no-cpu --device-bench cuda --heads 32 --kv-heads 8 \
+step 4_benchmark 160 "$PYTHON" tools/bench_attention.py --no-cpu --device-bench cuda --heads 32 --kv-heads 8 \
     --head-dim 128 --device-seq-lens 32768 131072 --world-sizes 8 --reps 3 --out "$RESULTS/bench" --tag gpu_checks \
     --device-schemes p2p all_gather a2a a2a+p2p a2a+all_gather
 step 4_profile 35 "$PYTHON" tools/kernel_rates.py --parts profile --profile-seq-lens 32768 --cp 8 \
     --out "$RESULTS/profile.jsonl"
 step 4_host_costs 45 "$PYTHON" tools/host_costs.py --reps 3 --out "$RESULTS/host_costs.jsonl"
-step 4_picks 110 "$PYTHON" tools/bench_picks.py --grid docs/img/plan_grid_h200.json --max-tflop 150 --reps 3 \
+step 4_picks 100 "$PYTHON" tools/bench_picks.py --grid docs/img/plan_grid_h200.json --max-tflop 150 --reps 3 \
     --out "$RESULTS/picks.jsonl"
-step 2_graph_tests 35 "$PYTHON" -m pytest -q -rs tests/test_graphs.py
-step 2_gpu_tests 120 "$PYTHON" -m pytest -q -rs tests/test_gpu.py tests/test_kernels.py tests/test_direct_results.py \
+step 2_graph_tests 50 "$PYTHON" -m pytest -q -rs tests/test_graphs.py
+step 2_gpu_tests 115 "$PYTHON" -m pytest -q -rs tests/test_gpu.py tests/test_kernels.py tests/test_direct_results.py \
     tests/test_results.py tests/test_streams.py tests/test_packing.py
 step 5_pretrain_bf16 40 "$PYTHON" -m torch.distributed.run --nproc-per-node 1 -m mcp_context.pretrain \
     --recipe recipes/tiny_cpu.yaml --run-dir "$RESULTS/pretrain" --restart model.context_parallel_size=1 \
