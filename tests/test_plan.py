@@ -645,3 +645,15 @@ def test_the_h200_profile_predicts_the_steps_measured_on_this_engine_within_10_p
         host = host_seconds(profile, step["attention_calls"])
         measured = statistics.median(step["fwd_bwd"]["ours_s"])
         assert max(gpu, host) == pytest.approx(measured, rel=0.10), (comm, seq_len, cp, gpu, host, measured)
+
+
+def test_a_plan_logged_to_a_file_says_how_far_it_is(h100, capsys, monkeypatch):
+    """stderr not a terminal (a batch job's log, as under pytest): no bar, a plain line at most every
+    ``LOG_LINE_SECONDS`` (0 here: one per candidate but the last), counting the candidates."""
+    from mcp_context.plan import planner
+
+    monkeypatch.setattr(planner, "LOG_LINE_SECONDS", 0.0)
+    done = plan(dataclasses.replace(_request(h100, seq=64, gpus=4), cp_sizes=(2,)), progress=None)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dry runs:")]
+    n = len(done.rows)
+    assert n > 1 and [line.split(",")[0] for line in lines] == [f"dry runs: {i}/{n} candidates" for i in range(1, n)]

@@ -119,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="evaluate the candidates in this many worker processes, each importing its own torch "
                          "(default 1: on a busy 2-core machine 2 workers were no faster)")
     ap.add_argument("--no-progress", action="store_true",
-                    help="hide the progress bar over the candidates (shown on stderr when it is a terminal)")
+                    help="hide the progress over the candidates (on stderr: a bar on a terminal, else a line a minute)")
     return ap
 
 

@@ -11,6 +11,8 @@ sequence does not depend on CP); near-ties (within 2 %) go to fewer inter-node b
 from __future__ import annotations
 
 import dataclasses
+import sys
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -176,17 +178,42 @@ def _choose(rows: list[PlanRow]) -> PlanRow:
     return min(close, key=lambda r: (r.seconds_per_sequence, r.inter_node_bytes))
 
 
+LOG_LINE_SECONDS = 60.0
+"""Where stderr is not a terminal (a batch job's log), ``plan(progress=None)`` writes a progress line at
+most this often instead of a bar: a 64-rank plan runs for minutes."""
+
+
+class _LogLines:
+    """Progress as plain lines on stderr, at most one every ``every`` seconds: ``dry runs: 12/103 candidates,
+    65 s``."""
+
+    def __init__(self, total: int, every: float):
+        self.total, self.every, self.done = total, every, 0
+        self.start = self.last = time.monotonic()
+
+    def update(self) -> None:
+        self.done += 1
+        now = time.monotonic()
+        if now - self.last >= self.every and self.done < self.total:
+            self.last = now
+            print(f"dry runs: {self.done}/{self.total} candidates, {now - self.start:.0f} s", file=sys.stderr,
+                  flush=True)
+
+
 def plan(req: PlanRequest, progress: Optional[bool] = False, jobs: int = 1) -> Plan:
     """Evaluate every valid candidate and recommend one (listed first; the rest: fitting ones first,
-    fastest per sequence first). ``progress``: a bar over the candidates on stderr (None: only on a
-    terminal). ``jobs`` > 1 runs the candidates' dry runs in that many worker processes."""
+    fastest per sequence first). ``progress``: a bar over the candidates on stderr (None: a bar on a
+    terminal, else a line at most every ``LOG_LINE_SECONDS``). ``jobs`` > 1 runs the candidates' dry runs in
+    that many worker processes."""
     from tqdm import tqdm
 
     shape = rank_shape(req)
     valid, rejected = enumerate_candidates(_cp_sizes(req), req.seq_len, shape.heads, shape.kv_heads)
-    with tqdm(total=len(valid), desc="dry runs", unit="candidate",
-              disable=None if progress is None else not progress) as bar:
-        rows = _evaluate_all(req, valid, jobs, bar.update)
+    if progress is None and not sys.stderr.isatty():
+        rows = _evaluate_all(req, valid, jobs, _LogLines(len(valid), LOG_LINE_SECONDS).update)
+    else:
+        with tqdm(total=len(valid), desc="dry runs", unit="candidate", disable=progress is False) as bar:
+            rows = _evaluate_all(req, valid, jobs, bar.update)
     rows.sort(key=lambda r: (not r.fits, r.seconds_per_sequence))
     if not rows:
         return Plan(req, [], rejected, None, ["no CP layout is valid; see the rejected list for why"])
