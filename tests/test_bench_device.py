@@ -198,10 +198,9 @@ def test_a_graph_capture_that_fails_is_the_rows_note_and_the_rest_is_timed(monke
     """The graphed step has not yet run on a GPU: a capture that raises leaves the row's other figures
     measured, names the failure in the row (``graphed_error``) and in the report's graphed column."""
     from tools.gpu_report import report
+    from tests.test_graphs import failing_capture
 
-    def broken(run, static):
-        raise RuntimeError("operation not permitted when stream is capturing\nmore")
-    row, _ = _gpu_branch_row(monkeypatch, broken)
+    row, _ = _gpu_branch_row(monkeypatch, failing_capture)
     assert row["graphed_error"] == "RuntimeError: operation not permitted when stream is capturing"
     assert "queued_efficiency" in row["fwd_bwd"] and "graphed_s" not in row["fwd_bwd"]
     (tmp_path / "bench").mkdir()

@@ -171,6 +171,11 @@ def rerun(run, static):
     return replay, outputs
 
 
+def failing_capture(run, static):
+    """A capture that raises as a CUDA capture can (its message's second line is not part of the report)."""
+    raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+
 def _replays_match(comm: str, sink: bool, device: torch.device, dtype: torch.dtype, capture, tol: float) -> None:
     """Three calls of a rank's step of ``comm`` on fresh inputs (a ring's member over every member's K/V laid
     out locally, ``LocalRotation``: the walked ring's received buffers hold no data), each against the same

@@ -65,10 +65,6 @@ def test_the_gpu_report_shows_each_variant_against_the_shipped_step(tmp_path):
     assert "| p2p 32K/8 | 4.10 | 1.10 | 0.50 | 3.20 | 8.90 | 17 |" in text, text
 
 
-def _broken_capture(run, static):
-    raise RuntimeError("operation not permitted when stream is capturing")
-
-
 @pytest.mark.parametrize("broken", [False, True])
 def test_the_gpu_branch_runs_on_cpu_tensors_with_cudas_timing_calls_answered_on_the_host(monkeypatch, tmp_path,
                                                                                           broken):
@@ -84,14 +80,14 @@ def test_the_gpu_branch_runs_on_cpu_tensors_with_cudas_timing_calls_answered_on_
     from mcp_context.algorithms.graphs import StepGraphs
     from mcp_context.kernels.torch_sdpa import FUSED_OPS, TorchKernel
     from tests.test_bench_device import _HostEvent
-    from tests.test_graphs import rerun
+    from tests.test_graphs import failing_capture, rerun
     from tools import bench_device
     from tools.host_costs import case_rows
 
     for name, value in {"Event": _HostEvent, "synchronize": lambda *a: None,
                         "_sleep": lambda cycles: time.sleep(cycles / 1e9)}.items():
         monkeypatch.setattr(torch.cuda, name, value)
-    capture = _broken_capture if broken else rerun
+    capture = failing_capture if broken else rerun
     monkeypatch.setattr(StepGraphs, "_cuda_graph", lambda self, run, static: capture(run, static))
     g = torch.Generator().manual_seed(0)
     bench_device._sleep_cycles_per_second.cache_clear()

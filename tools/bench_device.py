@@ -34,7 +34,6 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from mcp_context.errors import first_line
 from mcp_context.plan.cost import FWD_BWD_FLOP_FACTOR
 from tools.bench_cpu import Shape
 
@@ -270,7 +269,7 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
     the all-to-all degree of a hierarchical scheme (default 2 for an even P)."""
     from mcp_context.algorithms import streams
     from mcp_context.masks import CAUSAL
-    from tools.rank_step import HARNESS, rank_step, transfer_bytes, walked_call
+    from tools.rank_step import HARNESS, captured_call, rank_step, transfer_bytes, walked_call
 
     b, h, hk, d = shape.batch, shape.heads, shape.kv_heads, shape.head_dim
     world, comm = row["world_size"], row["comm"]
@@ -282,18 +281,13 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
                equal_flops_causal_len=s_eq, per_rank_len=s_rank, harness=HARNESS)
     rank_step_call = walked_call(step, rand, d, b)  # a ring as its member walks it: its own K/V, its messages
     if device.type == "cuda":  # the same step replayed from CUDA graphs (step_graphs): the host issues one launch
-        from mcp_context.algorithms.graphs import StepGraphs
-
-        graphed_call = walked_call(step, rand, d, b, StepGraphs())
-        try:  # captured once before any timing: a capture that fails is this row's note, not the run's end
-            graphed_call(True)
-        except Exception as err:  # noqa: BLE001 - not yet run on a GPU: every failure is reported as it is
-            row["graphed_error"] = first_line(err)
-            print(f"  P={world} {comm}: the graphed step failed ({row['graphed_error']}); timed without it", flush=True)
+        graphed_call, error = captured_call(step, rand, d, b)
+        if error is not None:
+            row["graphed_error"] = error
+            print(f"  P={world} {comm}: the graphed step failed ({error}); timed without it", flush=True)
 
         def graphed_from_scratch():  # its peak memory: a fresh runner's capture and first replay, the leaves'
-            fresh = walked_call(step, rand, d, b, StepGraphs())  # gradients made too (an upper bound)
-            fresh()
+            fresh, _ = captured_call(step, rand, d, b)  # gradients made too (an upper bound)
             fresh()
     baselines = {}
     for name, n in (("fused", s_eq), ("fused_per_rank", s_rank)):

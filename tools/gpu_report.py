@@ -35,6 +35,11 @@ def _k(n: int) -> str:
     return f"{n // 1048576}M" if n % 1048576 == 0 else f"{n // 1024}K"
 
 
+def _case(r: dict) -> str:
+    """A host-costs row's case: ``comm S/P``."""
+    return f"{r['comm']} {_k(r['seq_len'])}/{r['cp']}"
+
+
 def _held(value: float, host_ahead: bool) -> str:
     """A figure timed with the GPU held busy, ``*`` where the host fell behind the hold (the GPU waited for it)."""
     return f"{value:.2f}" + ("" if host_ahead else "*")
@@ -132,7 +137,7 @@ def host_costs_table(path: str) -> list[str]:
     out = ["| case | variant | cold ms | host ahead ms | host issue ms | host issue vs shipped |", "|---|---|---|---|---|---|"]
     shipped = {}
     for r in rows:
-        case = f"{r['comm']} {_k(r['seq_len'])}/{r['cp']}"
+        case = _case(r)
         if "error" in r:
             out.append(f"| {case} | {r['variant']} | failed: {r['error']} | - | - | - |")
         if "profile" in r or "host_issue_ms" not in r:
@@ -145,7 +150,7 @@ def host_costs_table(path: str) -> list[str]:
     for r in rows:
         if "profile" in r:
             ms = r["profile"]["ms_per_step"]
-            out.append(f"| {r['comm']} {_k(r['seq_len'])}/{r['cp']} | {ms['fused_regions']:.2f} | "
+            out.append(f"| {_case(r)} | {ms['fused_regions']:.2f} | "
                        f"{ms['attention_ops']:.2f} | {ms['autograd_engine']:.2f} | {ms['rest']:.2f} | {ms['total']:.2f} | "
                        f"{r['profile']['fused_region_calls_per_step']:.0f} |")
     runtime = [r for r in rows if r.get("runtime_api")]
@@ -153,7 +158,7 @@ def host_costs_table(path: str) -> list[str]:
         out += ["", "| case | CUDA runtime calls a step: calls x, host µs (longest first) |", "|---|---|"]
         for r in runtime:
             calls = ", ".join(f"{name} {c['calls']:.0f}x {c['host_us']:.0f}" for name, c in r["runtime_api"].items())
-            out.append(f"| {r['comm']} {_k(r['seq_len'])}/{r['cp']} | {calls} |")
+            out.append(f"| {_case(r)} | {calls} |")
     return out
 
 

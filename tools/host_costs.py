@@ -42,13 +42,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from mcp_context.algorithms import streams  # noqa: E402
-from mcp_context.algorithms.graphs import StepGraphs  # noqa: E402
-from mcp_context.errors import first_line  # noqa: E402
 from mcp_context.kernels import Kernel, get_kernel  # noqa: E402
 from mcp_context.masks import CAUSAL  # noqa: E402
 from mcp_context.merge import FUSED_REGIONS  # noqa: E402
 from tools.bench_device import _interleaved_seconds, _queued_seconds, append_jsonl  # noqa: E402
-from tools.rank_step import rank_step, walked_call  # noqa: E402
+from tools.rank_step import captured_call, rank_step, walked_call  # noqa: E402
 
 DEFAULT_CASES = ("p2p:32768:8", "a2a+all_gather:32768:64:8", "a2a:32768:8")
 """The two host-bound steps of the H200 runs, and the one-call step whose 2.0 ms of host issue is unexplained."""
@@ -150,12 +148,11 @@ def case_rows(comm: str, seq_len: int, cp: int, inner: int, device: torch.device
         calls[name] = call
     rows = []
     if device.type == "cuda":  # the step replayed from CUDA graphs: what is left of the host's issue time
-        graphed = walked_call(step, rand, head_dim, runner=StepGraphs())
-        try:  # captured before any timing: a failure is this variant's row, not the run's end
-            graphed()
+        graphed, error = captured_call(step, rand, head_dim)
+        if error is None:
             calls["graphed"] = graphed
-        except Exception as err:  # noqa: BLE001 - not yet run on a GPU: every failure is reported as it is
-            rows.append(dict(base, variant="graphed", error=first_line(err)))
+        else:
+            rows.append(dict(base, variant="graphed", error=error))
     for name, call in calls.items():
         cold = _interleaved_seconds({"step": call}, device, reps)["step"]
         row = dict(base, variant=name, cold_ms=statistics.median(cold) * 1e3)

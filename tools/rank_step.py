@@ -179,6 +179,22 @@ def walked_call(step: RankStep, rand: Callable[..., torch.Tensor], head_dim: int
     return call
 
 
+def captured_call(step: RankStep, rand: Callable[..., torch.Tensor], head_dim: int, batch: int = 1
+                  ) -> tuple[Optional[Callable[[bool], None]], Optional[str]]:
+    """``walked_call`` replayed from CUDA graphs (``graphs.StepGraphs``), its forward and backward captured
+    here, before any timing: ``(call, None)``, or ``(None, the failure in one line)`` (the capture has not yet
+    run on a GPU, so a timing tool reports a failure as its row's note and times the rest)."""
+    from mcp_context.algorithms.graphs import StepGraphs
+    from mcp_context.errors import first_line
+
+    call = walked_call(step, rand, head_dim, batch, StepGraphs())
+    try:
+        call(True)
+    except Exception as err:  # noqa: BLE001 - every failure is reported as it is
+        return None, first_line(err)
+    return call, None
+
+
 def transfer_bytes(comm: str, cp: int, seq_len: int, heads: int, kv_heads: int, head_dim: int,
                    inner: int = 2, elem: int = 2) -> dict[str, float]:
     """Bytes one rank sends per layer, forward and backward, by scheme (bf16 activations, fp32 dK/dV as
