@@ -4,7 +4,8 @@ of a python without CUDA torch).
 
 - Parity: the tiny GPT (RoPE, GQA, SwiGLU, RMSNorm) with ``get_gpt_layer_hcp_spec()`` on one GPU at
   CP=1 against megatron-core's stock local spec with the same weights: per-token loss and every
-  gradient within 1e-4 (fp32, TF32 off), and within 3e-2 relative of the loss in bf16.
+  gradient within 1e-4 (fp32, TF32 off), and within 3e-2 relative of the loss in bf16; the same with
+  ``step_graphs=True`` (the attention step replayed from CUDA graphs; not yet run on a GPU).
 - Training: ``torchrun --nproc-per-node 1 -m mcp_context.pretrain`` trains the tiny recipe in bf16 on the
   GPU (CP 1, ``train.device=cuda``): it exits 0, every loss is finite and the last is below the first.
   Its subprocess gets the repository *prepended* to ``PYTHONPATH`` (``with_repo_on_pythonpath``, tested
@@ -42,7 +43,7 @@ def test_the_subprocess_pythonpath_extends_the_callers():
         == str(REPO)
 
 
-def _parity(rank, world, dtype_name):
+def _parity(rank, world, dtype_name, step_graphs=False):
     import megatron_patches
     from megatron.core import parallel_state
 
@@ -55,7 +56,7 @@ def _parity(rank, world, dtype_name):
     try:
         config = tiny_config(params_dtype=dtype, bf16=dtype == torch.bfloat16)
         stock = tiny_gpt(config, seq=SEQ).cuda()
-        ours = tiny_gpt(config, get_gpt_layer_hcp_spec(), seq=SEQ).cuda()
+        ours = tiny_gpt(config, get_gpt_layer_hcp_spec(step_graphs=step_graphs), seq=SEQ).cuda()
         ours.load_state_dict(stock.state_dict())
         tokens, positions, labels = (x.cuda() for x in batch(SEQ))
         results = []
@@ -93,6 +94,18 @@ def test_gpt_with_our_spec_matches_the_stock_spec_on_cuda_fp32():
 def test_gpt_with_our_spec_matches_the_stock_spec_on_cuda_bf16():
     loss_err, magnitude, _ = run_distributed(1, _parity, "bfloat16")[0]
     assert loss_err <= 3e-2 * magnitude, (loss_err, magnitude)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype_name, tol", [("float32", 1e-4), ("bfloat16", 3e-2)])
+def test_gpt_with_step_graphs_matches_the_stock_spec_on_cuda(dtype_name, tol):
+    """``get_gpt_layer_hcp_spec(step_graphs=True)`` at CP=1 (each layer's attention step replayed from CUDA
+    graphs) against megatron-core's stock local spec: the loss within the tolerances above (fp32 absolute,
+    bf16 relative to the loss), and in fp32 every gradient within 1e-4. Not yet run on a GPU."""
+    loss_err, magnitude, grad_err = run_distributed(1, _parity, dtype_name, True)[0]
+    assert loss_err <= tol * (magnitude if dtype_name == "bfloat16" else 1), (loss_err, magnitude)
+    assert dtype_name == "bfloat16" or grad_err <= 1e-4, grad_err
 
 
 @pytest.mark.gpu
