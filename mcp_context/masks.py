@@ -28,7 +28,7 @@ from __future__ import annotations
 import zlib
 from bisect import bisect_right
 from dataclasses import dataclass, field
-from typing import Optional, Protocol, Sequence, Union
+from typing import Iterator, Optional, Protocol, Sequence, Union
 
 import torch
 
@@ -110,16 +110,29 @@ class BlockMask:
         """Pairs a kernel with ``tile x tile`` tiles computes: per row tile, the whole tiles that hold
         a visible pair (the masked rest of those tiles is the waste); diagonal sub-blocks are tiled
         each on its own (they run as a batch)."""
-        if self.diagonal > 1:
-            return self.diagonal * BlockMask(self.lo, self.hi).computed_pairs(*self._sub(n, m), tile)
-        total = 0
+        sn, sm = self._sub(n, m)
+        return self.diagonal * sum(rows * (min(sm, k1 * tile) - k0 * tile)
+                                   for rows, k0, k1 in self._row_tiles(sn, sm, tile))
+
+    def tile_loads(self, n: int, m: int, tile: int) -> list[int]:
+        """Key tiles each ``tile``-row tile of one diagonal sub-block of an ``n x m`` block touches (0 for a
+        row tile that sees nothing): the work of each thread block of a fused kernel that gives every row
+        tile one (the sub-blocks run as a batch of them)."""
+        return [k1 - k0 for _, k0, k1 in self._row_tiles(*self._sub(n, m), tile)]
+
+    def _row_tiles(self, n: int, m: int, tile: int) -> Iterator[tuple[int, int, int]]:
+        """``(rows, first key tile, end key tile)`` of each ``tile``-row tile of a one-block ``n x m`` mask, in
+        order (``0, 0`` for a tile that sees no key)."""
         for r in range(0, n, tile):
             r1 = min(r + tile, n)
             c0 = 0 if self.lo is None else max(0, r + self.lo)
             c1 = m if self.hi is None else min(m, r1 + self.hi)
-            if c1 > c0:
-                total += (r1 - r) * (min(m, -(-c1 // tile) * tile) - c0 // tile * tile)
-        return total
+            yield (r1 - r, c0 // tile, -(-c1 // tile)) if c1 > c0 else (r1 - r, 0, 0)
+
+    @property
+    def transposed(self) -> "BlockMask":
+        """The same mask seen from the keys: key row ``b`` sees query row ``a`` iff ``-hi <= a - b <= -lo``."""
+        return BlockMask(None if self.hi is None else -self.hi, None if self.lo is None else -self.lo, self.diagonal)
 
 
 FULL_BLOCK, CAUSAL_BLOCK, ANTICAUSAL_BLOCK = BlockMask(), BlockMask(None, 0), BlockMask(0, None)

@@ -54,11 +54,13 @@ results held as their rows need came after them, so the fit prices the steps tha
 
 
 def predicted_step(profile: MachineProfile, comm: str, seq_len: int, cp: int, heads: int, kv_heads: int,
-                   head_dim: int, harness: int = 1) -> tuple[float, int, int]:
-    """``(seconds, calls, bytes)`` of one rank's fwd+bwd of ``comm`` (rank 0, batch 1, bf16), compute only,
-    as the timed step ran (``harness``, ``tools/rank_step.HARNESS``): 1, the measured engine
-    (``MEASURED_ENGINE``) over every member's K/V; 2, today's engine over the K/V the rank holds."""
-    step = rank_step(comm, cp, seq_len, CAUSAL, TorchKernel(FUSED_OPS["cudnn"]), heads, kv_heads, head_dim)
+                   head_dim: int, harness: int = 1, inner: int = 2) -> tuple[float, int, int]:
+    """``(seconds, calls, bytes)`` of one rank's fwd+bwd of ``comm`` (rank 0, batch 1, bf16; ``inner``: the
+    all-to-all degree of a hierarchical kind), compute only, as the timed step ran (``harness``,
+    ``tools/rank_step.HARNESS``): 1, the measured engine (``MEASURED_ENGINE``) over every member's K/V; 2,
+    today's engine over the K/V the rank holds."""
+    step = rank_step(comm, cp, seq_len, CAUSAL, TorchKernel(FUSED_OPS["cudnn"]), heads, kv_heads, head_dim,
+                     inner=inner)
     kv_rows = step.kv_rows if harness == 1 else step.walked()[1]
     held = MEASURED_ENGINE if harness == 1 else Accumulation.of(step.plan.tasks, kv_rows)
     shape = RankShape(seq_len, 1, step.heads, step.kv_heads, head_dim, torch.bfloat16)
@@ -114,6 +116,34 @@ def host_steps(rows: list[dict]) -> list[tuple[int, float]]:
     return out
 
 
+HEADS = {"llama3_8b": (32, 8), "llama3_70b": (64, 8)}
+"""Query and KV heads of the models ``tools/bench_picks.py`` times (``tools/plan_grid.MODELS``)."""
+
+
+def gpu_bound_rows(profile: MachineProfile, rows: list[dict]) -> list[dict]:
+    """Every rank step in ``rows`` timed with the host ahead (its GPU time: ``queued_s``, the benchmark's
+    ``rank_schedule`` rows at 32 / 8 heads and the picks' ``step``) beside the profile's prediction of its GPU
+    time (``predicted_step``, today's engine): the check of the attention tables, the call overhead and the
+    occupancy model, which the cold steps' host time hides at short lengths."""
+    out = []
+    for r in rows:
+        if r.get("part") == "pick" and "step" in r:
+            step, (heads, kv_heads), name = r["step"], HEADS[r["model"]], r["pick"]
+        elif r.get("part") == "rank_schedule":
+            step, (heads, kv_heads), name = r, (32, 8), r["comm"]
+        else:
+            continue
+        queued = step.get("fwd_bwd", {}).get("queued_s")
+        if not queued:
+            continue
+        model = predicted_step(profile, step["comm"], r["seq_len"], step["world_size"], heads, kv_heads, 128, 2,
+                               step["sizes"][0])[0]
+        measured = statistics.median(queued)
+        out.append({"seq_len": r["seq_len"], "cp": step["world_size"], "heads": heads, "step": name,
+                    "measured_ms": measured * 1e3, "predicted_ms": model * 1e3, "error": model / measured - 1})
+    return out
+
+
 def fit_host(steps: list[tuple[int, float]]) -> tuple[float, float]:
     """``(host_layer_us, host_call_us)``: the least-squares line through the host issue times by call count
     (at least two distinct counts)."""
@@ -145,6 +175,12 @@ def main(argv=None) -> int:
         layer_us, call_us = fit_host(steps)
         print(f"host_layer_us: {layer_us}\nhost_call_us: {call_us}   # {len(steps)} steps, "
               f"{min(c for c, _ in steps)} to {max(c for c, _ in steps)} calls")
+        print("GPU time of the steps timed with the host ahead, against the fitted profile's prediction:")
+        print(f"{'S':>7} {'P':>3} {'heads':>5} {'step':28} {'measured ms':>12} {'predicted ms':>13} {'error':>7}")
+        for r in gpu_bound_rows(profile, [r for path in args.host for r in _lines(path)]):
+            print(f"{r['seq_len']:>7} {r['cp']:>3} {r['heads']:>5} {r['step']:28} {r['measured_ms']:>12.2f} "
+                  f"{r['predicted_ms']:>13.2f} {r['error']:>+7.1%}")
+        print("Cold steps (the host's issue time included), against the fitted profile's GPU time:")
     print(f"{'S':>7} {'P':>3} {'scheme':15} {'measured ms':>12} {'predicted ms':>13} {'error':>7}")
     for r in rows:
         print(f"{r['seq_len']:>7} {r['cp']:>3} {r['comm']:15} {r['measured_ms']:>12.2f} {r['predicted_ms']:>13.2f} "

@@ -8,8 +8,9 @@ calls in one step) of
 
 - the attention call: its FLOPs (``4 d`` per visible pair and head forward, 3.5x that forward+backward)
   at the rate the profile's tables give for the call's shape (causal squares by rows, full blocks by the
-  causal length of equal pairs, ``sqrt(2 * pairs)``, interpolated in log length), plus a fixed
-  per-call overhead;
+  causal length of equal pairs, ``sqrt(2 * pairs)``, interpolated in log length), divided by the share
+  of the GPU's SMs the call keeps busy (``occupancy``: the tables are measured with calls that fill it; a
+  call of few heads and rows does not), plus a fixed per-call overhead;
 - the work around it (``task_bytes``): the merge or first copy of its output forward, the dQ and dK/dV
   accumulation backward, at the profile's memory bandwidth;
 
@@ -36,6 +37,7 @@ from typing import Optional, Sequence
 
 from ..algorithms.results import (FIRST, HOLD, LAST, MERGE, OWN, PAIR, PAIR_LAST, Piece, ResultPlan, first_key_rows,
                                   most_blocks_per_key)
+from ..masks import BlockMask
 from ..schedule import BlockTask
 from .dryrun import RankShape, RankTraffic
 from .profiles import MachineProfile
@@ -57,18 +59,42 @@ def _rate(table: Sequence[tuple[float, float, float]], length: float) -> tuple[f
     return f0 + w * (f1 - f0), b0 + w * (b1 - b0)
 
 
-def call_seconds(profile: MachineProfile, task: BlockTask, flops_per_pair: float) -> tuple[float, float]:
-    """``(forward, backward)`` seconds of one task's attention call."""
+def occupancy(profile: MachineProfile, task: BlockTask, parallel: int) -> tuple[float, float]:
+    """``(forward, backward)`` share of the GPU's SMs a fused call of ``task`` keeps busy, ``parallel`` copies
+    of it (batch x heads) at once. The kernel gives each tile of ``attention_tile_rows`` rows a thread block
+    (query tiles forward, key tiles backward), whose work is the tiles of the other side it visits; it takes
+    at least its busiest block's time and at least the total over ``sm_count`` SMs, so the share is
+    ``total / (sm_count * busiest)``, at most 1. Calls of many heads and rows fill the GPU (every row of the
+    rate tables does); 4 heads of 2048 query rows give 64 blocks of equal work forward, half an H200's 132."""
+    n, m = task.q[1] - task.q[0], task.kv[1] - task.kv[0]
+    return (_busy_share(profile, task.mask, n, m, parallel),
+            _busy_share(profile, task.mask.transposed, m, n, parallel))
+
+
+def _busy_share(profile: MachineProfile, mask: BlockMask, n: int, m: int, parallel: int) -> float:
+    loads = mask.tile_loads(n, m, profile.attention_tile_rows)
+    busiest = max(loads, default=0)
+    if not busiest:
+        return 1.0
+    return min(1.0, parallel * mask.diagonal * sum(loads) / (profile.sm_count * busiest))
+
+
+def call_seconds(profile: MachineProfile, task: BlockTask, flops_per_pair: float, parallel: int
+                 ) -> tuple[float, float]:
+    """``(forward, backward)`` seconds of one task's attention call: its FLOPs at the table's rate, slowed by
+    the share of the GPU it leaves idle (``occupancy``; ``parallel``: the batch x heads it runs at once),
+    plus the fixed overhead once each way."""
     pairs = task.useful_pairs
     if pairs == 0:
         return 0.0, 0.0
     table = profile.full_tflops if task.mask.kind == "full" else profile.causal_tflops
     fwd_rate, both_rate = _rate(table, math.sqrt(2 * pairs))
+    fwd_busy, bwd_busy = occupancy(profile, task, parallel)
     flops = pairs * flops_per_pair
     overhead = profile.call_overhead_us * 1e-6
-    fwd = flops / (fwd_rate * 1e12) + overhead
-    both = FWD_BWD_FLOP_FACTOR * flops / (both_rate * 1e12) + 2 * overhead
-    return fwd, both - fwd
+    fwd = flops / (fwd_rate * 1e12)
+    bwd = FWD_BWD_FLOP_FACTOR * flops / (both_rate * 1e12) - fwd
+    return fwd / fwd_busy + overhead, bwd / bwd_busy + overhead
 
 
 @dataclass(frozen=True)
@@ -239,6 +265,7 @@ def step_compute(traffics: Sequence[RankTraffic], shape: RankShape, a2a_degree: 
     (a calibration against steps measured on an older engine passes that engine's)."""
     heads, kv_heads = shape.heads // a2a_degree, max(1, shape.kv_heads // a2a_degree)
     per_pair = flops_per_pair(shape, a2a_degree)
+    parallel = shape.batch * heads
     bandwidth = profile.memory_bandwidth_gbps * 1e9
     steps = len(traffics[0].tasks)
     fwd, bwd = [0.0] * steps, [0.0] * steps
@@ -249,7 +276,7 @@ def step_compute(traffics: Sequence[RankTraffic], shape: RankShape, a2a_degree: 
         for t, tasks in enumerate(tr.tasks):
             f = b = 0.0
             for i, task in enumerate(tasks):
-                cf, cb = call_seconds(profile, task, per_pair)
+                cf, cb = call_seconds(profile, task, per_pair, parallel)
                 adopted = (t, i) == results.adopted
                 bf, bb = task_bytes(task, results.pieces[t][i], adopted, first_keys[t][i], shape, heads, kv_heads,
                                     held)

@@ -35,7 +35,14 @@ class MachineProfile:
     """The fused op on causal squares: ``(rows, forward TFLOP/s, forward+backward TFLOP/s)`` rows, by
     rows (FLOPs: ``4 d`` per visible pair and head forward, 3.5x that forward+backward)."""
     full_tflops: tuple[tuple[float, float, float], ...]
-    """The same for full blocks, by the causal length of equal pairs, ``sqrt(2 * pairs)``."""
+    """The same for full blocks, by the causal length of equal pairs, ``sqrt(2 * pairs)``. Both tables are
+    measured with calls that fill the GPU (32 heads: every row has thread blocks for all its SMs)."""
+    sm_count: int
+    """The GPU's streaming multiprocessors: a call with fewer thread blocks' worth of work leaves SMs idle
+    (``cost.occupancy``)."""
+    attention_tile_rows: int
+    """Rows of one thread block of the fused op: a query tile forward, a key tile backward (128 for the
+    Hopper kernels cuDNN and flash-attention run at head dim 128)."""
     call_overhead_us: float
     """Fixed cost of one attention call beyond its FLOPs at the table's rate (fitted to a measured step)."""
     memory_bandwidth_gbps: float
@@ -52,6 +59,7 @@ class MachineProfile:
 
 
 TABLES = ("causal_tflops", "full_tflops")
+INTEGERS = ("gpus_per_node", "sm_count", "attention_tile_rows")
 
 
 def _table(path: Path, key: str, value: object) -> tuple[tuple[float, float, float], ...]:
@@ -91,6 +99,7 @@ def load_profile(name_or_path: str) -> MachineProfile:
         elif key not in ("name", "measured") and (isinstance(value, bool) or not isinstance(value, (int, float))
                                                   or value <= 0):
             raise ValueError(f"profile {path}: {key}={value!r} must be a positive number")
-    if not isinstance(data["gpus_per_node"], int):
-        raise ValueError(f"profile {path}: gpus_per_node={data['gpus_per_node']!r} must be an integer")
+    for key in INTEGERS:
+        if not isinstance(data[key], int):
+            raise ValueError(f"profile {path}: {key}={data[key]!r} must be an integer")
     return MachineProfile(**data)
