@@ -16,7 +16,10 @@ rank step. The fit:
 - ``host_layer_us`` and ``host_call_us`` (with ``--host``): the least-squares line through the host's time
   to issue each step timed with the host ahead, by its attention calls.
 
-Then every measured step is predicted with the fitted profile and printed beside its measurement.
+Then every measured step is predicted with the fitted profile and printed beside its measurement; where
+``--rates`` holds ``occupancy`` rows (``tools/kernel_rates.py --parts occupancy``), the planner's occupancy
+model is printed beside the busy share they measured; with ``--host``, the GPU time of the steps timed with
+the host ahead beside the model's.
 
     python tools/calibrate_profile.py --profile h200_nvlink_ib --rates docs/gpu/h200_run1_rates.jsonl \\
         --bench docs/gpu/h200_run1_bench.json --host docs/gpu/h200_run4_bench_32k.jsonl docs/gpu/h200_run4_picks.jsonl
@@ -35,10 +38,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from mcp_context.kernels.torch_sdpa import FUSED_OPS, TorchKernel  # noqa: E402
-from mcp_context.masks import CAUSAL  # noqa: E402
-from mcp_context.plan.cost import Accumulation, layer_bytes, step_compute  # noqa: E402
+from mcp_context.masks import CAUSAL, CAUSAL_BLOCK, FULL_BLOCK  # noqa: E402
+from mcp_context.plan.cost import Accumulation, layer_bytes, occupancy, step_compute  # noqa: E402
 from mcp_context.plan.dryrun import RankShape, RankTraffic  # noqa: E402
 from mcp_context.plan.profiles import MachineProfile, load_profile  # noqa: E402
+from mcp_context.schedule import BlockTask  # noqa: E402
 from tools.rank_step import rank_step  # noqa: E402
 
 
@@ -136,11 +140,52 @@ def gpu_bound_rows(profile: MachineProfile, rows: list[dict]) -> list[dict]:
         queued = step.get("fwd_bwd", {}).get("queued_s")
         if not queued:
             continue
-        model = predicted_step(profile, step["comm"], r["seq_len"], step["world_size"], heads, kv_heads, 128, 2,
-                               step["sizes"][0])[0]
+        args = (step["comm"], r["seq_len"], step["world_size"], heads, kv_heads, 128, 2, step["sizes"][0])
+        model, calls, _ = predicted_step(profile, *args)
+        bare = predicted_step(dataclasses.replace(profile, call_overhead_us=1e-9), *args)[0]
         measured = statistics.median(queued)
-        out.append({"seq_len": r["seq_len"], "cp": step["world_size"], "heads": heads, "step": name,
-                    "measured_ms": measured * 1e3, "predicted_ms": model * 1e3, "error": model / measured - 1})
+        out.append({"seq_len": r["seq_len"], "cp": step["world_size"], "heads": heads, "step": name, "calls": calls,
+                    "measured_ms": measured * 1e3, "predicted_ms": model * 1e3, "error": model / measured - 1,
+                    "without_overhead_ms": bare * 1e3})
+    return out
+
+
+def fit_gpu_time(rows: list[dict]) -> tuple[float, float, float]:
+    """``(rate scale, call overhead in µs, worst relative error)``: the least-squares fit, in relative error,
+    of ``gpu_bound_rows``' measured GPU times to ``scale x`` the model's time without the per-call overhead
+    plus the overhead once forward and once backward per call. With the rate tables and the steps measured
+    in one run the scale is near 1 and the overhead is the GPU's own per call (the shipped ``call_overhead_us``
+    was fitted to cold steps, where the host's gaps between calls count too)."""
+    a = [r["without_overhead_ms"] / r["measured_ms"] for r in rows]
+    c = [2 * r["calls"] * 1e-3 / r["measured_ms"] for r in rows]  # per µs of overhead, in ms
+    saa, sac, scc = sum(x * x for x in a), sum(x * y for x, y in zip(a, c)), sum(y * y for y in c)
+    det = saa * scc - sac * sac
+    scale, overhead = (sum(a) * scc - sac * sum(c)) / det, (saa * sum(c) - sac * sum(a)) / det
+    worst = max(abs(scale * x + overhead * y - 1) for x, y in zip(a, c))
+    return scale, overhead, worst
+
+
+def occupancy_rows(profile: MachineProfile, rates: list[dict]) -> list[dict]:
+    """The planner's occupancy model (``plan.cost.occupancy``) against ``tools/kernel_rates.py``'s ``occupancy``
+    rows: per shape and head count, the share of the GPU a call keeps busy, measured as its FLOP rate per head
+    over the same shape's at the most heads timed (their GPU time with the host ahead where timed), and as the
+    model gives it (the same ratio of its shares), forward and backward."""
+    timed = [r for r in rates if r.get("part") == "occupancy"]
+    out = []
+    for r in timed:
+        shape = (r["rows"], r["keys"], r["mask"])
+        most = max((x for x in timed if (x["rows"], x["keys"], x["mask"]) == shape), key=lambda x: x["heads"])
+        task = BlockTask((0, r["rows"]), (0, r["keys"]), CAUSAL_BLOCK if r["mask"] == "causal" else FULL_BLOCK)
+        model = [a / b for a, b in zip(occupancy(profile, task, r["heads"]), occupancy(profile, task, most["heads"]))]
+        seconds = {}
+        for x in (r, most):
+            fwd = statistics.median(x.get("queued_fwd_s") or x["fwd_s"])
+            both = statistics.median(x.get("queued_fwd_bwd_s") or x["fwd_bwd_s"])
+            seconds[x["heads"]] = (fwd / x["heads"], (both - fwd) / x["heads"])  # per head
+        measured = [seconds[most["heads"]][i] / seconds[r["heads"]][i] for i in range(2)]
+        out.append({"rows": r["rows"], "keys": r["keys"], "mask": r["mask"], "heads": r["heads"],
+                    "measured_fwd": measured[0], "model_fwd": model[0], "measured_bwd": measured[1],
+                    "model_bwd": model[1]})
     return out
 
 
@@ -177,10 +222,23 @@ def main(argv=None) -> int:
               f"{min(c for c, _ in steps)} to {max(c for c, _ in steps)} calls")
         print("GPU time of the steps timed with the host ahead, against the fitted profile's prediction:")
         print(f"{'S':>7} {'P':>3} {'heads':>5} {'step':28} {'measured ms':>12} {'predicted ms':>13} {'error':>7}")
-        for r in gpu_bound_rows(profile, [r for path in args.host for r in _lines(path)]):
+        bound = gpu_bound_rows(profile, [r for path in args.host for r in _lines(path)])
+        for r in bound:
             print(f"{r['seq_len']:>7} {r['cp']:>3} {r['heads']:>5} {r['step']:28} {r['measured_ms']:>12.2f} "
                   f"{r['predicted_ms']:>13.2f} {r['error']:>+7.1%}")
+        scale, overhead, worst = fit_gpu_time(bound)
+        print(f"fitted to these: the model's time x {scale:.3f} (the tables' rates x {1 / scale:.3f}; from another run "
+              f"than the steps, the scale is the runs' difference), call overhead {overhead:.1f} us each way; worst "
+              f"error {worst:.1%}")
         print("Cold steps (the host's issue time included), against the fitted profile's GPU time:")
+    occupied = occupancy_rows(profile, _lines(args.rates))
+    if occupied:
+        print("Busy share of the GPU by heads, relative to the most heads timed (measured: FLOP rate per head):")
+        print(f"{'mask':6} {'rows':>5} {'keys':>6} {'heads':>5} {'fwd measured':>13} {'model':>6} {'bwd measured':>13} "
+              f"{'model':>6}")
+        for r in occupied:
+            print(f"{r['mask']:6} {r['rows']:>5} {r['keys']:>6} {r['heads']:>5} {r['measured_fwd']:>13.2f} "
+                  f"{r['model_fwd']:>6.2f} {r['measured_bwd']:>13.2f} {r['model_bwd']:>6.2f}")
     print(f"{'S':>7} {'P':>3} {'scheme':15} {'measured ms':>12} {'predicted ms':>13} {'error':>7}")
     for r in rows:
         print(f"{r['seq_len']:>7} {r['cp']:>3} {r['comm']:15} {r['measured_ms']:>12.2f} {r['predicted_ms']:>13.2f} "

@@ -9,7 +9,8 @@
 #   4. the benchmark at S = 32K and 128K, P = 8, every scheme, Llama-3-8B heads (32/8, d = 128), bf16 (each
 #      step also in order, with the host ahead and replayed from CUDA graphs), then
 #      one profiled step of each scheme at 32K (what tools/calibrate_profile.py refits the planner's step
-#      bandwidth and call overhead from, with the benchmark's JSON), then the planner's pick at each cell of
+#      bandwidth and call overhead from, with the benchmark's JSON) and the short picks' calls at 4 to 32
+#      heads (what it checks the planner's occupancy model against), then the planner's pick at each cell of
 #      its grid (tools/bench_picks.py: S = 32K and 128K, P = 8, 16, 64, both models; 1M is over the budget),
 #      and where the host's time goes in two host-bound steps and a one-call step (tools/host_costs.py:
 #      32K/P8 p2p and a2a, 32K/P64 a2a+all_gather 8x8; each fused region eager in turn, the side stream off,
@@ -27,7 +28,7 @@
 # --target) stays importable. Each step writes its log to RESULTS_DIR/<step>.log as it runs and one
 # line to RESULTS_DIR/summary.jsonl when it ends (rc 124: it hit its timeout). The figures run first, the
 # tests after them (a device loan may end mid-run; the run that wrote these timeouts lost its last step).
-# The timeouts of steps 1, 2, 4 and 5 add up to 575 s, inside 10 minutes (the member cases, 30 s, moved after
+# The timeouts of steps 1, 2, 4 and 5 add up to 585 s, inside 10 minutes (the member cases, 30 s, moved after
 # them when the graphed step joined the benchmark and the tests); step 6 has 600 s of its own. On an H200
 # (2026-11-26, main fd488ae) the steps took: kernel report 14 s, benchmark 127 s, profile 27 s, picks over
 # 110 s (11 of the grid's 14 timed cells), GPU tests 135 s, pretrain 33 s, member cases 35 s. The refit, after it:
@@ -69,8 +70,8 @@ step 1_kernel_report 20 "$PYTHON" -m mcp_context.kernels
 step 4_benchmark 160 "$PYTHON" tools/bench_attention.py --no-cpu --device-bench cuda --heads 32 --kv-heads 8 \
     --head-dim 128 --device-seq-lens 32768 131072 --world-sizes 8 --reps 3 --out "$RESULTS/bench" --tag gpu_checks \
     --device-schemes p2p all_gather a2a a2a+p2p a2a+all_gather
-step 4_profile 35 "$PYTHON" tools/kernel_rates.py --parts profile --profile-seq-lens 32768 --cp 8 \
-    --out "$RESULTS/profile.jsonl"
+step 4_profile 45 "$PYTHON" tools/kernel_rates.py --parts profile occupancy --profile-seq-lens 32768 --cp 8 \
+    --reps 2 --out "$RESULTS/profile.jsonl"
 step 4_host_costs 45 "$PYTHON" tools/host_costs.py --reps 3 --out "$RESULTS/host_costs.jsonl"
 step 4_picks 100 "$PYTHON" tools/bench_picks.py --grid docs/img/plan_grid_h200.json --max-tflop 150 --reps 3 \
     --out "$RESULTS/picks.jsonl"

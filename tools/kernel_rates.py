@@ -5,7 +5,10 @@ rank's step spends its GPU time.
 1. ``rates``: the kernel ``auto`` picks (cuDNN on Hopper), bf16, on causal squares and full blocks of the
    shapes ring steps and gathered calls have, forward and forward+backward, TFLOP/s (causal pairs counted
    once). The planner interpolates these by a call's pairs (``plan/cost.py``).
-2. ``profile``: one rank's fwd+bwd of each scheme under ``torch.profiler``: kernel launches and GPU time
+2. ``occupancy``: the calls of the short picks at 4 to 32 heads, also with the host ahead (their GPU time):
+   a call of few heads and rows leaves SMs idle, which the planner models (``plan/cost.occupancy``) and
+   ``tools/calibrate_profile.py`` checks against these.
+3. ``profile``: one rank's fwd+bwd of each scheme under ``torch.profiler``: kernel launches and GPU time
    inside the attention ops and outside them (merges, accumulation, copies), and the host's wall time.
 
 Writes one JSON line per result to ``--out`` (flushed as measured). Needs CUDA.
@@ -26,7 +29,7 @@ import torch  # noqa: E402
 
 from mcp_context.kernels import get_kernel  # noqa: E402
 from mcp_context.masks import CAUSAL, CAUSAL_BLOCK, FULL_BLOCK  # noqa: E402
-from tools.bench_device import _interleaved_seconds, append_jsonl  # noqa: E402
+from tools.bench_device import _interleaved_seconds, _queued_seconds, append_jsonl  # noqa: E402
 
 SQUARES = (1024, 2048, 4096, 8192, 16384, 32768)
 FULL = ((1024, 1024), (2048, 2048), (2048, 4096), (4096, 2048), (4096, 4096), (2048, 14336), (2048, 30720),
@@ -34,30 +37,66 @@ FULL = ((1024, 1024), (2048, 2048), (2048, 4096), (4096, 2048), (4096, 4096), (2
 ATTENTION = ("cudnn", "flash", "fmha", "sdpa", "attention")
 
 
-def _rates(sink, heads: int, kv_heads: int, d: int, reps: int) -> None:
-    dev, dtype = torch.device("cuda"), torch.bfloat16
-    kernel = get_kernel("auto", dev, dtype, head_dim=d)
+OCCUPANCY_HEADS = (4, 8, 16, 32)
+OCCUPANCY_SHAPES = ((2048, 30720, FULL_BLOCK), (2048, 2048, CAUSAL_BLOCK), (4096, 4096, CAUSAL_BLOCK))
+"""The calls of the short picks (Llama-3-8B at 32K over 64 ranks: a zigzag chunk of 2048 query rows against the
+keys before it, its causal square; cp8 a2a's 4096-row square), at fewer heads than the tables' 32."""
+
+
+def _cuda_randn(*size: int) -> torch.Tensor:
+    return torch.randn(*size, device="cuda", dtype=torch.bfloat16)
+
+
+def _timed_call(kernel, rand, rows: int, keys: int, mask, heads: int, kv_heads: int, d: int, reps: int,
+                queued: bool = False) -> dict:
+    """One fused call's fwd and fwd+bwd times on the GPU and TFLOP/s (causal pairs counted once), on inputs
+    ``rand(*size)`` makes; ``queued``: also its GPU time with the host ahead (``bench_device._queued_seconds``),
+    what the call costs inside a busy step."""
+    dev = torch.device("cuda")
+    q, do = (rand(1, heads, rows, d) for _ in range(2))
+    k, v = (rand(1, kv_heads, keys, d) for _ in range(2))
+    pairs = rows * (rows + 1) // 2 if mask.kind == "causal" else rows * keys
+    flops = 4 * heads * d * pairs
+
+    def fwd():
+        return kernel.forward(q, k, v, mask, d ** -0.5)
+
+    def fwd_bwd():
+        out, lse = fwd()
+        kernel.backward(do, q, k, v, out, lse, mask, d ** -0.5)
+
+    t = _interleaved_seconds({"fwd": fwd, "fwd_bwd": fwd_bwd}, dev, reps)
+    row = {"kernel": kernel.name, "rows": rows, "keys": keys, "mask": mask.kind, "heads": heads,
+           "kv_heads": kv_heads, "head_dim": d, "pairs": pairs, "fwd_s": t["fwd"], "fwd_bwd_s": t["fwd_bwd"],
+           "fwd_tflops": flops / statistics.median(t["fwd"]) / 1e12,
+           "fwd_bwd_tflops": 3.5 * flops / statistics.median(t["fwd_bwd"]) / 1e12}
+    if queued:
+        held = _queued_seconds({"fwd": fwd, "fwd_bwd": fwd_bwd}, dev, reps, statistics.median(t["fwd_bwd"]))
+        row.update({f"queued_{name}_s": [gpu for gpu, _, _ in runs] for name, runs in held.items()})
+        row["host_ahead"] = all(ahead for runs in held.values() for _, _, ahead in runs)
+    return row
+
+
+def _rates(sink, kernel, heads: int, kv_heads: int, d: int, reps: int) -> None:
     for rows, keys, mask in [(n, n, CAUSAL_BLOCK) for n in SQUARES] + [(n, m, FULL_BLOCK) for n, m in FULL]:
-        q, do = (torch.randn(1, heads, rows, d, device=dev, dtype=dtype) for _ in range(2))
-        k, v = (torch.randn(1, kv_heads, keys, d, device=dev, dtype=dtype) for _ in range(2))
-        pairs = rows * (rows + 1) // 2 if mask.kind == "causal" else rows * keys
-        flops = 4 * heads * d * pairs
-
-        def fwd():
-            return kernel.forward(q, k, v, mask, d ** -0.5)
-
-        def fwd_bwd():
-            out, lse = fwd()
-            kernel.backward(do, q, k, v, out, lse, mask, d ** -0.5)
-
-        t = _interleaved_seconds({"fwd": fwd, "fwd_bwd": fwd_bwd}, dev, reps)
-        row = {"part": "rate", "kernel": kernel.name, "rows": rows, "keys": keys, "mask": mask.kind, "heads": heads,
-               "kv_heads": kv_heads, "head_dim": d, "pairs": pairs, "fwd_s": t["fwd"], "fwd_bwd_s": t["fwd_bwd"],
-               "fwd_tflops": flops / statistics.median(t["fwd"]) / 1e12,
-               "fwd_bwd_tflops": 3.5 * flops / statistics.median(t["fwd_bwd"]) / 1e12}
+        row = {"part": "rate", **_timed_call(kernel, _cuda_randn, rows, keys, mask, heads, kv_heads, d, reps)}
         sink(row)
         print(f"  {mask.kind:6} {rows:>6} x {keys:<6} fwd {row['fwd_tflops']:5.0f}  fwd+bwd {row['fwd_bwd_tflops']:5.0f}"
               f" TFLOP/s", flush=True)
+
+
+def time_occupancy(sink, kernel, heads: int, kv_heads: int, d: int, reps: int, rand=_cuda_randn,
+              shapes=OCCUPANCY_SHAPES, head_counts=OCCUPANCY_HEADS) -> None:
+    """The calls of ``shapes`` at each of ``head_counts`` (KV heads in the model's ``heads / kv_heads`` ratio),
+    also with the host ahead: what ``tools/calibrate_profile.py`` checks the planner's occupancy model
+    against."""
+    for rows, keys, mask in shapes:
+        for h in head_counts:
+            row = {"part": "occupancy", **_timed_call(kernel, rand, rows, keys, mask, h,
+                                                      max(1, h * kv_heads // heads), d, reps, queued=True)}
+            sink(row)
+            print(f"  {mask.kind:6} {rows:>6} x {keys:<6} {h:>2} heads: fwd {row['fwd_tflops']:5.0f}  fwd+bwd "
+                  f"{row['fwd_bwd_tflops']:5.0f} TFLOP/s cold", flush=True)
 
 
 def _profile(sink, seq_len: int, cp: int, heads: int, kv_heads: int, d: int) -> None:
@@ -106,7 +145,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--profile-seq-lens", type=int, nargs="+", default=[32768, 131072])
     ap.add_argument("--cp", type=int, default=8)
-    ap.add_argument("--parts", nargs="+", default=["rates", "profile"], choices=["rates", "profile"])
+    ap.add_argument("--parts", nargs="+", default=["rates", "occupancy", "profile"],
+                    choices=["rates", "occupancy", "profile"])
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
@@ -114,8 +154,11 @@ def main(argv=None) -> int:
     sink = append_jsonl(args.out)
     sink({"part": "machine", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
           "cudnn": torch.backends.cudnn.version()})
+    kernel = get_kernel("auto", torch.device("cuda"), torch.bfloat16, head_dim=args.head_dim)
     if "rates" in args.parts:
-        _rates(sink, args.heads, args.kv_heads, args.head_dim, args.reps)
+        _rates(sink, kernel, args.heads, args.kv_heads, args.head_dim, args.reps)
+    if "occupancy" in args.parts:
+        time_occupancy(sink, kernel, args.heads, args.kv_heads, args.head_dim, args.reps)
     if "profile" in args.parts:
         for s in args.profile_seq_lens:
             _profile(sink, s, args.cp, args.heads, args.kv_heads, args.head_dim)

@@ -84,17 +84,22 @@ def call_seconds(profile: MachineProfile, task: BlockTask, flops_per_pair: float
     """``(forward, backward)`` seconds of one task's attention call: its FLOPs at the table's rate, slowed by
     the share of the GPU it leaves idle (``occupancy``; ``parallel``: the batch x heads it runs at once),
     plus the fixed overhead once each way."""
-    pairs = task.useful_pairs
-    if pairs == 0:
+    if task.useful_pairs == 0:
         return 0.0, 0.0
+    fwd, bwd = _filled_seconds(profile, task, flops_per_pair)
+    fwd_busy, bwd_busy = occupancy(profile, task, parallel)
+    overhead = profile.call_overhead_us * 1e-6
+    return fwd / fwd_busy + overhead, bwd / bwd_busy + overhead
+
+
+def _filled_seconds(profile: MachineProfile, task: BlockTask, flops_per_pair: float) -> tuple[float, float]:
+    """``(forward, backward)`` seconds of a call's FLOPs at the table's rates (a call that fills the GPU)."""
+    pairs = task.useful_pairs
     table = profile.full_tflops if task.mask.kind == "full" else profile.causal_tflops
     fwd_rate, both_rate = _rate(table, math.sqrt(2 * pairs))
-    fwd_busy, bwd_busy = occupancy(profile, task, parallel)
     flops = pairs * flops_per_pair
-    overhead = profile.call_overhead_us * 1e-6
     fwd = flops / (fwd_rate * 1e12)
-    bwd = FWD_BWD_FLOP_FACTOR * flops / (both_rate * 1e12) - fwd
-    return fwd / fwd_busy + overhead, bwd / bwd_busy + overhead
+    return fwd, FWD_BWD_FLOP_FACTOR * flops / (both_rate * 1e12) - fwd
 
 
 @dataclass(frozen=True)
@@ -200,6 +205,9 @@ class Prediction:
     """Forward K/V transfer of one ring step (slowest rank)."""
     host_s: float = 0.0
     """The host's time to issue the layer's forward and backward (``host_issue_seconds``)."""
+    busy: float = 1.0
+    """Share of the attention calls' time the GPU's SMs are busy on the busiest rank (``busy_share``; 1: every
+    call fills them)."""
 
     @property
     def total_s(self) -> float:
@@ -285,6 +293,24 @@ def step_compute(traffics: Sequence[RankTraffic], shape: RankShape, a2a_degree: 
     return fwd, bwd
 
 
+def busy_share(traffics: Sequence[RankTraffic], shape: RankShape, a2a_degree: int, profile: MachineProfile) -> float:
+    """The attention calls' compute time with every SM busy over their compute time as predicted
+    (``occupancy``; the fixed overhead left out), on the rank whose calls take longest: below 1 where calls
+    are too small to fill the GPU."""
+    parallel = shape.batch * (shape.heads // a2a_degree)
+    per_pair = flops_per_pair(shape, a2a_degree)
+    worst, share = 0.0, 1.0
+    for tr in traffics:
+        filled = actual = 0.0
+        for task in (t for step in tr.tasks for t in step if t.useful_pairs):
+            fwd, bwd = _filled_seconds(profile, task, per_pair)
+            fwd_busy, bwd_busy = occupancy(profile, task, parallel)
+            filled, actual = filled + fwd + bwd, actual + fwd / fwd_busy + bwd / bwd_busy
+        if actual > worst:
+            worst, share = actual, filled / actual
+    return share
+
+
 def _collective_seconds(fabric: Fabric, traffic: RankTraffic, ops: dict[str, int], calls: dict[str, int]) -> float:
     return sum(fabric.seconds(b, fabric.intra_fraction(traffic, op), calls.get(op, 0))
                for op, b in ops.items() if not op.startswith("ring_"))
@@ -341,4 +367,5 @@ def predict(shape: RankShape, a2a_degree: int, traffics: Sequence[RankTraffic], 
     forward_serial = coll_fwd + sum(c_fwd) + sum(m_fwd)
     backward_serial = coll_bwd + sum(c_bwd) + sum(kv_bwd) + steps * tail
     return Prediction(forward, backward, forward_serial, backward_serial, sum(c_fwd) + sum(c_bwd),
-                      max(c_fwd[1:], default=0.0), max(m_fwd, default=0.0), host_issue_seconds(p, traffics))
+                      max(c_fwd[1:], default=0.0), max(m_fwd, default=0.0), host_issue_seconds(p, traffics),
+                      busy_share(traffics, shape, a2a_degree, p))

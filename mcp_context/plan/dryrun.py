@@ -78,6 +78,9 @@ class RankTraffic:
     """Query rows the executor holds (the shard, times the all-to-all degree)."""
     kv_rows: int = 0
     """Key/value rows whose dK/dV the executor accumulates (the whole sequence after an all-gather)."""
+    captures: bool = False
+    """Nothing the step does crosses processes, so it can be replayed from a CUDA graph (``step_graphs``;
+    ``rotation.Rotation.captures``: the K/V-local schemes)."""
 
 
 @contextlib.contextmanager
@@ -207,4 +210,4 @@ def dry_run_rank(comm: str, sizes: Sequence[int], layout: str, mask: Mask, shape
     q_rows = s_local * scheme.inner
     kv_rows = shape.seq_len if scheme.gather is not None else q_rows
     return RankTraffic(cp_rank, forward, backward, destinations, calls_forward, calls_backward, saved, peak,
-                       tuple(tuple(step) for step in scheme.plan.tasks), q_rows, kv_rows)
+                       tuple(tuple(step) for step in scheme.plan.tasks), q_rows, kv_rows, scheme.plan.rotation.captures)

@@ -29,6 +29,8 @@ from .profiles import MachineProfile
 
 ALL_RANKS_UP_TO = 16
 TIE = 0.02
+BUSY_NOTE = 0.8
+"""The recommendation says its calls are too small to fill the GPU below this busy share (``Prediction.busy``)."""
 GIB = 2 ** 30
 
 
@@ -91,6 +93,8 @@ class PlanRow:
     model_state_bytes: int
     fits: bool
     dry_run_ranks: list[int] = field(default_factory=list)
+    replayable: bool = False
+    """Every rank's step can be replayed from CUDA graphs (``RankTraffic.captures``: K/V local to the step)."""
 
     @property
     def seconds_per_sequence(self) -> float:
@@ -157,7 +161,8 @@ def evaluate(req: PlanRequest, cand: Candidate, ranks: Optional[list[int]] = Non
                    traffics[worst].backward, *splits[worst],
                    predict(shape, cand.a2a_degree, traffics, fabric),
                    max(tr.saved_bytes for tr in traffics), peak, activation, state,
-                   activation + state <= req.profile.memory_gib * GIB, list(ranks))
+                   activation + state <= req.profile.memory_gib * GIB, list(ranks),
+                   all(tr.captures for tr in traffics))
 
 
 def steps_with_work(schedule: Schedule) -> int:
@@ -295,9 +300,18 @@ def explain(req: PlanRequest, best: PlanRow, rows: list[PlanRow]) -> list[str]:
     reasons.append(f"predicted {p.forward_s * 1e3:.2f} ms forward + {p.backward_s * 1e3:.2f} ms backward per layer "
                    f"({p.compute_s * 1e3:.2f} ms of it compute); {comm}")
     if p.host_s > p.total_s:
+        replay = ("; or replay the step from CUDA graphs (K/V are local to it: step_graphs=True, recipe "
+                  "model.cp_step_graphs=true; not yet run on a GPU)" if best.replayable else "")
         reasons.append(f"host-bound: issuing the layer takes the host {p.host_s * 1e3:.2f} ms, longer than the GPU "
                        f"runs it ({p.total_s * 1e3:.2f} ms); the GPU waits unless the layers before attention give the "
-                       f"host a lead: fewer CP ranks for this length, or a larger micro batch, gives each call more work")
+                       f"host a lead: fewer CP ranks for this length, or a larger micro batch, gives each call more "
+                       f"work{replay}")
+    if p.busy < BUSY_NOTE:
+        heads = rank_shape(req).heads // c.a2a_degree
+        reasons.append(f"its attention calls are too small to fill the GPU: its SMs are busy {p.busy:.0%} of the "
+                       f"calls' time ({heads} heads a call at micro batch {req.micro_batch_size}, one thread block per "
+                       f"{req.profile.attention_tile_rows} rows; plan/cost.occupancy); fewer CP ranks for this length "
+                       f"give each call more rows")
     if p.ring_step_transfer_s > 0:
         verdict = "hidden under" if p.ring_step_transfer_s <= p.ring_step_compute_s else "longer than"
         reasons.append(f"a ring step's K/V transfer ({p.ring_step_transfer_s * 1e3:.2f} ms) is {verdict} its block's "

@@ -29,6 +29,8 @@ def row_dict(row: PlanRow) -> dict:
                                         "forward_no_overlap": p.forward_no_overlap_s,
                                         "backward_no_overlap": p.backward_no_overlap_s, "compute": p.compute_s,
                                         "host": p.host_s},
+        "attention_busy_share": p.busy,
+        "replayable_from_cuda_graphs": row.replayable,
         "seconds_per_sequence_per_layer": row.seconds_per_sequence,
         "memory_bytes_per_rank": {"attention_saved": row.attention_saved_bytes,
                                   "attention_peak": row.attention_peak_bytes, "activations": row.activation_bytes,
