@@ -1,4 +1,6 @@
 """The schedule covers exactly the visible pairs, and its balance and waste figures are right."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -113,3 +115,20 @@ def test_take_rows_reorders_runs_and_its_gradient_is_the_inverse_reorder():
     (dx,) = torch.autograd.grad(y, x, g)
     ref = torch.autograd.grad(torch.cat([x[6:10], x[0:2], x[2:6]]), x, g)[0]
     assert torch.equal(dx, ref)
+
+
+def test_a_schedule_is_built_once_per_arguments_and_shared():
+    """``layout_schedule`` keeps its last ``SCHEDULES_KEPT`` schedules: equal arguments give the same immutable
+    ``Schedule`` object (a planner's dry run builds the whole ring's schedule on every rank), documents that
+    differ only in the group that agreed on them share one, and different arguments do not."""
+    from mcp_context.masks import documents_mask
+    from mcp_context.schedule import SCHEDULES_KEPT, layout_schedule
+
+    first = layout_schedule("zigzag", 8, 256, CAUSAL, 2)
+    assert layout_schedule("zigzag", 8, 256, CAUSAL, 2) is first
+    assert layout_schedule("zigzag", 8, 256, CAUSAL, 4) is not first
+    assert isinstance(first.tasks, tuple) and all(isinstance(m, tuple) for m in first.tasks)
+    docs = documents_mask([0, 96, 256])
+    agreed = dataclasses.replace(docs, agreed_in=object())
+    assert layout_schedule("zigzag", 4, 256, agreed) is layout_schedule("zigzag", 4, 256, docs)
+    assert layout_schedule.cache_info().maxsize == SCHEDULES_KEPT
