@@ -246,3 +246,27 @@ def test_the_gpu_report_reads_run_4s_picks_and_p2p_step(tmp_path):
     assert "p2p fwd+bwd at 32K/P8: 0.736: not met (>= 0.85); host ahead 0.857: met (>= 0.85)" in text, text
     assert ("the planner's pick, lowest of 11 cells measured: 0.361: not met (>= 0.95); host ahead, lowest of 11: "
             "0.775: not met (>= 0.95)") in text, text
+
+
+def test_the_gpu_report_sets_the_measured_busy_share_beside_the_occupancy_model(tmp_path):
+    """profile.jsonl's occupancy rows (tools/kernel_rates.py) become a table: per block and head count, the busy
+    share measured (FLOP rate per head over 32 heads') and the model's; here the times are built from the model
+    at 4 and 32 heads for one block, so both columns read the model's 64/132 forward and 1 backward."""
+    from mcp_context.masks import FULL_BLOCK
+    from mcp_context.plan import load_profile
+    from mcp_context.plan.cost import occupancy
+    from mcp_context.schedule import BlockTask
+    from tools.gpu_report import report
+
+    h200 = load_profile("h200_nvlink_ib")
+    rows = [{"part": "profile", "comm": "p2p", "seq_len": 32768, "cp": 8}]
+    for heads in (4, 32):
+        fwd, bwd = occupancy(h200, BlockTask((0, 2048), (0, 30720), FULL_BLOCK), heads)
+        rows.append({"part": "occupancy", "rows": 2048, "keys": 30720, "mask": "full", "heads": heads,
+                     "fwd_s": [1.0], "fwd_bwd_s": [1.0], "queued_fwd_s": [heads * 1e-4 / fwd],
+                     "queued_fwd_bwd_s": [heads * (1e-4 / fwd + 3e-4 / bwd)]})
+    (tmp_path / "profile.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = report(str(tmp_path))
+    assert "## Calls too small to fill the GPU" in text, text
+    assert "| full 2048x30720 | 4 | 0.48 | 0.48 | 1.00 | 1.00 |" in text, text
+    assert "| full 2048x30720 | 32 | 1.00 | 1.00 | 1.00 | 1.00 |" in text, text

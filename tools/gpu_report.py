@@ -5,7 +5,9 @@
 Reads what ``tools/gpu_checks.sh`` leaves in its results folder, each part only if it is there (a run cut
 short keeps the lines it wrote): ``summary.jsonl`` (each step's rc and seconds), the benchmark's JSON lines
 (``bench/bench_attention_*.jsonl``: one rank's step of each scheme against one fused call of equal useful
-FLOPs) and ``picks.jsonl`` (``tools/bench_picks.py``: the planner's pick at each cell of its grid).
+FLOPs), ``picks.jsonl`` (``tools/bench_picks.py``: the planner's pick at each cell of its grid) and
+``profile.jsonl``'s ``occupancy`` rows (``tools/kernel_rates.py``: calls of few heads against the planner's
+occupancy model).
 
     python tools/gpu_report.py runs/gpu_checks > runs/gpu_checks/report.md
 """
@@ -162,6 +164,23 @@ def host_costs_table(path: str) -> list[str]:
     return out
 
 
+def occupancy_table(path: str, profile: str) -> list[str]:
+    """The short picks' calls at 4 to 32 heads (``tools/kernel_rates.py``'s ``occupancy`` rows): the busy share
+    measured beside the planner's model (``tools/calibrate_profile.occupancy_rows`` with ``profile``)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from mcp_context.plan import load_profile
+    from tools.calibrate_profile import occupancy_rows
+
+    rows = occupancy_rows(load_profile(profile), list(_lines(path)))
+    if not rows:
+        return []
+    out = ["| block | heads | fwd measured | fwd model | bwd measured | bwd model |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['mask']} {r['rows']}x{r['keys']} | {r['heads']} | {r['measured_fwd']:.2f} | "
+                   f"{r['model_fwd']:.2f} | {r['measured_bwd']:.2f} | {r['model_bwd']:.2f} |")
+    return out
+
+
 def _verdict(value, target: float, above: bool = True) -> str:
     if value is None:
         return "not measured"
@@ -195,6 +214,14 @@ def report(results: str) -> str:
     if os.path.exists(picks_path):
         table, measured, ahead, graphed = picks_table(picks_path)
         lines += ["## The planner's picks", ""] + table + [""]
+    profile_path = os.path.join(results, "profile.jsonl")
+    if os.path.exists(profile_path):
+        table = occupancy_table(profile_path, "h200_nvlink_ib")
+        if table:
+            lines += ["## Calls too small to fill the GPU (tools/kernel_rates.py --parts occupancy)", "",
+                      "The share of the GPU each call keeps busy, measured as its FLOP rate per head over the same "
+                      "block's at 32 heads (GPU time with the host ahead), beside the planner's occupancy model "
+                      "(plan/cost.occupancy, the h200_nvlink_ib profile: 132 SMs, 128-row tiles).", ""] + table + [""]
     host_path = os.path.join(results, "host_costs.jsonl")
     if os.path.exists(host_path):
         lines += ["## Where the host's time goes (tools/host_costs.py)", "",
