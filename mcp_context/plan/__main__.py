@@ -81,6 +81,16 @@ _MODEL_FLAGS = {"--layers": "num_layers", "--hidden": "hidden_size", "--heads": 
                 "--ffn-hidden": "ffn_hidden_size (default: 4 * hidden)"}
 
 
+def _jobs(text: str) -> Optional[int]:
+    """--jobs: ``auto`` (None: ``planner.auto_jobs`` decides) or an integer from 1 to its bound."""
+    if text == "auto":
+        return None
+    try:
+        return _bounded_int("--jobs")(text)
+    except argparse.ArgumentTypeError as err:
+        raise argparse.ArgumentTypeError(f"{err} (or auto)") from None
+
+
 def _window(text: str) -> tuple[int, int]:
     """``LEFT,RIGHT`` as two ints (the range is the mask's own check, with its message)."""
     parts = text.split(",")
@@ -115,9 +125,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile", default="h100_nvlink_ib",
                     help=f"machine profile: {', '.join(shipped_profiles())} or a YAML path")
     ap.add_argument("--json", metavar="PATH", help="also write the whole plan as JSON ('-' for stdout only)")
-    ap.add_argument("--jobs", type=_bounded_int("--jobs"), default=1,
-                    help="evaluate the candidates in this many worker processes, each importing its own torch "
-                         "(default 1: on a busy 2-core machine 2 workers were no faster)")
+    ap.add_argument("--jobs", type=_jobs, default=None, metavar="N|auto",
+                    help="evaluate the candidates in this many worker processes, each importing its own torch; "
+                         "auto (default): the usable CPUs, at most 8, when a CP size of 16 or more is planned, else "
+                         "1 (planner.auto_jobs)")
     ap.add_argument("--no-progress", action="store_true",
                     help="hide the progress over the candidates (on stderr: a bar on a terminal, else a line a minute)")
     return ap
