@@ -240,7 +240,8 @@ def auto_jobs(cp_sizes: Sequence[int], cpus: int) -> int:
     """Worker processes for ``--jobs auto``: ``cpus`` (at most ``AUTO_JOBS_MAX``) where a CP size of
     ``AUTO_JOBS_MIN_CP`` or more is planned (each candidate's dry run covers 16 ranks), else 1 (each worker
     imports torch first). On an idle 2-core machine, Llama-3-8B heads at 32K: CP 16 (51 candidates) took
-    55.3 s in one process and 33.6 s in two; CP 8 at 4K (27 candidates) 8.6 s in one and 9.4 s in two."""
+    55-70 s in one process and 34-42 s in two (three runs each); CP 8 at 4K (27 candidates) 8.6 s in one and
+    9.4 s in two."""
     return max(1, min(cpus, AUTO_JOBS_MAX)) if max(cp_sizes, default=1) >= AUTO_JOBS_MIN_CP else 1
 
 
