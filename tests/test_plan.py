@@ -841,3 +841,20 @@ def test_the_occupancy_rows_a_gpu_measures_check_the_model():
     scaling = occupancy_rows(h200, [row(h, 1e-4, 3e-4) for h in (4, 8, 32)])
     assert scaling[0]["measured_fwd"] == pytest.approx(1.0) and abs(scaling[0]["model_fwd"] - 1.0) > 0.5
     assert statistics.median(r["measured_bwd"] for r in scaling) == pytest.approx(1.0)
+
+
+def test_calibrate_profile_refuses_rates_without_profile_rows_in_one_line(tmp_path, capsys):
+    """Rates that hold only occupancy rows (``kernel_rates.py --parts occupancy``) cannot fit the step bandwidth:
+    one line naming what is missing and what writes it, exit status 2, not a statistics traceback."""
+    import sys
+
+    sys.path.insert(0, str(REPO))
+    from tools.calibrate_profile import main as calibrate_main
+
+    rates = tmp_path / "rates.jsonl"
+    rates.write_text(json.dumps({"part": "occupancy", "rows": 2048, "keys": 2048, "mask": "causal", "heads": 4,
+                                 "fwd_s": [1e-4], "fwd_bwd_s": [4e-4]}) + "\n")
+    assert calibrate_main(["--profile", "h200_nvlink_ib", "--rates", str(rates),
+                           "--bench", str(DOCS_GPU / "h200_run1_bench.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no 'profile' rows" in err and "kernel_rates.py --parts profile" in err, err

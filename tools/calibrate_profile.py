@@ -87,6 +87,9 @@ def calibrate(profile: MachineProfile, rates: list[dict], bench: dict, fit_world
               ) -> tuple[MachineProfile, list[dict]]:
     heads, kv_heads, d = (bench["shape"][k] for k in ("heads", "kv_heads", "head_dim"))
     profiled = [r for r in rates if r["part"] == "profile"]
+    if not profiled:
+        raise ValueError("the --rates lines hold no 'profile' rows, which the step bandwidth is fitted to; "
+                         "tools/kernel_rates.py --parts profile writes them (make test-gpu: profile.jsonl)")
     bandwidth = statistics.median(_moved_bytes(profile, r["comm"], r["seq_len"], r["cp"], heads, kv_heads, d,
                                                r.get("harness", 1)) / (r["other_us"] * 1e-6) / 1e9 for r in profiled)
     profile = dataclasses.replace(profile, memory_bandwidth_gbps=round(bandwidth), call_overhead_us=1e-9)
@@ -213,7 +216,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     with open(args.bench) as f:
         bench = json.load(f)
-    profile, rows = calibrate(load_profile(args.profile), _lines(args.rates), bench, args.fit_world_size)
+    try:
+        profile, rows = calibrate(load_profile(args.profile), _lines(args.rates), bench, args.fit_world_size)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print(f"memory_bandwidth_gbps: {profile.memory_bandwidth_gbps:.0f}\ncall_overhead_us: {profile.call_overhead_us}")
     if args.host:
         steps = host_steps([r for path in args.host for r in _lines(path)])
