@@ -858,3 +858,19 @@ def test_calibrate_profile_refuses_rates_without_profile_rows_in_one_line(tmp_pa
                            "--bench", str(DOCS_GPU / "h200_run1_bench.json")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no 'profile' rows" in err and "kernel_rates.py --parts profile" in err, err
+
+
+def test_the_grid_tool_lists_each_cells_pick_with_its_busy_share_and_replayability():
+    """tools/plan_grid.py's row for one cell (Llama-3-8B heads, 32K over 8): the pick is the fastest of the
+    zigzag candidates it evaluated (its ms the least of every scheme's best), its calls fill the GPU (busy 1),
+    and a ring pick cannot be replayed from CUDA graphs."""
+    import sys
+
+    sys.path.insert(0, str(REPO))
+    from tools.plan_grid import grid
+
+    [row] = grid("h200_nvlink_ib", [32768], [8], ["llama3_8b"])
+    assert row["predicted_ms"] == min(v["ms"] for v in row["best_per_scheme"].values())
+    assert row["best_per_scheme"][row["comm"]]["candidate"] == row["pick"]
+    assert row["busy"] == 1.0 and row["replayable"] == (row["comm"] in ("a2a", "all_gather", "a2a+all_gather"))
+    assert row["efficiency"] == pytest.approx(row["fused_equal_flops_ms"] / row["predicted_ms"])

@@ -8,7 +8,8 @@ two levels at most (every flat scheme; the hierarchical ones with an all-to-all 
 ranks, the sizes one node of 8 holds) are dry-run and predicted (``plan.evaluate``) on ``P`` GPUs, 8 a
 node; the table lists the fastest, its predicted
 forward+backward ms (or the host's time to issue it, where longer: ``Prediction.bound_s``), its compute
-alone, the host's issue time, its efficiency against one fused call of equal useful FLOPs at
+alone, the host's issue time, the share of its calls' time the GPU's SMs are busy (``Prediction.busy``) and
+whether its step can be replayed from CUDA graphs, its efficiency against one fused call of equal useful FLOPs at
 the profile's rate (the benchmark's baseline, predicted), and the runner-up per family. Memory is not
 ranked here (``python -m mcp_context.plan`` does that for a whole model).
 
@@ -56,7 +57,8 @@ def grid(profile_name: str, seq_lens, cps, models) -> list[dict]:
         req = PlanRequest(model, seq_len, cp, profile)
         valid, _ = enumerate_candidates([cp], seq_len, model.num_attention_heads, model.num_query_groups)
         chosen = [c for c in valid if c.layout == "zigzag" and len(c.sizes) <= 2 and c.sizes[0] in (cp, 2, 4, 8)]
-        results = sorted(((evaluate(req, c).prediction, c) for c in chosen), key=lambda x: x[0].bound_s)
+        evaluated = sorted((evaluate(req, c) for c in chosen), key=lambda r: r.prediction.bound_s)
+        results = [(r.prediction, r.candidate) for r in evaluated]
         best, cand = results[0]
         fused = fused_equal_flops_s(profile, seq_len, cp, model.num_attention_heads, model.kv_channels)
         by_comm = {}
@@ -64,7 +66,8 @@ def grid(profile_name: str, seq_lens, cps, models) -> list[dict]:
             by_comm.setdefault(c.comm, (pred.bound_s * 1e3, c.label()))
         rows.append({"model": name, "seq_len": seq_len, "cp": cp, "pick": cand.label(), "comm": cand.comm,
                      "sizes": list(cand.sizes), "predicted_ms": best.bound_s * 1e3, "compute_ms": best.compute_s * 1e3,
-                     "host_ms": best.host_s * 1e3, "fused_equal_flops_ms": fused * 1e3,
+                     "host_ms": best.host_s * 1e3, "busy": best.busy, "replayable": evaluated[0].replayable,
+                     "fused_equal_flops_ms": fused * 1e3,
                      "efficiency": fused / best.bound_s,
                      "best_per_scheme": {k: {"ms": v[0], "candidate": v[1]} for k, v in by_comm.items()}})
     return rows
@@ -79,12 +82,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="JSON file for the rows")
     args = ap.parse_args(argv)
     rows = grid(args.profile, args.seq_lens, args.cps, args.models)
-    print(f"{'model':11} {'S':>8} {'P':>3}  {'pick':28} {'ms':>8} {'compute':>8} {'host':>8} {'eff':>5}  "
-          f"best of each scheme (ms)")
+    print(f"{'model':11} {'S':>8} {'P':>3}  {'pick':28} {'ms':>8} {'compute':>8} {'host':>8} {'busy':>5} "
+          f"{'eff':>5}  best of each scheme (ms)")
     for r in rows:
         others = ", ".join(f"{k} {v['ms']:.2f}" for k, v in sorted(r["best_per_scheme"].items(), key=lambda x: x[1]["ms"]))
         print(f"{r['model']:11} {r['seq_len']:>8} {r['cp']:>3}  {r['pick']:28} {r['predicted_ms']:>8.2f} "
-              f"{r['compute_ms']:>8.2f} {r['host_ms']:>8.2f} {r['efficiency']:>5.2f}  {others}")
+              f"{r['compute_ms']:>8.2f} {r['host_ms']:>8.2f} {r['busy']:>5.2f} {r['efficiency']:>5.2f}  {others}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"profile": args.profile, "rows": rows}, f, indent=1)
