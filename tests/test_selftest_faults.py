@@ -23,6 +23,7 @@ import torch
 from mcp_context import api, layouts
 from mcp_context.algorithms import schemes
 from mcp_context.megatron import batch
+from mcp_context.schedule import layout_schedule
 from tests._dist import run_distributed
 from tests.test_selftest import _rows, _run
 
@@ -41,19 +42,25 @@ def _one_thread():
 def planted(fn: Callable, faulty: Callable) -> Iterator[None]:
     """``fn`` runs ``faulty``'s code wherever it is referenced; ``faulty`` resolves names in ``fn``'s
     module and reaches the original as ``_planted_original``. The engines ``engine_for`` keeps per group
-    are dropped on the way in and out: one made before the plant would not run it, and one made under it
-    would keep what it resolved there (a worker's next case over the same group would inherit the fault)."""
+    and the schedules ``layout_schedule`` keeps are dropped on the way in and out: one made before the plant
+    would not run it, and one made under it would keep what it resolved there (a worker's next case over the
+    same group would inherit the fault)."""
     original = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     fn.__globals__["_planted_original"] = original
     code = fn.__code__
     fn.__code__ = faulty.__code__
-    api._engine.cache_clear()
+    _forget_resolved()
     try:
         yield
     finally:
         fn.__code__ = code
         del fn.__globals__["_planted_original"]
-        api._engine.cache_clear()
+        _forget_resolved()
+
+
+def _forget_resolved() -> None:
+    api._engine.cache_clear()
+    layout_schedule.cache_clear()
 
 
 # The faults, each written as the faulty version of the package function (names resolve in its module).
@@ -170,3 +177,14 @@ def test_a_layer_the_check_cannot_build_fails_the_run_unless_accepted():
     assert "--v-head-dim without a recipe" in refused[1], refused[1]
     assert refused[1].strip().endswith("passed, 0 failed, 1 not run"), refused[1]
     assert accepted[0] == 0 and _rows(accepted[1])[row] == "accepted", accepted[1]
+
+
+def test_a_plant_after_a_clean_run_of_the_same_recipe_is_still_caught():
+    """A clean run first keeps its schedules (``layout_schedule``'s cache) and engines; the plant drops them, so
+    the faulty layout is what the next run resolves and the dynamic step fails (without dropping the
+    schedules, the dynamic step ran the clean schedule and passed: a CI run, test order)."""
+    status, text = _run(["--simulate", *RECIPE["tiny_dynamic_cp_cpu"]])
+    assert status == 0, text
+    status, text = _planted_run("layout-swap", ["--simulate", *RECIPE["tiny_dynamic_cp_cpu"]])
+    assert status == 1 and _rows(text).get("dynamic.step") == "FAIL", text
+    _assert_dynamic_step_off_by_numbers(text)
