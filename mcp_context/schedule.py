@@ -30,7 +30,7 @@ from .masks import (BLOCK_MASK_KINDS, CAUSAL, CAUSAL_BLOCK, FULL, FULL_BLOCK, Bl
 
 ALL_BLOCK_MASKS = frozenset(BLOCK_MASK_KINDS)
 SCHEDULES_KEPT = 64
-"""How many schedules ``layout_schedule`` keeps (by its arguments; packed batches each bring new documents)."""
+"""How many schedules ``layout_schedule`` keeps, by its arguments (masks without documents only)."""
 
 RUN_ROWS = 2048
 """Most query rows in one task of a diagonal run (unless one square is larger). A fused op runs a
@@ -242,7 +242,6 @@ def build_schedule(member_spans: Sequence[Sequence[Span]], mask: Mask,
     return Schedule(tuple(tuple(s) for s in member_spans), mask, tasks)
 
 
-@functools.lru_cache(maxsize=SCHEDULES_KEPT)
 def layout_schedule(layout: str, cp_size: int, seq_len: int, mask: Mask, inner_size: int = 1,
                     kernel_masks: frozenset = ALL_BLOCK_MASKS) -> Schedule:
     """The schedule of a ring over groups of ``inner_size`` adjacent CP ranks (1: the flat ring).
@@ -253,14 +252,31 @@ def layout_schedule(layout: str, cp_size: int, seq_len: int, mask: Mask, inner_s
     With ``inner_size > 1`` a member is a level-0 all-to-all group whose tokens were gathered and
     put in position order (``canonical_member_spans``); ``inner_size == cp_size`` is plain Ulysses.
 
-    Kept for the last ``SCHEDULES_KEPT`` arguments (a ``Schedule`` is immutable): every rank of a
-    planner's dry run builds the whole ring's schedule (a 64-rank p2p candidate: 4.4 s without this, 3.2-3.8 s
-    with it).
+    The schedules of masks without documents are kept (``_kept_schedule``): every rank of a planner's dry run
+    builds the whole ring's schedule (a 64-rank p2p candidate: 4.4 s without keeping them, 3.2-3.8 s with).
+    A packed batch's documents are new at every step, and their schedule holds megabytes (1.8 MiB for 57
+    documents in 128K over 8 ranks), so it is built each time and not kept.
     """
+    if isinstance(mask, Documents):
+        return _build_layout_schedule(layout, cp_size, seq_len, mask, inner_size, kernel_masks)
+    return _kept_schedule(layout, cp_size, seq_len, mask, inner_size, kernel_masks)
+
+
+def forget_kept_schedules() -> None:
+    """Drop the kept schedules (``layout_schedule``): for code that changes how layouts resolve at run time,
+    the self-test's planted faults."""
+    _kept_schedule.cache_clear()
+
+
+def _build_layout_schedule(layout: str, cp_size: int, seq_len: int, mask: Mask, inner_size: int,
+                           kernel_masks: frozenset) -> Schedule:
     documents = mask if isinstance(mask, Documents) else None
     ranks = [layout_spans(layout, cp_size, r, seq_len, documents) for r in range(cp_size)]
     members = [canonical_member_spans(ranks[g:g + inner_size])[0] for g in range(0, cp_size, inner_size)]
     return build_schedule(members, mask, kernel_masks)
+
+
+_kept_schedule = functools.lru_cache(maxsize=SCHEDULES_KEPT)(_build_layout_schedule)
 
 
 def position_pieces(schedule: Schedule) -> Optional[tuple[tuple[int, int], ...]]:

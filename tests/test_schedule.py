@@ -118,17 +118,22 @@ def test_take_rows_reorders_runs_and_its_gradient_is_the_inverse_reorder():
 
 
 def test_a_schedule_is_built_once_per_arguments_and_shared():
-    """``layout_schedule`` keeps its last ``SCHEDULES_KEPT`` schedules: equal arguments give the same immutable
-    ``Schedule`` object (a planner's dry run builds the whole ring's schedule on every rank), documents that
-    differ only in the group that agreed on them share one, and different arguments do not."""
+    """``layout_schedule`` keeps its last ``SCHEDULES_KEPT`` schedules of masks without documents: equal
+    arguments give the same immutable ``Schedule`` object (a planner's dry run builds the whole ring's schedule
+    on every rank) and different ones do not. A packed batch's documents schedule is built each time (new
+    documents every step, megabytes each), equal to a fresh build; ``forget_kept_schedules`` drops the rest."""
     from mcp_context.masks import documents_mask
-    from mcp_context.schedule import SCHEDULES_KEPT, layout_schedule
+    from mcp_context.schedule import _kept_schedule, forget_kept_schedules
 
+    forget_kept_schedules()
     first = layout_schedule("zigzag", 8, 256, CAUSAL, 2)
     assert layout_schedule("zigzag", 8, 256, CAUSAL, 2) is first
     assert layout_schedule("zigzag", 8, 256, CAUSAL, 4) is not first
     assert isinstance(first.tasks, tuple) and all(isinstance(m, tuple) for m in first.tasks)
     docs = documents_mask([0, 96, 256])
-    agreed = dataclasses.replace(docs, agreed_in=object())
-    assert layout_schedule("zigzag", 4, 256, agreed) is layout_schedule("zigzag", 4, 256, docs)
-    assert layout_schedule.cache_info().maxsize == SCHEDULES_KEPT
+    packed = layout_schedule("zigzag", 4, 256, docs)
+    assert layout_schedule("zigzag", 4, 256, docs) is not packed
+    assert layout_schedule("zigzag", 4, 256, dataclasses.replace(docs, agreed_in=object())) == packed
+    assert _kept_schedule.cache_info().currsize == 2
+    forget_kept_schedules()
+    assert _kept_schedule.cache_info().currsize == 0 and layout_schedule("zigzag", 8, 256, CAUSAL, 2) == first

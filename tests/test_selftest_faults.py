@@ -23,7 +23,7 @@ import torch
 from mcp_context import api, layouts
 from mcp_context.algorithms import schemes
 from mcp_context.megatron import batch
-from mcp_context.schedule import layout_schedule
+from mcp_context.schedule import forget_kept_schedules
 from tests._dist import run_distributed
 from tests.test_selftest import _rows, _run
 
@@ -60,7 +60,7 @@ def planted(fn: Callable, faulty: Callable) -> Iterator[None]:
 
 def _forget_resolved() -> None:
     api._engine.cache_clear()
-    layout_schedule.cache_clear()
+    forget_kept_schedules()
 
 
 # The faults, each written as the faulty version of the package function (names resolve in its module).
