@@ -86,7 +86,7 @@ def _rates(sink, kernel, heads: int, kv_heads: int, d: int, reps: int) -> None:
 
 
 def time_occupancy(sink, kernel, heads: int, kv_heads: int, d: int, reps: int, rand=_cuda_randn,
-              shapes=OCCUPANCY_SHAPES, head_counts=OCCUPANCY_HEADS) -> None:
+                   shapes=OCCUPANCY_SHAPES, head_counts=OCCUPANCY_HEADS) -> None:
     """The calls of ``shapes`` at each of ``head_counts`` (KV heads in the model's ``heads / kv_heads`` ratio),
     also with the host ahead: what ``tools/calibrate_profile.py`` checks the planner's occupancy model
     against."""
@@ -99,16 +99,14 @@ def time_occupancy(sink, kernel, heads: int, kv_heads: int, d: int, reps: int, r
                   f"{row['fwd_bwd_tflops']:5.0f} TFLOP/s cold", flush=True)
 
 
-def _profile(sink, seq_len: int, cp: int, heads: int, kv_heads: int, d: int) -> None:
+def _profile(sink, kernel, seq_len: int, cp: int, heads: int, kv_heads: int, d: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from tools.rank_step import HARNESS, SCHEMES, rank_step, walked_call
 
-    dev, dtype = torch.device("cuda"), torch.bfloat16
-    kernel = get_kernel("auto", dev, dtype, head_dim=d)
     for comm in SCHEMES:
         step = rank_step(comm, cp, seq_len, CAUSAL, kernel, heads, kv_heads, d)
-        run = walked_call(step, lambda *size: torch.randn(*size, device=dev, dtype=dtype), d)
+        run = walked_call(step, _cuda_randn, d)
         for _ in range(3):  # compile and cuDNN graph builds happen here
             run()
         torch.cuda.synchronize()
@@ -161,7 +159,7 @@ def main(argv=None) -> int:
         time_occupancy(sink, kernel, args.heads, args.kv_heads, args.head_dim, args.reps)
     if "profile" in args.parts:
         for s in args.profile_seq_lens:
-            _profile(sink, s, args.cp, args.heads, args.kv_heads, args.head_dim)
+            _profile(sink, kernel, s, args.cp, args.heads, args.kv_heads, args.head_dim)
     print(json.dumps({"wrote": args.out}))
     return 0
 

@@ -58,12 +58,11 @@ def grid(profile_name: str, seq_lens, cps, models) -> list[dict]:
         valid, _ = enumerate_candidates([cp], seq_len, model.num_attention_heads, model.num_query_groups)
         chosen = [c for c in valid if c.layout == "zigzag" and len(c.sizes) <= 2 and c.sizes[0] in (cp, 2, 4, 8)]
         evaluated = sorted((evaluate(req, c) for c in chosen), key=lambda r: r.prediction.bound_s)
-        results = [(r.prediction, r.candidate) for r in evaluated]
-        best, cand = results[0]
+        best, cand = evaluated[0].prediction, evaluated[0].candidate
         fused = fused_equal_flops_s(profile, seq_len, cp, model.num_attention_heads, model.kv_channels)
         by_comm = {}
-        for pred, c in results:
-            by_comm.setdefault(c.comm, (pred.bound_s * 1e3, c.label()))
+        for r in evaluated:
+            by_comm.setdefault(r.candidate.comm, (r.prediction.bound_s * 1e3, r.candidate.label()))
         rows.append({"model": name, "seq_len": seq_len, "cp": cp, "pick": cand.label(), "comm": cand.comm,
                      "sizes": list(cand.sizes), "predicted_ms": best.bound_s * 1e3, "compute_ms": best.compute_s * 1e3,
                      "host_ms": best.host_s * 1e3, "busy": best.busy, "replayable": evaluated[0].replayable,

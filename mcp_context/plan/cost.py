@@ -67,11 +67,11 @@ def occupancy(profile: MachineProfile, task: BlockTask, parallel: int) -> tuple[
     ``total / (sm_count * busiest)``, at most 1. Calls of many heads and rows fill the GPU (every row of the
     rate tables does); 4 heads of 2048 query rows give 64 blocks of equal work forward, half an H200's 132."""
     n, m = task.q[1] - task.q[0], task.kv[1] - task.kv[0]
-    return (_busy_share(profile, task.mask, n, m, parallel),
-            _busy_share(profile, task.mask.transposed, m, n, parallel))
+    return (_sm_share(profile, task.mask, n, m, parallel),
+            _sm_share(profile, task.mask.transposed, m, n, parallel))
 
 
-def _busy_share(profile: MachineProfile, mask: BlockMask, n: int, m: int, parallel: int) -> float:
+def _sm_share(profile: MachineProfile, mask: BlockMask, n: int, m: int, parallel: int) -> float:
     loads = mask.tile_loads(n, m, profile.attention_tile_rows)
     busiest = max(loads, default=0)
     if not busiest:
