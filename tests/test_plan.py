@@ -843,6 +843,29 @@ def test_the_occupancy_rows_a_gpu_measures_check_the_model():
     assert statistics.median(r["measured_bwd"] for r in scaling) == pytest.approx(1.0)
 
 
+def test_calls_sized_to_the_gpu_are_what_the_planner_prices_for_the_short_pick():
+    """Llama-3-8B at 32K over 64 H200s, the pick ``cp8x8 a2a+all_gather``, rank 0 (4 heads, 4096 query rows): its
+    two 2048-row squares stacked into one call each way and its full block's forward in 2 key runs (64 blocks
+    each, 128 together, on 132 SMs), predicted 1.12 ms of GPU time where one call per task (run 4's engine,
+    measured 1.38 ms) is predicted 1.56 ms; every call of a step that fills the GPU stays as it was."""
+    from mcp_context.algorithms.calls import Call, step_calls
+    from mcp_context.kernels.torch_sdpa import cpu_flash_kernel
+    from tools.calibrate_profile import predicted_step
+    from tools.rank_step import rank_step
+
+    h200 = load_profile("h200_nvlink_ib")
+    step = rank_step("a2a+all_gather", 64, 32768, CAUSAL, cpu_flash_kernel(), 32, 8, 128, inner=8)
+    tasks = tuple(step.plan.tasks[0])
+    assert step_calls(tasks, step.heads, h200.gpu, True) == (Call((0, 2)), Call((1,), 2))
+    assert step_calls(tasks, step.heads, h200.gpu, False) == (Call((0, 2)), Call((1,)))
+    assert step_calls(tasks, 32, h200.gpu, True) == (Call((0,)), Call((1,)), Call((2,)))  # 32 heads fill it
+    one_each, planned = (predicted_step(h200, "a2a+all_gather", 32768, 64, 32, 8, 128, harness, 8)[0]
+                         for harness in (2, 3))
+    assert one_each == pytest.approx(1.56e-3, rel=0.01) and planned == pytest.approx(1.12e-3, rel=0.02)
+    p8 = [predicted_step(h200, "p2p", 32768, 8, 32, 8, 128, harness)[0] for harness in (2, 3)]
+    assert p8[0] == p8[1]  # 4096 rows of 32 heads a call: nothing to size
+
+
 def test_calibrate_profile_refuses_rates_without_profile_rows_in_one_line(tmp_path, capsys):
     """Rates that hold only occupancy rows (``kernel_rates.py --parts occupancy``) cannot fit the step bandwidth:
     one line naming what is missing and what writes it, exit status 2, not a statistics traceback."""

@@ -15,8 +15,9 @@ computes (``streams``); dK/dV sums stay on the calls' stream, which sends them o
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import Callable, Iterator, Optional, Protocol, Sequence
 
 import torch
 
@@ -24,6 +25,7 @@ from ..kernels import Dropout, Kernel, accum_dtype, finite_lse_for_backward
 from ..merge import add_pair_, add_sink_, merge_, merge_pair_, sink_grad
 from ..schedule import BlockTask
 from .. import trace
+from .calls import Call, backward_call, calls_for, forward_call
 from .packing import packed_columns, split_kv
 from .results import FIRST, HOLD, LAST, MERGE, OWN, PAIR, PAIR_LAST, Piece, ResultPlan, most_blocks_per_key
 from .rotation import Rotation, rows_of
@@ -270,6 +272,20 @@ def _backward_piece(p: Piece, q0: int, gq: torch.Tensor, sums: _Sums) -> None:
         add_pair_(sums.result(p.rows), sums.sum(p.rows), bg)
 
 
+def _in_task_order(calls: Sequence[Call], run: Callable[[Call], list]) -> Iterator[tuple]:
+    """Each task's outputs in task order (what ``results`` orders a step's writes, holds and merges by), the
+    calls run in their own: a stacked call's later tasks wait for the tasks before them (``calls``). With one
+    call per task, each task's outputs as its call returns them."""
+    pending: dict[int, tuple] = {}
+    ready = 0
+    for call in calls:
+        for i, *outputs in run(call):
+            pending[i] = tuple(outputs)
+        while ready in pending:
+            yield (ready, *pending.pop(ready))
+            ready += 1
+
+
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPlan,
                  sink: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``q [sq, b, h, dqk]``, ``k [sk, b, h_kv, dqk]``, ``v [sk, b, h_kv, dv]`` -> ``out [sq, b, h, dv]``
@@ -290,9 +306,11 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPl
     streams = streams_for(qb)
     for step, kb, vb in plan.rotation.blocks(_bhsd(k), _bhsd(v)):
         t0 = trace.now()
-        for i, t in enumerate(plan.tasks[step]):
-            o, l = plan.kernel.forward(rows_of(qb, t.q), rows_of(kb, t.kv), rows_of(vb, t.kv), t.mask, plan.scale,
-                                       plan.dropout(step, i))
+        tasks = plan.tasks[step]
+        run = functools.partial(forward_call, plan.kernel, tasks=tasks, q=qb, k=kb, v=vb, scale=plan.scale,
+                                dropout=functools.partial(plan.dropout, step))
+        for i, o, l in _in_task_order(calls_for(tasks, b * h, qb, True, plan.dropout_p > 0), run):
+            t = tasks[i]
             sums.offer(step, i, o)
             if lse is None:
                 lse = l if _adopt_lse(l, sq, acc) else _accumulator(qb, (b, h, sq), acc, float("-inf"), results.covered)
@@ -331,12 +349,14 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     kb_all, vb_all = _bhsd(k), _bhsd(v)
     grads = plan.rotation.gradients(kb_all, vb_all, plan.kv_dtype(k.dtype))
     streams = streams_for(qb)
+    parallel = qb.shape[0] * qb.shape[1]
     for step, kb, vb in grads.blocks(kb_all, vb_all):
         t0 = trace.now()
-        for i, t in enumerate(plan.tasks[step]):
-            gq, gk, gv = plan.kernel.backward(rows_of(dob, t.q), rows_of(qb, t.q), rows_of(kb, t.kv),
-                                              rows_of(vb, t.kv), rows_of(ob, t.q), block_lse.rows(t.q), t.mask,
-                                              plan.scale, plan.dropout(step, i))
+        tasks = plan.tasks[step]
+        run = functools.partial(backward_call, plan.kernel, tasks=tasks, dout=dob, q=qb, k=kb, v=vb, out=ob,
+                                lse_rows=block_lse.rows, scale=plan.scale, dropout=functools.partial(plan.dropout, step))
+        for i, gq, gk, gv in _in_task_order(calls_for(tasks, parallel, qb, False, plan.dropout_p > 0), run):
+            t = tasks[i]
             sums.offer(step, i, gq)
             pieces = plan.results.pieces[step][i]
             sums.ready(pieces)

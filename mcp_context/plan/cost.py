@@ -37,6 +37,7 @@ from typing import Optional, Sequence
 
 from ..algorithms.results import (FIRST, HOLD, LAST, MERGE, OWN, PAIR, PAIR_LAST, Piece, ResultPlan, first_key_rows,
                                   most_blocks_per_key)
+from ..algorithms.calls import Call, adjacent, one_call_each, sm_share, step_calls
 from ..masks import BlockMask
 from ..schedule import BlockTask
 from .dryrun import RankShape, RankTraffic
@@ -72,11 +73,7 @@ def occupancy(profile: MachineProfile, task: BlockTask, parallel: int) -> tuple[
 
 
 def _sm_share(profile: MachineProfile, mask: BlockMask, n: int, m: int, parallel: int) -> float:
-    loads = mask.tile_loads(n, m, profile.attention_tile_rows)
-    busiest = max(loads, default=0)
-    if not busiest:
-        return 1.0
-    return min(1.0, parallel * mask.diagonal * sum(loads) / (profile.sm_count * busiest))
+    return sm_share(mask, n, m, parallel, profile.gpu)
 
 
 def call_seconds(profile: MachineProfile, task: BlockTask, flops_per_pair: float, parallel: int
@@ -90,6 +87,48 @@ def call_seconds(profile: MachineProfile, task: BlockTask, flops_per_pair: float
     fwd_busy, bwd_busy = occupancy(profile, task, parallel)
     overhead = profile.call_overhead_us * 1e-6
     return fwd / fwd_busy + overhead, bwd / bwd_busy + overhead
+
+
+def call_time(profile: MachineProfile, tasks: Sequence[BlockTask], call: Call, flops_per_pair: float, parallel: int,
+              forward: bool) -> float:
+    """Seconds of one attention call in one direction (``algorithms/calls.py``): its tasks' FLOPs at the
+    tables' rates over the share of the GPU the call keeps busy (its tasks stacked, or one task's key parts,
+    run as that many more copies: ``occupancy``), plus the fixed overhead once. The copies that stack its rows
+    and the merge of key parts are ``call_bytes``."""
+    members = [tasks[i] for i in call.tasks if tasks[i].useful_pairs]
+    if not members:
+        return 0.0
+    filled = sum(_filled_seconds(profile, t, flops_per_pair)[0 if forward else 1] for t in members)
+    first = members[0]
+    n, m = first.q[1] - first.q[0], (first.kv[1] - first.kv[0]) // call.key_parts
+    copies = parallel * len(members) * call.key_parts
+    share = (sm_share(first.mask, n, m, copies, profile.gpu) if forward
+             else sm_share(first.mask.transposed, m, n, copies, profile.gpu))
+    return filled / share + profile.call_overhead_us * 1e-6
+
+
+def call_bytes(tasks: Sequence[BlockTask], call: Call, shape: RankShape, heads: int, kv_heads: int,
+               forward: bool) -> int:
+    """Bytes a call moves beyond its tasks' own work (``task_bytes``): rows stacked by a copy where they are not
+    adjacent (``calls.stacked``: read and write; a batch above 1 is reshaped, a copy too), and the merge of
+    a key-split block's parts (read every part's out and lse, write the block's)."""
+    e, acc, b = shape.dtype.itemsize, 8 if shape.dtype.itemsize == 8 else 4, shape.batch
+    first = tasks[call.tasks[0]]
+    n, m = first.q[1] - first.q[0], first.kv[1] - first.kv[0]
+    if call.key_parts > 1:
+        g = call.key_parts
+        q_copy = 2 * g * b * n * heads * shape.head_dim * e
+        merge = (g + 1) * b * n * heads * (shape.dv * e + acc)
+        return q_copy + merge + (0 if b == 1 else 2 * b * m * kv_heads * (shape.head_dim + shape.dv) * e)
+    if len(call.tasks) == 1:
+        return 0
+    count = len(call.tasks)
+    copied = (lambda spans: b > 1 or not adjacent(spans))
+    q_cols = shape.head_dim if forward else shape.head_dim + 2 * shape.dv  # backward: q, dout and out
+    qs = 2 * count * b * n * heads * q_cols * e if copied([tasks[i].q for i in call.tasks]) else 0
+    kvs = (2 * count * b * m * kv_heads * (shape.head_dim + shape.dv) * e
+           if copied([tasks[i].kv for i in call.tasks]) else 0)
+    return qs + kvs + (0 if forward else 2 * count * b * n * heads * acc)  # the backward's lse rows, one copy
 
 
 def _filled_seconds(profile: MachineProfile, task: BlockTask, flops_per_pair: float) -> tuple[float, float]:
@@ -267,10 +306,12 @@ def flops_per_pair(shape: RankShape, a2a_degree: int) -> int:
 
 
 def step_compute(traffics: Sequence[RankTraffic], shape: RankShape, a2a_degree: int, profile: MachineProfile,
-                 accumulation: Optional[Accumulation] = None) -> tuple[list[float], list[float]]:
+                 accumulation: Optional[Accumulation] = None, planned: bool = True) -> tuple[list[float], list[float]]:
     """Forward and backward compute seconds of each step, the slowest rank's (ranks move in lockstep).
     ``accumulation``: how the results are held, by default as the executor holds them for these tasks
-    (a calibration against steps measured on an older engine passes that engine's)."""
+    (a calibration against steps measured on an older engine passes that engine's). ``planned``: the calls
+    planned for the profile's GPU (``algorithms/calls.py``); False: one call per task, as every step timed
+    before those calls ran (``tools/rank_step.HARNESS`` 1 and 2)."""
     heads, kv_heads = shape.heads // a2a_degree, max(1, shape.kv_heads // a2a_degree)
     per_pair = flops_per_pair(shape, a2a_degree)
     parallel = shape.batch * heads
@@ -284,11 +325,16 @@ def step_compute(traffics: Sequence[RankTraffic], shape: RankShape, a2a_degree: 
         for t, tasks in enumerate(tr.tasks):
             f = b = 0.0
             for i, task in enumerate(tasks):
-                cf, cb = call_seconds(profile, task, per_pair, parallel)
                 adopted = (t, i) == results.adopted
                 bf, bb = task_bytes(task, results.pieces[t][i], adopted, first_keys[t][i], shape, heads, kv_heads,
                                     held)
-                f, b = f + cf + bf / bandwidth, b + cb + bb / bandwidth
+                f, b = f + bf / bandwidth, b + bb / bandwidth
+            for forward in (True, False):
+                spent = sum(call_time(profile, tasks, call, per_pair, parallel, forward)
+                            + call_bytes(tasks, call, shape, heads, kv_heads, forward) / bandwidth
+                            for call in (step_calls(tuple(tasks), parallel, profile.gpu, forward) if planned
+                                         else one_call_each(len(tasks))))
+                f, b = (f + spent, b) if forward else (f, b + spent)
             fwd[t], bwd[t] = max(fwd[t], f), max(bwd[t], b)
     return fwd, bwd
 
@@ -300,12 +346,15 @@ def busy_share(traffics: Sequence[RankTraffic], shape: RankShape, a2a_degree: in
     parallel = shape.batch * (shape.heads // a2a_degree)
     per_pair = flops_per_pair(shape, a2a_degree)
     worst, share = 0.0, 1.0
+    overhead = profile.call_overhead_us * 1e-6
     for tr in traffics:
         filled = actual = 0.0
-        for task in (t for step in tr.tasks for t in step if t.useful_pairs):
-            fwd, bwd = _filled_seconds(profile, task, per_pair)
-            fwd_busy, bwd_busy = occupancy(profile, task, parallel)
-            filled, actual = filled + fwd + bwd, actual + fwd / fwd_busy + bwd / bwd_busy
+        for tasks in tr.tasks:
+            for forward in (True, False):
+                filled += sum(_filled_seconds(profile, t, per_pair)[0 if forward else 1] for t in tasks if t.useful_pairs)
+                actual += sum(call_time(profile, tasks, call, per_pair, parallel, forward) - overhead
+                              for call in step_calls(tuple(tasks), parallel, profile.gpu, forward)
+                              if any(tasks[i].useful_pairs for i in call.tasks))
         if actual > worst:
             worst, share = actual, filled / actual
     return share

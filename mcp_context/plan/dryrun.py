@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..algorithms import resolve_scheme
+from ..algorithms.calls import Gpu, assumed_gpu
 from ..comm import build_hcp_groups
 from ..kernels.torch_sdpa import FUSED_OPS, TorchKernel, cpu_flash_kernel
 from ..masks import Mask
@@ -179,9 +180,11 @@ def _kernel(shape: RankShape):
 
 
 def dry_run_rank(comm: str, sizes: Sequence[int], layout: str, mask: Mask, shape: RankShape,
-                 cp_rank: int) -> RankTraffic:
+                 cp_rank: int, gpu: Optional[Gpu] = None) -> RankTraffic:
     """Run one attention layer's forward and backward as CP rank ``cp_rank`` of ``prod(sizes)`` with
-    ``mask`` (causal/full as a bool, or a ``masks`` value such as a sliding window)."""
+    ``mask`` (causal/full as a bool, or a ``masks`` value such as a sliding window), its calls planned for
+    ``gpu`` (``algorithms/calls.py``: the stacked rows and key parts of calls that cannot fill it; None: one
+    call per task)."""
     check_dry_run_fits(shape)
     cp_size = 1
     for s in sizes:
@@ -189,7 +192,7 @@ def dry_run_rank(comm: str, sizes: Sequence[int], layout: str, mask: Mask, shape
     s_local = shape.seq_len // cp_size
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with fake_world(cp_size, cp_rank):
+        with fake_world(cp_size, cp_rank), assumed_gpu(gpu):
             groups = build_hcp_groups(list(sizes))
             tracker = StorageBytes()
             comm_stats.reset()

@@ -145,8 +145,8 @@ def evaluate(req: PlanRequest, cand: Candidate, ranks: Optional[list[int]] = Non
     shape = rank_shape(req)
     fabric = Fabric(req.profile, req.tp)
     ranks = ranks if ranks is not None else dry_run_ranks(cand.cp_size, req.tp, req.profile.gpus_per_node)
-    traffics: list[RankTraffic] = [dry_run_rank(cand.engine_comm, cand.sizes, cand.layout, req.mask, shape, r)
-                                   for r in ranks]
+    traffics: list[RankTraffic] = [dry_run_rank(cand.engine_comm, cand.sizes, cand.layout, req.mask, shape, r,
+                                                req.profile.gpu) for r in ranks]
     schedule = layout_schedule(cand.layout, cand.cp_size, req.seq_len, req.mask, cand.a2a_degree)
     splits = [fabric.split(tr, {op: tr.forward.get(op, 0) + tr.backward.get(op, 0)
                                 for op in set(tr.forward) | set(tr.backward)}) for tr in traffics]

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from ..algorithms.calls import Gpu
+
 PROFILE_DIR = Path(__file__).parent / "profiles"
 
 
@@ -56,6 +58,11 @@ class MachineProfile:
     its merges, sums and transfers), fitted with ``host_layer_us``."""
     measured: str
     """Where the figures come from: machine, software, command and date; what is not measured."""
+
+    @property
+    def gpu(self) -> Gpu:
+        """What the executor plans its calls by on this GPU (``algorithms/calls.py``)."""
+        return Gpu(self.sm_count, self.attention_tile_rows)
 
 
 TABLES = ("causal_tflops", "full_tflops")
