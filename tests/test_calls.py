@@ -161,3 +161,35 @@ def test_the_stacked_and_split_calls_keep_the_side_streams_rules(monkeypatch, co
     with assumed_gpu(Gpu(64, 16)):
         races, scopes = races_of(run, read_after=_read)
     assert scopes > 0 and races == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the SM count decides the calls)")
+def test_on_cuda_the_sized_calls_give_what_one_call_per_task_gives():
+    """The a2a+all_gather [8, 8] rank of Llama-3-8B at 32K (4 query heads, 1 KV head, 4096 query rows against 32K
+    keys, bf16) through cuDNN: with the device's SMs (its squares stacked and, on 128 SMs or more, its full
+    block's forward in 2 key runs) against one call per task (a GPU of one SM assumed: every call fills it).
+    Out within 2 bf16 units of its magnitude (one more rounding for the split block), lse within 1e-3,
+    gradients within 2e-2 (cuDNN's backward sums dQ in no fixed order, test_streams' bound)."""
+    cuda = torch.device("cuda")
+    kernel = get_kernel("torch:cudnn", cuda, torch.bfloat16, head_dim=128)
+    schedule = layout_schedule("zigzag", 8, 32768, CAUSAL, 1, kernel.capabilities.masks)
+    tasks = gathered_tasks(schedule, 0, kernel.capabilities.masks)
+    g = torch.Generator(device=cuda).manual_seed(0)
+    q, dout = (torch.randn(4096, 1, 4, 128, device=cuda, generator=g).to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(32768, 1, 1, 128, device=cuda, generator=g).to(torch.bfloat16) for _ in range(2))
+    plan = RingPlan.build(tasks, LocalRotation(0, 1), kernel, 128 ** -0.5, 4096)
+    sms = torch.cuda.get_device_properties(cuda).multi_processor_count
+    assert calls_for(tasks[0], 4, q, True, False)[0] == Call((0, 2))  # 64 blocks each: short on any datacenter GPU
+    if sms >= 128:
+        assert calls_for(tasks[0], 4, q, True, False)[1] == Call((1,), 2)
+    results = []
+    for gpu in (None, Gpu(1)):
+        with assumed_gpu(gpu):
+            out, lse = ring_forward(q, k, v, plan)
+            results.append((out, lse, *ring_backward(dout, q, k, v, out, lse, plan)[:3]))
+    (out, lse, dq, dk, dv), (out1, lse1, dq1, dk1, dv1) = results
+    assert (out.float() - out1.float()).abs().max().item() <= 2 * 2 ** -8 * out1.float().abs().max().item()
+    assert (lse - lse1).abs().max().item() <= 1e-3
+    for a, b in ((dq, dq1), (dk, dk1), (dv, dv1)):
+        assert (a.float() - b.float()).abs().max().item() <= 2e-2 * max(1.0, b.float().abs().max().item())
