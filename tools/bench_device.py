@@ -268,6 +268,7 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
     equal useful FLOPs (ours) and one at the per-rank length ``S / P`` (ring-flash-attention's). ``inner``:
     the all-to-all degree of a hierarchical scheme (default 2 for an even P)."""
     from mcp_context.algorithms import streams
+    from mcp_context.algorithms.calls import gpu_of
     from mcp_context.masks import CAUSAL
     from tools.rank_step import HARNESS, captured_call, rank_step, transfer_bytes, walked_call
 
@@ -277,7 +278,8 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
     step = rank_step(comm, world, shape.seq_len, CAUSAL, kernel, h, hk, d, inner)
     pairs = step.useful_pairs
     s_eq, s_rank = _equal_len(pairs * step.heads // h), shape.seq_len // world
-    row.update(sizes=list(step.sizes), heads_on_rank=step.heads, attention_calls=step.calls, useful_pairs=pairs,
+    row.update(sizes=list(step.sizes), heads_on_rank=step.heads, attention_calls=step.calls_on(gpu_of(rand(1))),
+               useful_pairs=pairs,
                equal_flops_causal_len=s_eq, per_rank_len=s_rank, harness=HARNESS)
     rank_step_call = walked_call(step, rand, d, b)  # a ring as its member walks it: its own K/V, its messages
     if device.type == "cuda":  # the same step replayed from CUDA graphs (step_graphs): the host issues one launch
@@ -360,6 +362,6 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
                  f"(issue {statistics.median(res['host_issue_s']) * 1e3:.2f} ms, "
                  f"{len(res['host_syncs'])} syncs); " if "side_stream_gain" in res else "")
               + (f"graphed {res['graphed_efficiency']:.2f} of fused; " if "graphed_efficiency" in res else "")
-              + f"{step.calls} calls; transfers "
+              + f"{row['attention_calls']:g} calls; transfers "
               f"{nbytes / 2**20:.0f} MiB = {res['modelled_transfer_s']['nvlink'] * 1e3:.2f} ms NVLink, "
               f"{res['modelled_transfer_s']['network'] * 1e3:.2f} ms network", flush=True)

@@ -58,7 +58,7 @@ results held as their rows need came after them, so the fit prices the steps tha
 
 
 def predicted_step(profile: MachineProfile, comm: str, seq_len: int, cp: int, heads: int, kv_heads: int,
-                   head_dim: int, harness: int = 1, inner: int = 2) -> tuple[float, int, int]:
+                   head_dim: int, harness: int = 1, inner: int = 2) -> tuple[float, float, int]:
     """``(seconds, calls, bytes)`` of one rank's fwd+bwd of ``comm`` (rank 0, batch 1, bf16; ``inner``: the
     all-to-all degree of a hierarchical kind), compute only, as the timed step ran (``harness``,
     ``tools/rank_step.HARNESS``): 1, the measured engine (``MEASURED_ENGINE``) over every member's K/V; 2,
@@ -73,7 +73,8 @@ def predicted_step(profile: MachineProfile, comm: str, seq_len: int, cp: int, he
     fwd, bwd = step_compute([traffic], shape, 1, profile, held, planned=harness >= 3)
     extra = layer_bytes(shape, step.heads, step.kv_heads, step.plan.tasks, step.q_rows, kv_rows, held,
                         ring=harness != 1 and step.ring)
-    return sum(fwd) + sum(bwd) + extra / (profile.memory_bandwidth_gbps * 1e9), step.calls, extra
+    calls = step.calls_on(profile.gpu if harness >= 3 else None)
+    return sum(fwd) + sum(bwd) + extra / (profile.memory_bandwidth_gbps * 1e9), calls, extra
 
 
 def _moved_bytes(profile: MachineProfile, comm: str, seq_len: int, cp: int, heads: int, kv_heads: int,

@@ -82,7 +82,7 @@ def bench_table(paths: list[str]) -> tuple[list[str], dict]:
                 ahead = _held(fb["queued_efficiency"], fb["host_ahead"])
                 issue = f"{statistics.median(fb['host_issue_s']) * 1e3:.2f}"
                 syncs = str(len(fb["host_syncs"]))
-            out.append(f"| {_k(r['seq_len'])} / {r['world_size']} | {scheme} | {r['attention_calls']} | "
+            out.append(f"| {_k(r['seq_len'])} / {r['world_size']} | {scheme} | {r['attention_calls']:g} | "
                        f"{f['efficiency']:.2f} | **{fb['efficiency']:.2f}** | {ahead} | {graphed} | {issue} | {syncs} | "
                        f"{fb['efficiency_vs_per_rank']:.2f} | {gain} | {mem} | {in_order} |")
             seen[(r["comm"], r["seq_len"], r["world_size"])] = fb

@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from mcp_context.algorithms import streams  # noqa: E402
+from mcp_context.algorithms.calls import gpu_of  # noqa: E402
 from mcp_context.kernels import Kernel, get_kernel  # noqa: E402
 from mcp_context.masks import CAUSAL  # noqa: E402
 from mcp_context.merge import FUSED_REGIONS  # noqa: E402
@@ -139,7 +140,7 @@ def case_rows(comm: str, seq_len: int, cp: int, inner: int, device: torch.device
     run = walked_call(step, rand, head_dim)
 
     base = {"part": "host_costs", "device": str(device), "comm": comm, "seq_len": seq_len, "cp": cp,
-            "sizes": list(step.sizes), "attention_calls": step.calls, "heads_on_rank": step.heads}
+            "sizes": list(step.sizes), "attention_calls": step.calls_on(gpu_of(rand(1))), "heads_on_rank": step.heads}
     calls: dict[str, Callable[[], None]] = {}
     for name, context in variants().items():
         def call(context=context) -> None:

@@ -37,6 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from mcp_context.algorithms.calls import Gpu, step_calls  # noqa: E402
 from mcp_context.algorithms.executor import RingAttention, RingPlan, StepRunner  # noqa: E402
 from mcp_context.algorithms.packing import split_kv, unpacked  # noqa: E402
 from mcp_context.algorithms.rotation import LocalRotation, RingRotation  # noqa: E402
@@ -97,8 +98,18 @@ class RankStep:
 
     @property
     def calls(self) -> int:
-        """Attention calls of one forward (the backward makes as many)."""
+        """Block tasks of one forward: its attention calls where every call fills the GPU (the backward makes as
+        many; ``calls_on`` counts the calls a GPU's SMs make of them)."""
         return sum(len(step) for step in self.plan.tasks)
+
+    def calls_on(self, gpu: Optional[Gpu]) -> float:
+        """Attention calls of one forward and one backward on ``gpu``, their mean (``algorithms/calls.py``:
+        tasks too small to fill it stacked, a full block's forward split by keys into one call); ``calls``
+        off a GPU (None)."""
+        if gpu is None:
+            return self.calls
+        return sum(len(step_calls(tuple(step), self.heads, gpu, forward))
+                   for step in self.plan.tasks for forward in (True, False)) / 2
 
     @property
     def ring(self) -> bool:

@@ -26,11 +26,12 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from ..kernels import Dropout, Kernel
 from ..masks import BlockMask
 from ..merge import merge_pair_
 from ..schedule import BlockTask
@@ -199,10 +200,14 @@ def calls_for(tasks: Sequence[BlockTask], parallel: int, x: torch.Tensor, forwar
     return one_call_each(len(tasks)) if gpu is None else step_calls(tuple(tasks), parallel, gpu, forward)
 
 
-def forward_call(kernel, call: Call, tasks: Sequence[BlockTask], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 scale: float, dropout) -> list[tuple]:
+DropoutOf = Callable[[int], Optional[Dropout]]
+"""A step's dropout by task index (None without dropout)."""
+
+
+def forward_call(kernel: Kernel, call: Call, tasks: Sequence[BlockTask], q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, scale: float, dropout: DropoutOf) -> list[tuple]:
     """Run ``call``'s forward on ``q``, ``k``, ``v [b, h, s, d]``: ``(task, out, lse)`` for each of its tasks.
-    ``dropout(task)``: that task's dropout (None without)."""
+    ``dropout(task)``: that task's dropout; only a call of one task has any (``calls_for``)."""
     first = tasks[call.tasks[0]]
     if call.key_parts > 1:
         parts = parts_of(first, call.key_parts)
@@ -219,8 +224,9 @@ def forward_call(kernel, call: Call, tasks: Sequence[BlockTask], q: torch.Tensor
     return list(zip(call.tasks, unstacked(o, len(group)), unstacked(l, len(group))))
 
 
-def backward_call(kernel, call: Call, tasks: Sequence[BlockTask], dout: torch.Tensor, q: torch.Tensor,
-                  k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse_rows, scale: float, dropout) -> list[tuple]:
+def backward_call(kernel: Kernel, call: Call, tasks: Sequence[BlockTask], dout: torch.Tensor, q: torch.Tensor,
+                  k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse_rows: Callable[[tuple[int, int]], torch.Tensor], scale: float, dropout: DropoutOf) -> list[tuple]:
     """Run ``call``'s backward: ``(task, dq, dk, dv)`` for each of its tasks. ``lse_rows(span)``: the final
     ``lse`` rows a block's backward reads."""
     first = tasks[call.tasks[0]]

@@ -354,7 +354,8 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         t0 = trace.now()
         tasks = plan.tasks[step]
         run = functools.partial(backward_call, plan.kernel, tasks=tasks, dout=dob, q=qb, k=kb, v=vb, out=ob,
-                                lse_rows=block_lse.rows, scale=plan.scale, dropout=functools.partial(plan.dropout, step))
+                                lse_rows=block_lse.rows, scale=plan.scale,
+                                dropout=functools.partial(plan.dropout, step))
         for i, gq, gk, gv in _in_task_order(calls_for(tasks, parallel, qb, False, plan.dropout_p > 0), run):
             t = tasks[i]
             sums.offer(step, i, gq)

@@ -351,7 +351,8 @@ def busy_share(traffics: Sequence[RankTraffic], shape: RankShape, a2a_degree: in
         filled = actual = 0.0
         for tasks in tr.tasks:
             for forward in (True, False):
-                filled += sum(_filled_seconds(profile, t, per_pair)[0 if forward else 1] for t in tasks if t.useful_pairs)
+                filled += sum(_filled_seconds(profile, t, per_pair)[0 if forward else 1]
+                              for t in tasks if t.useful_pairs)
                 actual += sum(call_time(profile, tasks, call, per_pair, parallel, forward) - overhead
                               for call in step_calls(tuple(tasks), parallel, profile.gpu, forward)
                               if any(tasks[i].useful_pairs for i in call.tasks))
