@@ -1,7 +1,10 @@
 """Persistent pools of gloo worker processes for multi-process tests.
 
 Starting torch (and megatron-core) in a fresh process costs seconds on a 2-core machine, so each world
-size gets one pool of spawned workers per pytest session, and every case reuses it (~0.1 s a case).
+size gets one pool of workers per pytest session, and every case reuses it (~0.1 s a case). Workers are
+forked from a fork server that has imported torch and megatron-core once (``PRELOAD``): a pool of 4 starts
+and runs its first megatron-core case in 0.1 s, where spawned workers took 7-8 s (16.8 s cold), and a
+pool is started some twenty times a run (replaced pools below included).
 A case is a module-level function ``fn(rank, world_size, *args)``; it runs in every worker with the
 default gloo process group initialised, and its return values come back as a list indexed by rank.
 
@@ -32,6 +35,8 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 _POOLS: dict[int, "_Pool"] = {}
+PRELOAD = ["torch", "torch.distributed", "megatron.core"]
+"""What the fork server imports before forking workers (a module that is not installed is skipped)."""
 # A worker whose native threads pass this is replaced after its case: gloo groups a case keeps (those
 # made with use_local_synchronization) hold threads that poll, and idle pools of a few hundred threads
 # per worker were seen to take a whole core from the tests that followed. A plain worker's count grows
@@ -114,7 +119,7 @@ def _native_threads() -> int:
 
 class _Pool:
     def __init__(self, world_size: int):
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.world_size = world_size
         self._dir = tempfile.TemporaryDirectory(prefix="mcp_pool_")
         init_file = os.path.join(self._dir.name, "init")
@@ -175,6 +180,16 @@ class _Pool:
             if p.is_alive():
                 p.kill()
         self._dir.cleanup()
+
+
+def _context() -> Any:
+    """Workers forked from the fork server (``PRELOAD`` imported there once), or spawned where a platform has
+    no fork server. Neither shares the test process's state: the server only imported modules."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = 300.0) -> list:
