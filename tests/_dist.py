@@ -1,10 +1,11 @@
 """Persistent pools of gloo worker processes for multi-process tests.
 
 Starting torch (and megatron-core) in a fresh process costs seconds on a 2-core machine, so each world
-size gets one pool of workers per pytest session, and every case reuses it (~0.1 s a case). Workers are
-forked from a fork server that has imported torch and megatron-core once (``PRELOAD``): a pool of 4 starts
-and runs its first megatron-core case in 0.1 s, where spawned workers took 7-8 s (16.8 s cold), and a
-pool is started some twenty times a run (replaced pools below included).
+size gets one pool of workers per pytest session, and every case reuses it (~0.1 s a case). On a machine
+without a CUDA device workers are forked from a fork server that has imported torch and megatron-core once
+(``PRELOAD``): a pool of 4 starts and runs its first megatron-core case in 0.1 s, where spawned workers took
+7-8 s (16.8 s cold), and a run starts some twenty pools (replaced pools below included). With a CUDA device
+they are spawned (``_context``).
 A case is a module-level function ``fn(rank, world_size, *args)``; it runs in every worker with the
 default gloo process group initialised, and its return values come back as a list indexed by rank.
 
@@ -32,6 +33,7 @@ import time
 import traceback
 from typing import Any, Callable
 
+import torch
 import torch.multiprocessing as mp
 
 _POOLS: dict[int, "_Pool"] = {}
@@ -183,9 +185,11 @@ class _Pool:
 
 
 def _context() -> Any:
-    """Workers forked from the fork server (``PRELOAD`` imported there once), or spawned where a platform has
-    no fork server. Neither shares the test process's state: the server only imported modules."""
-    if "forkserver" not in mp.get_all_start_methods():
+    """Workers forked from the fork server (``PRELOAD`` imported there once; it shares none of the test
+    process's state), or spawned where a platform has no fork server, and on a machine with a CUDA device:
+    CUDA cannot run in a process forked from one that initialised it, and whether importing megatron-core
+    does so has not been checked on a GPU (the GPU tests run cases in pools)."""
+    if "forkserver" not in mp.get_all_start_methods() or torch.cuda.is_available():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)

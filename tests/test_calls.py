@@ -62,6 +62,18 @@ def test_equal_tasks_are_stacked_only_as_many_as_fill_the_gpu_once():
     assert step_calls(squares, 4, Gpu(24, 16), True) == (Call((0, 1, 2, 3)), Call((4,)))
 
 
+def test_the_sized_calls_switch_is_read_and_checked(monkeypatch):
+    x = torch.empty(0)
+    with assumed_gpu(Gpu(16, 16)):
+        monkeypatch.setenv("MCP_CONTEXT_SIZED_CALLS", "0")
+        assert calls_for(TASKS, 2, x, True, False) == (Call((0,)), Call((1,)), Call((2,)))
+        monkeypatch.setenv("MCP_CONTEXT_SIZED_CALLS", "1")
+        assert calls_for(TASKS, 2, x, True, False) == (Call((0, 2)), Call((1,), 4))
+        monkeypatch.setenv("MCP_CONTEXT_SIZED_CALLS", "yes")
+        with pytest.raises(ValueError, match=r"MCP_CONTEXT_SIZED_CALLS='yes' must be 0 .* or 1"):
+            calls_for(TASKS, 2, x, True, False)
+
+
 def test_key_parts_cut_the_keys_evenly_and_no_shorter_than_a_tile():
     full = BlockTask((0, 32), (0, 96), FULL_BLOCK)  # 96 keys: 6 tiles of 16
     assert step_calls((full,), 1, Gpu(132, 16), True) == (Call((0,), 6),)  # 2 blocks want 66 parts; 6 tiles

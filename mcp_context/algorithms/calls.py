@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -60,6 +61,18 @@ class Call:
 
 
 _assumed: Optional[Gpu] = None
+SIZED_CALLS_ENV = "MCP_CONTEXT_SIZED_CALLS"
+"""``0`` runs one call per task on a GPU too (the same results; for comparing, or if the sized calls misbehave
+on a machine); ``1`` or unset: calls sized to the GPU."""
+
+
+def sized_calls_enabled() -> bool:
+    """``MCP_CONTEXT_SIZED_CALLS`` (``0`` or ``1``; unset is ``1``)."""
+    raw = os.environ.get(SIZED_CALLS_ENV, "1")
+    if raw not in ("0", "1"):
+        raise ValueError(f"{SIZED_CALLS_ENV}={raw!r} must be 0 (one attention call per block task) or 1 (calls sized "
+                         f"to the GPU's SMs, the default); unset it for the default")
+    return raw == "1"
 
 
 @contextlib.contextmanager
@@ -195,8 +208,8 @@ def one_call_each(count: int) -> tuple[Call, ...]:
 def calls_for(tasks: Sequence[BlockTask], parallel: int, x: torch.Tensor, forward: bool,
               dropout: bool) -> tuple[Call, ...]:
     """The calls of a step the executor runs on tensors like ``x``: ``step_calls`` on a GPU, one call per task
-    elsewhere and with dropout (each block replays its own mask)."""
-    gpu = None if dropout else gpu_of(x)
+    elsewhere, with dropout (each block replays its own mask) and with ``MCP_CONTEXT_SIZED_CALLS=0``."""
+    gpu = None if dropout or not sized_calls_enabled() else gpu_of(x)
     return one_call_each(len(tasks)) if gpu is None else step_calls(tuple(tasks), parallel, gpu, forward)
 
 
