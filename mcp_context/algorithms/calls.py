@@ -32,7 +32,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from ..kernels import Dropout, Kernel
+from ..kernels import Dropout, Kernel, fold_rows
 from ..masks import BlockMask
 from ..merge import merge_pair_
 from ..schedule import BlockTask
@@ -113,9 +113,12 @@ def sm_share(mask: BlockMask, n: int, m: int, parallel: int, gpu: Gpu) -> float:
     return min(1.0, parallel * mask.diagonal * sum(loads) / (gpu.sm_count * busiest))
 
 
-def _share(task: BlockTask, parallel: int, gpu: Gpu, forward: bool) -> float:
-    n, m = task.q[1] - task.q[0], task.kv[1] - task.kv[0]
-    return sm_share(task.mask, n, m, parallel, gpu) if forward else sm_share(task.mask.transposed, m, n, parallel, gpu)
+def task_share(task: BlockTask, parallel: int, gpu: Gpu, forward: bool, key_parts: int = 1) -> float:
+    """``sm_share`` of a call of ``task`` in one direction (backward: the key tiles, ``mask.transposed``),
+    ``parallel`` copies of it, its keys cut into ``key_parts`` runs (that many more copies of fewer keys)."""
+    n, m = task.q[1] - task.q[0], (task.kv[1] - task.kv[0]) // key_parts
+    copies = parallel * key_parts
+    return sm_share(task.mask, n, m, copies, gpu) if forward else sm_share(task.mask.transposed, m, n, copies, gpu)
 
 
 def key_parts(task: BlockTask, parallel: int, gpu: Gpu) -> int:
@@ -141,13 +144,13 @@ def step_calls(tasks: tuple[BlockTask, ...], parallel: int, gpu: Gpu, forward: b
     lone full task short of blocks split by keys (forward). Calls are in the order of their first task."""
     classes: dict[tuple, list[int]] = {}
     for i, t in enumerate(tasks):
-        short = t.useful_pairs and _share(t, parallel, gpu, forward) < 1.0
+        short = t.useful_pairs and task_share(t, parallel, gpu, forward) < 1.0
         key = (t.q[1] - t.q[0], t.kv[1] - t.kv[0], t.mask) if short else ("alone", i)
         classes.setdefault(key, []).append(i)
     calls = []
     for members in classes.values():
         first = tasks[members[0]]
-        per_call = max(1, int(1.0 / _share(first, parallel, gpu, forward))) if len(members) > 1 else 1
+        per_call = max(1, int(1.0 / task_share(first, parallel, gpu, forward))) if len(members) > 1 else 1
         for at in range(0, len(members), per_call):
             group = tuple(members[at:at + per_call])
             parts = key_parts(first, parallel, gpu) if forward and len(group) == 1 else 1
@@ -162,13 +165,17 @@ def adjacent(spans: Sequence[tuple[int, int]]) -> bool:
 
 def stacked(x: torch.Tensor, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
     """Rows ``spans`` (equal lengths, dim 2) of ``x [b, h, s, ...]`` stacked in the batch dimension:
-    ``[len(spans) * b, h, n, ...]``. A view where the spans are ``adjacent`` and ``b`` is 1 (a reshape
-    otherwise); else one copy of the rows."""
+    ``[len(spans) * b, h, n, ...]``; a copy of the rows where ``stacked_by_copy`` says, else a view."""
     n = spans[0][1] - spans[0][0]
     if adjacent(spans):
-        run = x.narrow(2, spans[0][0], n * len(spans))
-        return run.unflatten(2, (len(spans), n)).movedim(2, 0).flatten(0, 1)
+        return fold_rows(x.narrow(2, spans[0][0], n * len(spans)), len(spans))
     return torch.cat([x.narrow(2, a, n) for a, _ in spans], dim=0)
+
+
+def stacked_by_copy(spans: Sequence[tuple[int, int]], batch: int) -> bool:
+    """Whether ``stacked`` copies rows ``spans`` of a batch of ``batch``: where they are not ``adjacent``, or
+    the batch is more than one (``fold_rows`` reshapes it)."""
+    return batch > 1 or not adjacent(spans)
 
 
 def unstacked(x: torch.Tensor, parts: int) -> list[torch.Tensor]:

@@ -90,6 +90,14 @@ class Kernel(Protocol):
         ``lse`` (the accumulator dtype, ``-inf`` already replaced by ``finite_lse_for_backward``)."""
 
 
+def fold_rows(x: torch.Tensor, g: int) -> torch.Tensor:
+    """``[b, h, g*s, ...] -> [g*b, h, s, ...]``: ``g`` equal row ranges as batch entries, the form a fused op
+    takes several blocks in one call in (a diagonal run's squares, ``torch_sdpa``; a step's stacked tasks,
+    ``algorithms/calls.py``). A view of ``x`` when ``b == 1`` (an sbhd or bshd shard folds into bshd-packed batch
+    entries); copied otherwise."""
+    return x.unflatten(2, (g, x.shape[2] // g)).movedim(2, 0).flatten(0, 1)
+
+
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype partial results are merged and accumulated in: fp32, or fp64 for fp64 inputs."""
     return torch.float64 if dtype == torch.float64 else torch.float32

@@ -45,7 +45,7 @@ import torch
 from torch._guards import detect_fake_mode
 
 from ..masks import CAUSAL_BLOCK, block_mask
-from .base import Capabilities, Dropout, accum_dtype
+from .base import Capabilities, Dropout, accum_dtype, fold_rows
 
 aten = torch.ops.aten
 _HALF = frozenset({torch.bfloat16, torch.float16})
@@ -71,16 +71,8 @@ def _repeat_kv(x: torch.Tensor, h: int) -> torch.Tensor:
     return x if x.shape[1] == h else x.repeat_interleave(h // x.shape[1], dim=1)
 
 
-def _fold(x: torch.Tensor, g: int) -> torch.Tensor:
-    """``[b, h, g*s, ...] -> [g*b, h, s, ...]``: ``g`` equal row ranges as batch entries.
-
-    A view of ``x`` when ``b == 1`` (an sbhd or bshd shard folds into bshd-packed batch entries);
-    copied otherwise."""
-    return x.unflatten(2, (g, x.shape[2] // g)).movedim(2, 0).flatten(0, 1)
-
-
 def _unfold(x: torch.Tensor, g: int) -> torch.Tensor:
-    """The inverse of ``_fold``: ``[g*b, h, s, ...] -> [b, h, g*s, ...]`` (a view of a bshd-packed
+    """The inverse of ``fold_rows``: ``[g*b, h, s, ...] -> [b, h, g*s, ...]`` (a view of a bshd-packed
     ``out`` when ``b == 1``; copied otherwise)."""
     return x.unflatten(0, (g, x.shape[0] // g)).movedim(0, 2).flatten(2, 3)
 
@@ -208,7 +200,8 @@ class TorchKernel:
             out, lse = self.forward(q.flip(2), k.flip(2), v.flip(2), replace(CAUSAL_BLOCK, diagonal=g), scale)
             return out.flip(2), lse.flip(-1)
         if g > 1:  # g equal squares along the diagonal: one call with the squares as batch entries
-            out, lse = self.forward(*(_fold(x, g) for x in (q, k, v)), replace(block_mask(mask), diagonal=1), scale)
+            out, lse = self.forward(*(fold_rows(x, g) for x in (q, k, v)), replace(block_mask(mask), diagonal=1),
+                                    scale)
             return _unfold(out, g), _unfold(lse, g)
         causal = self._causal(mask, q, k)
         h = q.shape[1]
@@ -225,7 +218,7 @@ class TorchKernel:
                                   replace(CAUSAL_BLOCK, diagonal=g), scale)
             return tuple(x.flip(2) for x in grads)
         if g > 1:
-            grads = self.backward(*(_fold(x, g) for x in (dout, q, k, v, out, lse)),
+            grads = self.backward(*(fold_rows(x, g) for x in (dout, q, k, v, out, lse)),
                                   replace(block_mask(mask), diagonal=1), scale)
             return tuple(_unfold(x, g) for x in grads)
         causal = self._causal(mask, q, k)

@@ -37,8 +37,7 @@ from typing import Optional, Sequence
 
 from ..algorithms.results import (FIRST, HOLD, LAST, MERGE, OWN, PAIR, PAIR_LAST, Piece, ResultPlan, first_key_rows,
                                   most_blocks_per_key)
-from ..algorithms.calls import Call, adjacent, one_call_each, sm_share, step_calls
-from ..masks import BlockMask
+from ..algorithms.calls import Call, one_call_each, stacked_by_copy, step_calls, task_share
 from ..schedule import BlockTask
 from .dryrun import RankShape, RankTraffic
 from .profiles import MachineProfile
@@ -67,13 +66,7 @@ def occupancy(profile: MachineProfile, task: BlockTask, parallel: int) -> tuple[
     at least its busiest block's time and at least the total over ``sm_count`` SMs, so the share is
     ``total / (sm_count * busiest)``, at most 1. Calls of many heads and rows fill the GPU (every row of the
     rate tables does); 4 heads of 2048 query rows give 64 blocks of equal work forward, half an H200's 132."""
-    n, m = task.q[1] - task.q[0], task.kv[1] - task.kv[0]
-    return (_sm_share(profile, task.mask, n, m, parallel),
-            _sm_share(profile, task.mask.transposed, m, n, parallel))
-
-
-def _sm_share(profile: MachineProfile, mask: BlockMask, n: int, m: int, parallel: int) -> float:
-    return sm_share(mask, n, m, parallel, profile.gpu)
+    return task_share(task, parallel, profile.gpu, True), task_share(task, parallel, profile.gpu, False)
 
 
 def call_seconds(profile: MachineProfile, task: BlockTask, flops_per_pair: float, parallel: int
@@ -99,18 +92,14 @@ def call_time(profile: MachineProfile, tasks: Sequence[BlockTask], call: Call, f
     if not members:
         return 0.0
     filled = sum(_filled_seconds(profile, t, flops_per_pair)[0 if forward else 1] for t in members)
-    first = members[0]
-    n, m = first.q[1] - first.q[0], (first.kv[1] - first.kv[0]) // call.key_parts
-    copies = parallel * len(members) * call.key_parts
-    share = (sm_share(first.mask, n, m, copies, profile.gpu) if forward
-             else sm_share(first.mask.transposed, m, n, copies, profile.gpu))
+    share = task_share(members[0], parallel * len(members), profile.gpu, forward, call.key_parts)
     return filled / share + profile.call_overhead_us * 1e-6
 
 
 def call_bytes(tasks: Sequence[BlockTask], call: Call, shape: RankShape, heads: int, kv_heads: int,
                forward: bool) -> int:
     """Bytes a call moves beyond its tasks' own work (``task_bytes``): rows stacked by a copy where they are not
-    adjacent (``calls.stacked``: read and write; a batch above 1 is reshaped, a copy too), and the merge of
+    adjacent (``calls.stacked_by_copy``: read and write), and the merge of
     a key-split block's parts (read every part's out and lse, write the block's)."""
     e, acc, b = shape.dtype.itemsize, 8 if shape.dtype.itemsize == 8 else 4, shape.batch
     first = tasks[call.tasks[0]]
@@ -123,11 +112,10 @@ def call_bytes(tasks: Sequence[BlockTask], call: Call, shape: RankShape, heads: 
     if len(call.tasks) == 1:
         return 0
     count = len(call.tasks)
-    copied = (lambda spans: b > 1 or not adjacent(spans))
     q_cols = shape.head_dim if forward else shape.head_dim + 2 * shape.dv  # backward: q, dout and out
-    qs = 2 * count * b * n * heads * q_cols * e if copied([tasks[i].q for i in call.tasks]) else 0
+    qs = 2 * count * b * n * heads * q_cols * e if stacked_by_copy([tasks[i].q for i in call.tasks], b) else 0
     kvs = (2 * count * b * m * kv_heads * (shape.head_dim + shape.dv) * e
-           if copied([tasks[i].kv for i in call.tasks]) else 0)
+           if stacked_by_copy([tasks[i].kv for i in call.tasks], b) else 0)
     return qs + kvs + (0 if forward else 2 * count * b * n * heads * acc)  # the backward's lse rows, one copy
 
 
