@@ -5,9 +5,10 @@ Everything is done in the accumulator dtype (fp32, or fp64 for fp64 inputs) in t
 has seen no visible key yet has ``lse = -inf`` and ``out = 0``; merging two such rows keeps them so,
 with no NaN, which is what a fully masked causal chunk needs.
 
-On CUDA the merge is one fused kernel (``torch.compile``): eager it is about ten elementwise kernels,
-0.98 ms for a ``[1, 32, 16384, 128]`` block on an H100 against 0.26 ms compiled (memory-bound floor
-0.23 ms). If compiling fails the eager form is used, with one warning naming the reason. The ring's
+On CUDA the merge is one fused kernel (``regions.Region``: compiled, and called directly where its layout
+repeats): eager it is about ten elementwise kernels, 0.98 ms for a ``[1, 32, 16384, 128]`` block on an
+H100 against 0.26 ms compiled (memory-bound floor 0.23 ms). If compiling fails the eager form is used,
+with one warning naming the reason. The ring's
 backward adds each block's dK and dV into one packed fp32 accumulator the same way (``add_kv_``; the rows a
 sum's first block writes are written instead of added to zeros: ``copy_kv_``, ``rotation.KeySums``).
 
@@ -19,15 +20,11 @@ Rows that see no key (padding rows of packed documents) stay ``(0, -inf)``: they
 """
 from __future__ import annotations
 
-import contextlib
-import warnings
-from typing import Callable, Iterator, Optional
+from typing import Callable
 
 import torch
-from torch._dynamo.exc import FailOnRecompileLimitHit
-from torch._subclasses.fake_tensor import is_fake
 
-from .errors import first_line
+from .regions import Region
 
 NEG_INF = float("-inf")
 
@@ -69,66 +66,7 @@ def merge_pair_eager_(out: torch.Tensor, lse: torch.Tensor, a_out: torch.Tensor,
     torch.ops.aten.copy_(lse, new_lse)
 
 
-RECOMPILE_LIMIT = 64
-"""The variants one fused region may compile in a process. Each dtype, aliasing and size-1 pattern of its
-operands is one variant (a bf16 p2p step makes three merges); a process that runs several dtypes, head
-counts or schemes (a test run, a benchmark over a grid) makes more than torch's default of 8 per function.
-Past that default a ``fullgraph`` region raises ``FailOnRecompileLimitHit`` (torch 2.11 on an H200, a test
-run, 2026-11-26), which made every later merge of the process eager: the region recompiles under this
-limit instead."""
-
-
-class _Fused:
-    """``eager`` run as one compiled kernel on CUDA (dynamic shapes, up to ``RECOMPILE_LIMIT`` variants),
-    eagerly elsewhere.
-
-    A fake-CUDA rehearsal cannot compile, so it runs eagerly too. If compiling fails the eager form is
-    used from then on, with one warning naming the reason (same results, slower)."""
-
-    def __init__(self, eager: Callable, what: str):
-        self.eager, self.what = eager, what
-        self.compiled: Optional[Callable] = None
-        self.error: Optional[str] = None
-        self.compiling = True
-
-    @contextlib.contextmanager
-    def eagerly(self) -> Iterator[None]:
-        """Run the eager form on CUDA too while inside (``tools/host_costs.py`` weighs the compiled
-        region's host cost against the eager form's kernels)."""
-        before, self.compiling = self.compiling, False
-        try:
-            yield
-        finally:
-            self.compiling = before
-
-    def compile(self) -> Callable:
-        if self.compiled is None:
-            self.compiled = torch.compile(self.eager, dynamic=True, fullgraph=True)
-        return self.compiled
-
-    def run_compiled(self, *args: torch.Tensor) -> None:
-        """The compiled region; a variant past torch's recompile limit is compiled under ``RECOMPILE_LIMIT``
-        (the limit is read only when a call compiles, so calls of known variants pay nothing for it)."""
-        try:
-            self.compile()(*args)
-        except FailOnRecompileLimitHit:  # raised before the variant ran: nothing is written yet
-            with torch._dynamo.config.patch(recompile_limit=max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)):
-                self.compile()(*args)
-
-    def __call__(self, *args: torch.Tensor) -> None:
-        first = args[0]
-        if first.is_cuda and not is_fake(first) and self.error is None and self.compiling:
-            try:
-                self.run_compiled(*args)
-                return
-            except Exception as err:  # noqa: BLE001 - compilation fails before anything is written
-                self.error = first_line(err)
-                warnings.warn(f"torch.compile of the {self.what} failed ({self.error}); running it eagerly "
-                              f"(slower, same results)", stacklevel=2)
-        self.eager(*args)
-
-
-_merge_pair = _Fused(merge_pair_eager_, "attention merge")
+_merge_pair = Region(merge_pair_eager_, "attention merge")
 
 
 def compiled_merge() -> Callable:
@@ -166,7 +104,7 @@ def add_pair_eager_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None
         torch.ops.aten.copy_(out, sums)
 
 
-_add_pair = _Fused(add_pair_eager_, "dQ sum")
+_add_pair = Region(add_pair_eager_, "dQ sum")
 
 
 def add_pair_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -183,7 +121,7 @@ def add_kv_eager_(dkv: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None
     dkv.narrow(-1, dqk, dkv.shape[-1] - dqk).add_(dv)
 
 
-_add_kv = _Fused(add_kv_eager_, "dK/dV accumulation")
+_add_kv = Region(add_kv_eager_, "dK/dV accumulation")
 
 
 def add_kv_(dkv: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
@@ -199,7 +137,7 @@ def copy_kv_eager_(dkv: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> Non
     torch.ops.aten.copy_(dkv.narrow(-1, dqk, dkv.shape[-1] - dqk), dv)
 
 
-_copy_kv = _Fused(copy_kv_eager_, "dK/dV first write")
+_copy_kv = Region(copy_kv_eager_, "dK/dV first write")
 
 
 def copy_kv_(dkv: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:

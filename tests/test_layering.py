@@ -21,8 +21,9 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "mcp_context"
 
 LAYERS = [
-    ["cp_rules", "trace", "atomic", "safe_pickle", "masks", "lazy", "errors"],
+    ["cp_rules", "trace", "atomic", "safe_pickle", "masks", "lazy", "errors", "switches"],
     ["kernels"],
+    ["regions"],
     ["merge"],
     ["layouts"],
     ["schedule"],
@@ -93,7 +94,7 @@ def test_a_command_stands_on_its_packages_floor():
 
 def test_the_design_doc_draws_the_floors_top_down_in_this_order():
     text = (REPO / "docs" / "design.md").read_text()
-    order = [text.index(f"\n{name}") for name in ("masks.py", "kernels/", "merge.py", "layouts.py", "schedule.py",
+    order = [text.index(f"\n{name}") for name in ("masks.py", "kernels/", "regions.py", "merge.py", "layouts.py", "schedule.py",
                                                    "comm/", "algorithms/", "engine.py", "api.py", "  megatron/")]
     assert order == sorted(order, reverse=True)
 

@@ -138,19 +138,17 @@ def _double_add_(out, a, b):
     torch.ops.aten.copy_(out, a + 2 * b)
 
 
-def test_a_fused_region_compiles_past_torchs_recompile_limit(monkeypatch):
+def test_a_fused_region_compiles_past_torchs_recompile_limit():
     """A process that meets more operand variants than torch's limit of 8 per function (a test run, a
     benchmark over a grid: dtypes, head counts, aliasing) keeps every variant compiled: a ``fullgraph``
     region raises ``FailOnRecompileLimitHit`` at the 9th, which made every later call of the process eager.
     Here 12 variants (4 dtypes x 3 ranks), compiled by dynamo with its eager backend (the limit is
     dynamo's, whatever the backend), each giving the eager result."""
-    import functools
+    from mcp_context import regions
 
-    from mcp_context import merge
-
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
-    fused = merge._Fused(_double_add_, "test region")
-    assert torch._dynamo.config.recompile_limit < 12 <= merge.RECOMPILE_LIMIT
+    fused = regions.Region(_double_add_, "test region")
+    fused.backend = "eager"
+    assert torch._dynamo.config.recompile_limit < 12 <= regions.RECOMPILE_LIMIT
     try:
         for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
             for shape in ((5,), (3, 5), (2, 3, 5)):

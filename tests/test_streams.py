@@ -228,7 +228,7 @@ def test_on_cuda_the_side_stream_gives_the_in_order_results(monkeypatch, rank):
     may sum dQ in another order; a missed wait leaves whole rows wrong, far outside that). The in-order run
     is checked against fp64 attention in tests/test_results.py. On an H200 (2026-11-26) ranks 0 and 7
     passed; rank 3 failed where the test process had passed torch's recompile limit and its merges turned
-    eager between the two runs (fixed: ``merge.RECOMPILE_LIMIT``; in a fresh process the forward was bit for
+    eager between the two runs (fixed: ``regions.RECOMPILE_LIMIT``; in a fresh process the forward was bit for
     bit equal, docs/gpu/h200_run4_diag.log), not yet re-run as a test."""
     kernel = TorchKernel(FUSED_OPS["cudnn"])
     step = rank_step("p2p", 8, 32768, CAUSAL, kernel, 32, 8, 128, rank=rank)

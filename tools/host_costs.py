@@ -11,12 +11,14 @@ host ahead (the GPU held busy while the host issues the step), with the host's i
 - ``shipped``: every fused region compiled, the side stream on;
 - ``eager:<region>``: one region of ``merge.FUSED_REGIONS`` run eagerly (the compiled call's host cost
   against the eager form's extra kernels);
+- ``through_dynamo``: every compiled call through ``torch.compile``'s wrappers (``regions.through_dynamo``),
+  where the shipped step calls a layout seen before directly;
 - ``in_order``: no side stream (``streams.inline``);
 - ``graphed`` (CUDA only): replayed from CUDA graphs (``algorithms/graphs.py``, ``step_graphs``), one launch
   to issue;
 
 and profiles the shipped step's host side (cProfile over ``--profile-steps`` steps), its time per step
-grouped: the fused regions' calls (``merge._Fused.__call__``: the compiled call path and its launches),
+grouped: the fused regions' calls (``regions.Region.__call__``: the compiled call path and its launches),
 the attention ops' host side, the autograd engine, and the rest (the executor's Python and view ops); and
 the CUDA runtime calls that take the host longest a step (``runtime_calls``: torch.profiler), where a call
 that blocks the host shows (the one-call step's 2.0 ms is unexplained).
@@ -46,6 +48,7 @@ from mcp_context.algorithms.calls import gpu_of  # noqa: E402
 from mcp_context.kernels import Kernel, get_kernel  # noqa: E402
 from mcp_context.masks import CAUSAL  # noqa: E402
 from mcp_context.merge import FUSED_REGIONS  # noqa: E402
+from mcp_context.regions import Region, through_dynamo  # noqa: E402
 from tools.bench_device import _interleaved_seconds, _queued_seconds, append_jsonl  # noqa: E402
 from tools.rank_step import captured_call, rank_step, walked_call  # noqa: E402
 
@@ -68,9 +71,11 @@ def parse_case(text: str) -> tuple[str, int, int, int]:
 
 
 def variants() -> dict[str, Callable[[], ContextManager]]:
-    """The shipped step, each fused region eager in turn, and the step with no side stream."""
+    """The shipped step, each fused region eager in turn, every compiled call through dynamo, and the step
+    with no side stream."""
     out: dict[str, Callable[[], ContextManager]] = {"shipped": contextlib.nullcontext}
     out.update({f"eager:{name}": region.eagerly for name, region in FUSED_REGIONS.items()})
+    out["through_dynamo"] = through_dynamo
     out["in_order"] = streams.inline
     return out
 
@@ -85,12 +90,13 @@ def host_profile(fn: Callable[[], None], steps: int, device: torch.device) -> di
     prof.disable()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    merge_file = os.path.join("mcp_context", "merge.py")
+    region_call = Region.__call__.__code__
+    region_file, region_line = region_call.co_filename, region_call.co_firstlineno
     total = regions = attention = engine = 0.0
     region_calls = 0
-    for (path, _, name), (_, calls, own, cumulative, _) in pstats.Stats(prof).stats.items():
+    for (path, line, name), (_, calls, own, cumulative, _) in pstats.Stats(prof).stats.items():
         total += own
-        if path.endswith(merge_file) and name == "__call__":
+        if (path, line) == (region_file, region_line):
             regions += cumulative
             region_calls += calls
         elif "_scaled_dot_product" in name:

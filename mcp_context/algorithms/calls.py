@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -36,6 +35,7 @@ from ..kernels import Dropout, Kernel, fold_rows
 from ..masks import BlockMask
 from ..merge import merge_pair_
 from ..schedule import BlockTask
+from ..switches import switch
 from .rotation import rows_of
 
 TILE_ROWS = 128
@@ -68,11 +68,7 @@ on a machine); ``1`` or unset: calls sized to the GPU."""
 
 def sized_calls_enabled() -> bool:
     """``MCP_CONTEXT_SIZED_CALLS`` (``0`` or ``1``; unset is ``1``)."""
-    raw = os.environ.get(SIZED_CALLS_ENV, "1")
-    if raw not in ("0", "1"):
-        raise ValueError(f"{SIZED_CALLS_ENV}={raw!r} must be 0 (one attention call per block task) or 1 (calls sized "
-                         f"to the GPU's SMs, the default); unset it for the default")
-    return raw == "1"
+    return switch(SIZED_CALLS_ENV, "one attention call per block task", "calls sized to the GPU's SMs")
 
 
 @contextlib.contextmanager

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from typing import ContextManager, Iterator, Union
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
+
+from ..switches import switch
 
 _enabled = True
 SIDE_STREAM_ENV = "MCP_CONTEXT_SIDE_STREAM"
@@ -30,11 +31,8 @@ or if the overlap misbehaves on a machine); ``1`` or unset: the side stream on C
 
 def side_stream_enabled() -> bool:
     """``MCP_CONTEXT_SIDE_STREAM`` (``0`` or ``1``; unset is ``1``) and no ``inline()`` in effect."""
-    raw = os.environ.get(SIDE_STREAM_ENV, "1")
-    if raw not in ("0", "1"):
-        raise ValueError(f"{SIDE_STREAM_ENV}={raw!r} must be 0 (the work after each attention call in order) or 1 "
-                         f"(on a second CUDA stream, the default); unset it for the default")
-    return _enabled and raw == "1"
+    return _enabled and switch(SIDE_STREAM_ENV, "the work after each attention call in order",
+                               "on a second CUDA stream")
 
 
 @contextlib.contextmanager

@@ -1,0 +1,216 @@
+"""Compiled regions called directly (``mcp_context/regions.py``), here compiled for the CPU (Inductor's C++):
+a layout that went through dynamo once is called directly after, with the kernel dynamo's guards picked for
+it, bit for bit what the call through dynamo gives; anything that would change what the guards read is a
+new layout; where Inductor's own input checks or an unknown graph input refuse a direct call, the call goes
+through dynamo. The CUDA case (Triton) is ``tests/test_gpu.py``'s ring step, which runs the shipped regions."""
+import pytest
+import torch
+
+from mcp_context import merge, regions
+from mcp_context.merge import merge_pair_eager_
+
+NEG_INF = float("-inf")
+
+
+def _token_major(rows: int, heads: int = 3, dim: int = 8, gen=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's ``out [1, h, rows, d]`` (a view of token-major storage, as the executor's) and ``lse [1, h, rows]``,
+    with a few rows that saw no key."""
+    out = torch.randn(rows, 1, heads, dim, generator=gen).permute(1, 2, 0, 3)
+    lse = torch.randn(1, heads, rows, generator=gen)
+    lse[0, 0, :2] = NEG_INF
+    out[0, 0, :2] = 0
+    return out, lse
+
+
+def _operands(rows: int, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [*_token_major(rows, gen=gen), *_token_major(rows, gen=gen), *_token_major(rows, gen=gen)]
+
+
+def _copies(args: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The same values in the same layout, in fresh storage."""
+    return [torch.empty_strided(a.shape, a.stride()).copy_(a) for a in args]
+
+
+@pytest.fixture
+def region(monkeypatch):
+    """A merge region that compiles on the CPU, its calls through dynamo counted."""
+    r = regions.Region(merge_pair_eager_, "test merge")
+    r.devices = ("cuda", "cpu")
+    r.through = 0
+    run_compiled = r.run_compiled
+
+    def counted(*args):
+        r.through += 1
+        run_compiled(*args)
+    monkeypatch.setattr(r, "run_compiled", counted)
+    monkeypatch.delenv(regions.DIRECT_ENV, raising=False)
+    yield r
+    torch._dynamo.reset()
+
+
+def test_a_layout_seen_through_dynamo_is_then_called_directly_with_the_same_kernel(region):
+    first = _operands(16)
+    again, eager = _copies(first), _copies(first)
+    region(*first)
+    assert region.through == 1 and list(region.direct.values()) != [None]
+    region(*again)
+    assert region.through == 1, "the same layout went through dynamo again"
+    for direct, through in zip(again[:2], first[:2]):
+        assert torch.equal(direct, through)
+    merge_pair_eager_(*eager)
+    assert torch.allclose(again[0], eager[0], atol=1e-6, rtol=1e-6)
+    assert torch.equal(again[1].isinf(), eager[1].isinf()) and (again[1][0, 0, :2] == NEG_INF).all()
+    finite = eager[1].isfinite()
+    assert torch.allclose(again[1][finite], eager[1][finite], atol=1e-6, rtol=1e-6)
+
+
+def test_another_length_is_a_new_layout_then_direct_too(region):
+    region(*_operands(16))
+    longer = _operands(40, seed=1)
+    through, direct = _copies(longer), _copies(longer)
+    region(*through)
+    region(*direct)
+    assert region.through == 2 and len(region.direct) == 2 and None not in region.direct.values()
+    assert torch.equal(direct[0], through[0]) and torch.equal(direct[1], through[1])
+
+
+@pytest.mark.parametrize("aliasing", ["in place", "same rows, another view"])
+def test_aliased_operands_are_called_directly_as_dynamo_calls_them(region, aliasing):
+    """The accumulator merged in place (``merge_``: out is a_out), and a held block's rows written over by the
+    merged result (``out`` and ``a_out`` two views of the same rows), each called twice: through dynamo, then
+    directly, bit for bit alike and as the eager merge."""
+    def run(seed):
+        acc, acc_lse, block, block_lse = *_token_major(24, gen=torch.Generator().manual_seed(seed)), \
+            *_token_major(24, gen=torch.Generator().manual_seed(seed + 1))
+        eager = [acc.clone(), acc_lse.clone()]
+        merge_pair_eager_(eager[0], eager[1], eager[0].clone(), eager[1].clone(), block, block_lse)
+        if aliasing == "in place":
+            region(acc, acc_lse, acc, acc_lse, block, block_lse)
+        else:
+            region(acc.narrow(2, 0, 24), acc_lse, acc.narrow(2, 0, 24), acc_lse.narrow(2, 0, 24), block, block_lse)
+        return acc, acc_lse, eager
+    through, direct = run(0), run(0)
+    assert region.through == 1
+    assert torch.equal(direct[0], through[0]) and torch.equal(direct[1], through[1])
+    assert torch.allclose(direct[0], direct[2][0], atol=1e-6, rtol=1e-6)
+
+
+def _changed(args: list[torch.Tensor], what: str) -> list[torch.Tensor]:
+    changed = list(args)
+    if what == "dtype":
+        changed[4] = args[4].double()
+    elif what == "strides":
+        changed[0] = args[0].contiguous()
+    elif what == "sizes":
+        changed = _operands(17)
+    elif what == "storage offset":
+        changed[5] = torch.cat([torch.zeros(1, 3, 1), args[5]], 2).narrow(2, 1, args[5].shape[2])
+    elif what == "requires grad":
+        changed[4] = args[4].detach().requires_grad_()
+    elif what == "same tensor":
+        changed[2], changed[3] = args[0], args[1]
+    elif what == "shared storage":
+        changed[2] = args[0].view(args[0].shape)  # another tensor over the same bytes
+    return changed
+
+
+@pytest.mark.parametrize("what", ["dtype", "strides", "sizes", "storage offset", "requires grad", "same tensor",
+                                  "shared storage"])
+def test_the_layout_key_tells_apart_what_dynamos_guards_read(what):
+    args = _operands(16)
+    assert regions.layout_key(args) == regions.layout_key(_copies(args))  # the values do not matter
+    assert regions.layout_key(_changed(args, what)) != regions.layout_key(args)
+
+
+def test_grad_mode_is_a_new_layout():
+    args = _operands(16)
+    on = regions.layout_key(args)
+    with torch.no_grad():
+        assert regions.layout_key(args) != on
+
+
+def test_a_direct_call_inductors_checks_refuse_leaves_the_operands_and_goes_through_dynamo(region):
+    """A direct call made for one layout, handed operands of another (a key that missed something): Inductor's
+    size and stride checks refuse it before writing, the call goes through dynamo, and that layout does from
+    then on."""
+    region(*_operands(16))
+    (wrong,) = region.direct.values()
+    other = _operands(16, seed=2)
+    other[0] = other[0].contiguous()  # strides the kernel was not compiled for
+    before = [a.clone() for a in other]
+    assert wrong(other) is False
+    assert all(torch.equal(a, b) for a, b in zip(other, before))
+    key = regions.layout_key(other)
+    region.direct[key] = wrong
+    eager = _copies(other)
+    region(*other)
+    merge_pair_eager_(*eager)
+    assert region.through == 2 and region.direct[key] is None
+    assert torch.allclose(other[0], eager[0], atol=1e-6, rtol=1e-6)
+
+
+def test_a_graph_input_read_in_an_unknown_way_keeps_its_layout_with_dynamo():
+    args = _operands(8)
+    assert regions._Variant(lambda *a: None, None, ["out"]).bound(args) is None  # this torch kept no sources
+    assert regions._Variant(lambda *a: None, [object()], ["out"]).bound(args) is None
+
+
+def test_the_switch_sends_every_call_through_dynamo_and_refuses_other_values(region, monkeypatch):
+    monkeypatch.setenv(regions.DIRECT_ENV, "0")
+    args = _operands(16)
+    region(*args)
+    region(*_copies(args))
+    assert region.through == 2 and not region.direct
+    monkeypatch.delenv(regions.DIRECT_ENV)
+    with regions.through_dynamo():
+        region(*_copies(args))
+    assert region.through == 3 and not region.direct
+    monkeypatch.setenv(regions.DIRECT_ENV, "yes")
+    with pytest.raises(ValueError, match=r"MCP_CONTEXT_DIRECT_REGIONS='yes' must be 0 .* or 1"):
+        region(*_copies(args))
+
+
+def test_a_ring_step_with_compiled_regions_runs_them_directly_from_its_second_step(monkeypatch):
+    """One p2p member's forward and backward (rank 1 of 4, zigzag, causal, the other members' K/V laid out
+    locally: merges, dQ sums, dK/dV first writes and adds), every region compiled for the CPU: the second step makes no call through dynamo, gives bit for
+    bit the first step's results, and both are the eager regions' within fp32 rounding."""
+    from mcp_context.algorithms.executor import RingAttention
+    from mcp_context.kernels import get_kernel
+    from mcp_context.masks import CAUSAL
+    from tools.rank_step import rank_step
+
+    monkeypatch.delenv(regions.DIRECT_ENV, raising=False)
+    through = []
+    for r in merge.FUSED_REGIONS.values():
+        monkeypatch.setattr(r, "devices", ("cuda", "cpu"))
+        monkeypatch.setattr(r, "direct", {})
+        run_compiled = r.run_compiled
+        monkeypatch.setattr(r, "run_compiled", lambda *a, run=run_compiled: (through.append(1), run(*a)))
+    kernel = get_kernel("auto", torch.device("cpu"), torch.float32)
+    step = rank_step("p2p", 4, 64, CAUSAL, kernel, 4, 2, 8, rank=1)
+    plan, kv_rows = step.plan, step.kv_rows  # every member's K/V laid out here (a walked ring moves no data)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(n, 1, h, 8, generator=gen) for n, h in
+                     ((step.q_rows, 4), (kv_rows, 2), (kv_rows, 2), (step.q_rows, 4)))
+
+    def run():
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out, lse = RingAttention.apply(*leaves, plan)
+        out.backward(dout)
+        return [out.detach(), lse, *(x.grad for x in leaves)]
+    try:
+        first = run()
+        assert through, "no region compiled"
+        calls = len(through)
+        second = run()
+        assert len(through) == calls, "the second step went through dynamo"
+        assert all(d is not None for r in merge.FUSED_REGIONS.values() for d in r.direct.values())
+        for a, b in zip(first, second):
+            assert torch.equal(a, b)
+        for r in merge.FUSED_REGIONS.values():
+            monkeypatch.setattr(r, "compiling", False)
+        for got, want in zip(second, run()):
+            assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    finally:
+        torch._dynamo.reset()
