@@ -23,9 +23,13 @@ the attention ops' host side, the autograd engine, and the rest (the executor's 
 the CUDA runtime calls that take the host longest a step (``runtime_calls``: torch.profiler), where a call
 that blocks the host shows (the one-call step's 2.0 ms is unexplained).
 One JSON line per variant and per profile, written as measured. On CPU it is a smoke run: the regions
-run eagerly anyway, nothing is held busy, and the figures mean nothing.
+run eagerly anyway, nothing is held busy, and the figures mean nothing; with ``--cpu-regions`` the regions
+compile for the CPU (Inductor's C++), and tiny shapes weigh the host's cost of the compiled call path
+(``shipped``, direct calls, against ``through_dynamo``), which is the same Python on any device.
 
     python tools/host_costs.py --out runs/host_costs.jsonl     # on a GPU: 32K/P8 p2p and a2a, 32K/P64 a2a+all_gather 8x8
+    python tools/host_costs.py --device cpu --cpu-regions --cases p2p:256:8 a2a+all_gather:1024:64:8 \
+        --heads 4 --kv-heads 2 --head-dim 8 --reps 30 --out runs/host_costs_cpu.jsonl
 """
 from __future__ import annotations
 
@@ -160,14 +164,15 @@ def case_rows(comm: str, seq_len: int, cp: int, inner: int, device: torch.device
             calls["graphed"] = graphed
         else:
             rows.append(dict(base, variant="graphed", error=error))
-    for name, call in calls.items():
-        cold = _interleaved_seconds({"step": call}, device, reps)["step"]
-        row = dict(base, variant=name, cold_ms=statistics.median(cold) * 1e3)
-        if device.type == "cuda":
-            queued = _queued_seconds({"step": call}, device, reps, statistics.median(cold))["step"]
-            row.update(host_ahead_ms=statistics.median(g for g, _, _ in queued) * 1e3,
-                       host_issue_ms=statistics.median(h for _, h, _ in queued) * 1e3,
-                       host_ahead=all(ok for _, _, ok in queued))
+    cold = _interleaved_seconds(calls, device, reps)  # the variants in turn, each repetition: drift hits all alike
+    longest = max(statistics.median(times) for times in cold.values())
+    queued = _queued_seconds(calls, device, reps, longest) if device.type == "cuda" else {}
+    for name in calls:
+        row = dict(base, variant=name, cold_ms=statistics.median(cold[name]) * 1e3)
+        if name in queued:
+            row.update(host_ahead_ms=statistics.median(g for g, _, _ in queued[name]) * 1e3,
+                       host_issue_ms=statistics.median(h for _, h, _ in queued[name]) * 1e3,
+                       host_ahead=all(ok for _, _, ok in queued[name]))
         rows.append(row)
     rows.append(dict(base, variant="shipped", profile=host_profile(run, profile_steps, device),
                      runtime_api=runtime_calls(run, profile_steps, device)))
@@ -185,8 +190,14 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--profile-steps", type=int, default=10)
     ap.add_argument("--out", required=True, help="JSON lines, one per variant and profile, written as measured")
+    ap.add_argument("--cpu-regions", action="store_true",
+                    help="compile the fused regions for the CPU too (Inductor's C++): the compiled call path's host "
+                         "cost measured on a CPU")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
+    if args.cpu_regions:
+        for region in FUSED_REGIONS.values():
+            region.devices = (*region.devices, "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     kernel = get_kernel("auto", device, dtype, head_dim=args.head_dim)
     gen = torch.Generator().manual_seed(0)
