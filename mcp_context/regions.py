@@ -143,7 +143,7 @@ class _Direct:
         self.compiled, self.slots, self.consts = compiled, slots, consts
 
     def __call__(self, args: Sequence[torch.Tensor]) -> bool:
-        """Run it; False where Inductor's input checks (sizes, strides, alignment: the first thing its code
+        """Run it; False where Inductor's input checks (every input's sizes and strides: the first thing its code
         does, before any write) refuse these operands."""
         try:
             self.compiled(*[args[s] if s >= 0 else c for s, c in zip(self.slots, self.consts)])

@@ -14,8 +14,8 @@
 #      heads (what it checks the planner's occupancy model against), then the planner's pick at each cell of
 #      its grid (tools/bench_picks.py: S = 32K and 128K, P = 8, 16, 64, both models; 1M is over the budget),
 #      and where the host's time goes in two host-bound steps and a one-call step (tools/host_costs.py:
-#      32K/P8 p2p and a2a, 32K/P64 a2a+all_gather 8x8; each fused region eager in turn, the side stream off,
-#      a host profile)
+#      32K/P8 p2p and a2a, 32K/P64 a2a+all_gather 8x8; each fused region eager in turn, every compiled call
+#      through dynamo against the direct calls, the side stream off, a host profile)
 #   5. a 30-step bf16 pretrain of the tiny recipe on one GPU (CP 1), then its first and last loss; then
 #      tools/gpu_report.py writes RESULTS_DIR/report.md: the step table, the benchmark and the picks as
 #      markdown, and each of issue 25's targets met or not
