@@ -178,6 +178,32 @@ def test_the_switch_sends_every_call_through_dynamo_and_refuses_other_values(reg
         region(*_copies(args))
 
 
+def test_past_the_layouts_kept_new_layouts_go_through_dynamo(region, monkeypatch):
+    monkeypatch.setattr(regions, "LAYOUTS_KEPT", 1)
+    region(*_operands(16))
+    longer = _operands(40, seed=1)
+    eager = _copies(longer)
+    region(*longer)
+    region(*_copies(longer))
+    merge_pair_eager_(*eager)
+    assert region.through == 3 and len(region.direct) == 1
+    assert torch.allclose(longer[0], eager[0], atol=1e-6, rtol=1e-6)
+
+
+def test_under_a_dispatch_mode_calls_go_through_dynamo(region):
+    """A mode (a counter, a race checker) sees the ops of a call through dynamo, not a direct call's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+    args = _operands(16)
+    region(*args)
+    assert regions.direct_calls_enabled()
+    with Seen():
+        assert not regions.direct_calls_enabled()
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (the shipped regions compile for CUDA with Triton)"))])
 def test_a_ring_step_with_compiled_regions_runs_them_directly_from_its_second_step(monkeypatch, device):
