@@ -13,7 +13,9 @@ A case that raises, or that does not answer within its timeout (a hang in a coll
 pool down: the next case starts a fresh one, so one broken case cannot wedge the rest of the suite.
 A case that failed only because gloo could not connect a new group (seen rarely in full runs on the
 busy 2-core machine: "Gloo connectFullMesh failed ... Connection closed by peer") runs once more on a
-fresh pool; every other failure is reported as it happened.
+fresh pool; every other failure is reported as it happened. A worker whose test process is gone (killed by
+a timeout or by hand, so no ``atexit`` ran) exits within ``OWNER_POLL_S``: its fork server outlives the
+test process, and orphaned workers once idled on in the dozens, slowing whatever ran next.
 Every process group a case creates (megatron-core's ``initialize_model_parallel`` makes dozens and
 its ``destroy_model_parallel`` drops them without destroying them) is destroyed when the case ends:
 each gloo group keeps native threads, and hundreds of cases would otherwise pile up thousands. Groups
@@ -45,6 +47,8 @@ PRELOAD = ["torch", "torch.distributed", "megatron.core"]
 # with the cores it may use (5 threads on 2 cores, 19 on 16), so the bound does too.
 MAX_WORKER_THREADS = 96 + len(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1))
 _GRACE_S = 10.0
+OWNER_POLL_S = 2.0
+"""How often an idle worker checks that its test process still runs."""
 # gloo failing to connect a new group's ranks (a peer's socket closed while the mesh formed): the
 # machine's, not the case's; the case runs once more on a fresh pool.
 _TRANSPORT_FAILURES = ("Gloo connectFullMesh failed",)
@@ -54,7 +58,32 @@ class TransportFailure(AssertionError):
     """A case failed because gloo could not connect a group, not because of what it checks."""
 
 
-def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any) -> None:
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except (ProcessLookupError, PermissionError):  # gone, or its number reused by another user's process
+            return False
+        return True
+
+
+def _next_task(tasks: Any, owner: int) -> Any:
+    """The next task; exits the worker at once where the test process ``owner`` is gone."""
+    while True:
+        try:
+            return tasks.get(timeout=OWNER_POLL_S)
+        except queue.Empty:
+            if not _alive(owner):
+                os._exit(0)  # nothing to report to; no gloo teardown that could wait on dead peers
+
+
+def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any, owner: int) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -74,7 +103,7 @@ def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any
 
     dist.new_group = recording_new_group
     while True:
-        task = tasks.get()
+        task = _next_task(tasks, owner)
         if task is None:
             break
         fn, args = task
@@ -128,7 +157,8 @@ class _Pool:
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()
         self.procs = [
-            ctx.Process(target=_worker, args=(r, world_size, init_file, self.tasks[r], self.results), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, init_file, self.tasks[r], self.results, os.getpid()),
+                        daemon=True)
             for r in range(world_size)
         ]
         for p in self.procs:

@@ -59,3 +59,39 @@ def test_a_pool_whose_workers_gather_threads_is_replaced_after_the_case(monkeypa
     assert all(threads > bound for _, threads in grown), (grown, bound)
     fresh = run_distributed(2, _pid_and_threads, 0)
     assert not {pid for pid, _ in fresh} & {pid for pid, _ in grown}  # replaced after the growing case
+
+
+def _rank(rank, world):
+    return rank
+
+
+def test_workers_exit_when_their_test_process_is_killed():
+    """A test process killed outright (a timeout, ^C twice) runs no ``atexit``: its workers, children of the
+    fork server, notice within ``OWNER_POLL_S`` and exit, as does the fork server then."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests._dist import OWNER_POLL_S, _alive
+
+    script = ("import os, sys; sys.path.insert(0, os.getcwd()); from tests import _dist; "
+              "from tests.test_dist_pool import _rank; _dist.run_distributed(2, _rank); "
+              "print(*[p.pid for p in _dist._POOLS[2].procs], flush=True); sys.stdin.read()")
+    root = str(Path(__file__).resolve().parents[1])
+    owner = subprocess.Popen([sys.executable, "-c", script], cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        workers = [int(pid) for pid in owner.stdout.readline().split()]
+        assert len(workers) == 2 and all(map(_alive, workers))
+    finally:
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+    deadline = time.monotonic() + OWNER_POLL_S + 10
+    while any(map(_alive, workers)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [pid for pid in workers if _alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"workers {left} outlived their killed test process"
