@@ -35,6 +35,10 @@
 # 110 s (11 of the grid's 14 timed cells), GPU tests 135 s, pretrain 33 s, member cases 35 s. The refit, after it:
 #   python tools/calibrate_profile.py --profile h200_nvlink_ib --rates RESULTS_DIR/profile.jsonl \
 #       --bench RESULTS_DIR/bench/bench_attention_p8_gpu_checks.json
+# With device time left after them, the merges' and sums' kernels, compiled per shape against the shipped
+# dynamic-shape ones (run 2 had the merge at about a quarter of the memory bandwidth; not yet run, about half a
+# minute expected):
+#   $PYTHON tools/kernel_rates.py --parts regions --reps 3 --out RESULTS_DIR/regions.jsonl
 # The full member grid is its own command:
 #   $PYTHON -m pytest -q tests/test_member_schedules.py -k on_cuda
 set -u

@@ -10,10 +10,17 @@ rank's step spends its GPU time.
    ``tools/calibrate_profile.py`` checks against these.
 3. ``profile``: one rank's fwd+bwd of each scheme under ``torch.profiler``: kernel launches and GPU time
    inside the attention ops and outside them (merges, accumulation, copies), and the host's wall time.
+4. ``regions``: the merges and sums (``merge.FUSED_REGIONS``) on the operands of the ring step at 32K/P8
+   (Llama-3-8B heads, token-major), each call's GPU time with the host ahead and GB/s of the bytes it must
+   move (``tools/step_ops.FUSED``'s rule), and the host's time a call: compiled as shipped (dynamic shapes,
+   called directly), through dynamo, compiled per shape (``Region.dynamic`` False), eagerly. Run 2's profile
+   had the shipped merge at 68 µs a call where its 84 MB move in about 18 µs on an H200: whether a kernel
+   compiled per shape closes that is this part's question.
 
 Writes one JSON line per result to ``--out`` (flushed as measured). Needs CUDA.
 
     python tools/kernel_rates.py --out runs/rates.jsonl
+    python tools/kernel_rates.py --parts regions --out runs/regions.jsonl
 """
 from __future__ import annotations
 
@@ -134,6 +141,83 @@ def _profile(sink, kernel, seq_len: int, cp: int, heads: int, kv_heads: int, d: 
               f"{row['other_us'] / 1e3:.2f} ms)", flush=True)
 
 
+REGION_CALLS = 20
+"""Calls of a region timed together (one call takes the GPU some tens of µs, under what one timing resolves)."""
+
+
+def region_cases(heads: int, kv_heads: int, d: int, rows: int, shard: int, device, dtype=torch.bfloat16) -> list:
+    """``(case, region name, operands)``: the ring step's region calls (a zigzag member at 32K/P8 holds 2048-row
+    halves and 4096-row shards), token-major like the executor's accumulators and the fused op's outputs."""
+    acc = torch.float32
+
+    def block(h: int, n: int, dims: int, kind=dtype) -> torch.Tensor:
+        return torch.randn(n, 1, h, dims, device=device).to(kind).permute(1, 2, 0, 3)
+
+    def lse(h: int, n: int) -> torch.Tensor:
+        return torch.randn(1, h, n, device=device)
+
+    out, out_lse = block(heads, rows, d, acc), lse(heads, rows)
+    return [
+        ("merge into the sum", "merge", (out, out_lse, out, out_lse, block(heads, rows, d), lse(heads, rows))),
+        ("merge of two blocks", "merge", (block(heads, rows, d, acc), lse(heads, rows), block(heads, rows, d),
+                                          lse(heads, rows), block(heads, rows, d), lse(heads, rows))),
+        ("last merge into the result", "merge", (block(heads, rows, d), out_lse, out, out_lse, block(heads, rows, d),
+                                                 lse(heads, rows))),
+        ("dQ sum of two blocks", "dq_sum", (block(heads, rows, d, acc), block(heads, rows, d), block(heads, rows, d))),
+        ("dK/dV add", "dkv_add", (block(kv_heads, shard, 2 * d, acc), block(kv_heads, shard, d),
+                                  block(kv_heads, shard, d))),
+        ("dK/dV first write", "dkv_first_write", (block(kv_heads, shard, 2 * d, acc), block(kv_heads, shard, d),
+                                                  block(kv_heads, shard, d))),
+    ]
+
+
+def region_variants(region) -> dict:
+    """``name -> (callable like the region, context)``: as shipped, through dynamo, compiled per shape, eager."""
+    import contextlib
+
+    from mcp_context.regions import Region, through_dynamo
+
+    static = Region(region.eager, f"{region.what}, per shape")
+    static.dynamic = False
+    return {"shipped": (region, contextlib.nullcontext), "through_dynamo": (region, through_dynamo),
+            "per_shape": (static, contextlib.nullcontext), "eager": (region.eager, contextlib.nullcontext)}
+
+
+def time_regions(sink, heads: int, kv_heads: int, d: int, reps: int, rows: int = 2048, shard: int = 4096,
+                 device=None, variants=None, host_ahead=None) -> None:
+    """Each region case in each variant (``region_variants``; ``variants``: a subset), ``REGION_CALLS`` calls
+    timed together: cold, and (``host_ahead``, default on CUDA) GPU µs a call with the host ahead, GB/s, host
+    µs a call."""
+    from mcp_context.merge import FUSED_REGIONS
+    from tools.step_ops import FUSED, _nbytes
+
+    device = torch.device("cuda") if device is None else device
+    names = {"merge": "merge_pair_", "dq_sum": "add_pair_", "dkv_add": "add_kv_", "dkv_first_write": "copy_kv_"}
+    for case, name, args in region_cases(heads, kv_heads, d, rows, shard, device):
+        _, write_only = FUSED[names[name]]
+        moved = sum(map(_nbytes, args)) + (0 if write_only else _nbytes(args[0]))
+        for variant, (fn, context) in region_variants(FUSED_REGIONS[name]).items():
+            if variants is not None and variant not in variants:
+                continue
+
+            def calls(fn=fn, context=context) -> None:
+                with context():
+                    for _ in range(REGION_CALLS):
+                        fn(*args)
+            cold = _interleaved_seconds({"calls": calls}, device, reps)["calls"]
+            row = {"part": "region", "case": case, "region": name, "variant": variant, "bytes": moved,
+                   "cold_us": statistics.median(cold) / REGION_CALLS * 1e6}
+            if device.type == "cuda" if host_ahead is None else host_ahead:
+                queued = _queued_seconds({"calls": calls}, device, reps, statistics.median(cold))["calls"]
+                gpu = statistics.median(g for g, _, _ in queued) / REGION_CALLS
+                row.update(gpu_us=gpu * 1e6, gb_per_s=moved / gpu / 1e9, host_ahead=all(ok for _, _, ok in queued),
+                           host_us=statistics.median(h for _, h, _ in queued) / REGION_CALLS * 1e6)
+            sink(row)
+            shown = (f"GPU {row['gpu_us']:6.1f} µs ({row['gb_per_s']:5.0f} GB/s), host {row['host_us']:5.1f} µs"
+                     if "gpu_us" in row else f"{row['cold_us']:.1f} µs")
+            print(f"  {case:28} {variant:15} {shown}", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="JSON lines file")
@@ -144,7 +228,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-seq-lens", type=int, nargs="+", default=[32768, 131072])
     ap.add_argument("--cp", type=int, default=8)
     ap.add_argument("--parts", nargs="+", default=["rates", "occupancy", "profile"],
-                    choices=["rates", "occupancy", "profile"])
+                    choices=["rates", "occupancy", "profile", "regions"])
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
@@ -160,6 +244,8 @@ def main(argv=None) -> int:
     if "profile" in args.parts:
         for s in args.profile_seq_lens:
             _profile(sink, kernel, s, args.cp, args.heads, args.kv_heads, args.head_dim)
+    if "regions" in args.parts:
+        time_regions(sink, args.heads, args.kv_heads, args.head_dim, args.reps)
     print(json.dumps({"wrote": args.out}))
     return 0
 
