@@ -36,7 +36,7 @@
 #   python tools/calibrate_profile.py --profile h200_nvlink_ib --rates RESULTS_DIR/profile.jsonl \
 #       --bench RESULTS_DIR/bench/bench_attention_p8_gpu_checks.json
 # With device time left after them, the merges' and sums' kernels, compiled per shape against the shipped
-# dynamic-shape ones (run 2 had the merge at about a quarter of the memory bandwidth; not yet run, about half a
+# dynamic-shape ones (run 2 had the merge at about a third of the memory bandwidth; not yet run, about half a
 # minute expected):
 #   $PYTHON tools/kernel_rates.py --parts regions --reps 3 --out RESULTS_DIR/regions.jsonl
 # The full member grid is its own command:

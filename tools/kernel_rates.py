@@ -14,8 +14,8 @@ rank's step spends its GPU time.
    (Llama-3-8B heads, token-major), each call's GPU time with the host ahead and GB/s of the bytes it must
    move (``tools/step_ops.FUSED``'s rule), and the host's time a call: compiled as shipped (dynamic shapes,
    called directly), through dynamo, compiled per shape (``Region.dynamic`` False), eagerly. Run 2's profile
-   had the shipped merge at 68 µs a call where its 84 MB move in about 18 µs on an H200: whether a kernel
-   compiled per shape closes that is this part's question.
+   had the shipped merge's output kernel at 68 µs a call, about a third of the H200's memory bandwidth:
+   whether a kernel compiled per shape closes that is this part's question.
 
 Writes one JSON line per result to ``--out`` (flushed as measured). Needs CUDA.
 
