@@ -170,7 +170,7 @@ class Region:
         self.direct: dict[tuple, Optional[_Direct]] = {}  # layout_key -> its direct call (None: through dynamo)
         self.devices = ("cuda",)  # where it compiles (a test adds the CPU: Inductor compiles C++ there)
         self.backend = "inductor"  # the dynamo backend that compiles each variant
-        self.dynamic = True  # False: a variant per shape (tools/kernel_rates.py weighs the kernels' speed)
+        self.dynamic = True  # torch.compile's: False a variant per shape, None automatic (tools/kernel_rates.py)
 
     @contextlib.contextmanager
     def eagerly(self) -> Iterator[None]:
@@ -192,8 +192,8 @@ class Region:
         return _Variant(lookup_backend(self.backend)(graph, example_inputs), sources, self.names)
 
     def compile(self) -> Callable:
-        """The region through ``torch.compile`` (built once; shapes dynamic unless ``dynamic`` is False; each
-        variant it compiles is recorded for direct calls)."""
+        """The region through ``torch.compile`` (built once; every size symbolic unless ``dynamic`` says otherwise;
+        each variant it compiles is recorded for direct calls)."""
         if self.compiled is None:
             self.compiled = torch.compile(self.eager, backend=self._backend, dynamic=self.dynamic, fullgraph=True)
         return self.compiled

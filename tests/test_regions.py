@@ -282,7 +282,8 @@ def test_the_region_timings_a_gpu_runs_are_rehearsed_on_cpu():
             time_regions(rows.append, 4, 2, 8, 1, rows=32, shard=64, device=torch.device("cpu"), host_ahead=True)
         finally:
             bench_device._sleep_cycles_per_second.cache_clear()
-    assert len(rows) == 6 * 4 and {r["variant"] for r in rows} == {"shipped", "through_dynamo", "per_shape", "eager"}
+    assert len(rows) == 6 * 5 and {r["variant"] for r in rows} == {"shipped", "through_dynamo", "per_shape", "automatic",
+                                                                    "eager"}
     assert all(r["gpu_us"] > 0 and r["host_us"] > 0 and r["gb_per_s"] > 0 and "host_ahead" in r for r in rows)
     merge_in_place = next(r for r in rows if r["case"] == "merge into the sum")
     acc, lse = 32 * 4 * 8 * 4, 32 * 4 * 4

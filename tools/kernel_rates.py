@@ -12,10 +12,12 @@ rank's step spends its GPU time.
    inside the attention ops and outside them (merges, accumulation, copies), and the host's wall time.
 4. ``regions``: the merges and sums (``merge.FUSED_REGIONS``) on the operands of the ring step at 32K/P8
    (Llama-3-8B heads, token-major), each call's GPU time with the host ahead and GB/s of the bytes it must
-   move (``tools/step_ops.FUSED``'s rule), and the host's time a call: compiled as shipped (dynamic shapes,
-   called directly), through dynamo, compiled per shape (``Region.dynamic`` False), eagerly. Run 2's profile
-   had the shipped merge's output kernel at 68 µs a call, about a third of the H200's memory bandwidth:
-   whether a kernel compiled per shape closes that is this part's question.
+   move (``tools/step_ops.FUSED``'s rule), and the host's time a call: compiled as shipped (every size
+   symbolic, called directly), through dynamo, compiled per shape (``Region.dynamic`` False), with torch's
+   automatic dynamic shapes (``dynamic`` None: only the rows symbolic), eagerly. Run 2's profile had the
+   shipped merge's output kernel at 68 µs a call, about a third of the H200's memory bandwidth; dividing a
+   flat index by symbolic head and row counts costs tens of integer instructions an element, which at that
+   bandwidth may bind: whether constant sizes close the gap is this part's question.
 
 Writes one JSON line per result to ``--out`` (flushed as measured). Needs CUDA.
 
@@ -172,15 +174,21 @@ def region_cases(heads: int, kv_heads: int, d: int, rows: int, shard: int, devic
 
 
 def region_variants(region) -> dict:
-    """``name -> (callable like the region, context)``: as shipped, through dynamo, compiled per shape, eager."""
+    """``name -> (callable like the region, context)``: as shipped (every size symbolic), through dynamo,
+    compiled per shape, with torch's automatic dynamic shapes (static until a size changes, then only that size
+    symbolic: ``time_regions`` first calls it at half the rows), eager."""
     import contextlib
 
     from mcp_context.regions import Region, through_dynamo
 
-    static = Region(region.eager, f"{region.what}, per shape")
-    static.dynamic = False
+    def compiled(dynamic, what: str) -> Region:
+        r = Region(region.eager, f"{region.what}, {what}")
+        r.dynamic = dynamic
+        return r
     return {"shipped": (region, contextlib.nullcontext), "through_dynamo": (region, through_dynamo),
-            "per_shape": (static, contextlib.nullcontext), "eager": (region.eager, contextlib.nullcontext)}
+            "per_shape": (compiled(False, "per shape"), contextlib.nullcontext),
+            "automatic": (compiled(None, "automatic dynamic shapes"), contextlib.nullcontext),
+            "eager": (region.eager, contextlib.nullcontext)}
 
 
 def time_regions(sink, heads: int, kv_heads: int, d: int, reps: int, rows: int = 2048, shard: int = 4096,
@@ -193,12 +201,15 @@ def time_regions(sink, heads: int, kv_heads: int, d: int, reps: int, rows: int =
 
     device = torch.device("cuda") if device is None else device
     names = {"merge": "merge_pair_", "dq_sum": "add_pair_", "dkv_add": "add_kv_", "dkv_first_write": "copy_kv_"}
-    for case, name, args in region_cases(heads, kv_heads, d, rows, shard, device):
+    shorter = region_cases(heads, kv_heads, d, rows // 2, shard // 2, device)
+    for (case, name, args), (_, _, short_args) in zip(region_cases(heads, kv_heads, d, rows, shard, device), shorter):
         _, write_only = FUSED[names[name]]
         moved = sum(map(_nbytes, args)) + (0 if write_only else _nbytes(args[0]))
         for variant, (fn, context) in region_variants(FUSED_REGIONS[name]).items():
             if variants is not None and variant not in variants:
                 continue
+            if variant == "automatic":  # the rows change once, as a ring's half and whole shards do
+                fn(*short_args)
 
             def calls(fn=fn, context=context) -> None:
                 with context():
