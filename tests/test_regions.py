@@ -288,3 +288,54 @@ def test_the_region_timings_a_gpu_runs_are_rehearsed_on_cpu():
     merge_in_place = next(r for r in rows if r["case"] == "merge into the sum")
     acc, lse = 32 * 4 * 8 * 4, 32 * 4 * 4
     assert merge_in_place["bytes"] == 2 * acc + 3 * lse + 32 * 4 * 8 * 2  # the sum and its lse read and written
+
+
+def test_every_role_through_direct_calls_gives_exact_attention(monkeypatch):
+    """``tests/test_results.py``'s plan whose calls meet every role (rows met by 2, 3 and 4 blocks, held rows
+    read across steps, rows one call writes, rows nobody writes; dK/dV first writes and adds) with every
+    region compiled for the CPU, in bf16 as on a GPU (results rounded once from fp32 sums), run twice: the
+    second run makes no call through dynamo and is bit for bit the first, and both are masked attention in
+    fp64 within 2e-2 x max(1, |ref|), forward and gradients. (fp32: the ring step test above.)"""
+    dtype, tol = torch.bfloat16, 2e-2
+    if NO_CXX:
+        pytest.skip(NO_CXX)
+    from mcp_context.algorithms.executor import RingAttention, RingPlan
+    from mcp_context.algorithms.rotation import LocalRotation
+    from mcp_context.kernels.torch_sdpa import cpu_flash_kernel
+    from tests.reference import relative_error
+    from tests.test_results import ROWS, TASKS, _reference
+
+    monkeypatch.delenv(regions.DIRECT_ENV, raising=False)
+    through = []
+    for r in merge.FUSED_REGIONS.values():
+        monkeypatch.setattr(r, "devices", ("cuda", "cpu"))
+        monkeypatch.setattr(r, "direct", {})
+        run_compiled = r.run_compiled
+        monkeypatch.setattr(r, "run_compiled", lambda *a, run=run_compiled: (through.append(1), run(*a)))
+    g = torch.Generator().manual_seed(0)
+    q0 = torch.randn(ROWS, 1, 4, 16, generator=g).to(dtype)
+    k0, v0 = (torch.randn(ROWS, 1, 2, 16, generator=g).to(dtype) for _ in range(2))
+    dout = torch.randn(ROWS, 1, 4, 16, generator=g).to(dtype)
+    plan = RingPlan.build(TASKS, LocalRotation(0, 2), cpu_flash_kernel(), 16 ** -0.5, ROWS)
+
+    def run():
+        q, k, v = (x.clone().requires_grad_() for x in (q0, k0, v0))
+        out, lse = RingAttention.apply(q, k, v, plan)
+        out.backward(dout)
+        return [out.detach(), lse, q.grad, k.grad, v.grad]
+    try:
+        first = run()
+        calls = len(through)
+        second = run()
+        assert calls and len(through) == calls, "the second run went through dynamo"
+        assert all(d is not None for r in merge.FUSED_REGIONS.values() for d in r.direct.values())
+        for a, b in zip(first, second):
+            assert torch.equal(a, b)
+    finally:
+        torch._dynamo.reset()
+    ref = _reference(q0, k0, v0, dout)
+    finite = ref[1].isfinite()
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), second, ref):
+        if name == "lse":
+            got, want = got[finite], want[finite]
+        assert relative_error(got, want) <= tol, name
