@@ -4,7 +4,7 @@ dynamo's per-call Python where a call repeats a layout dynamo has already seen.
 A region is a plain torch function that writes its first operands in place. On CUDA it runs as one
 compiled kernel (``torch.compile``, dynamic shapes); elsewhere, and on fake tensors, eagerly. Through
 ``torch.compile`` every call goes through dynamo's frame wrappers, its guards and AOTAutograd's runtime
-wrapper before Inductor's launcher: on an H200's host (run 4, cProfile) 300 µs a call, of which Inductor's
+wrapper before Inductor's launcher: on an H200's host (run 4, cProfile) 240-300 µs a call, of which Inductor's
 own call was 94 µs; a ring step at 32K/P8 makes 17 such calls, and its host issue time (7.75 ms) was on a
 par with its GPU time. So each compiled variant is recorded as dynamo compiles it (``_Variant``: the
 compiled function and how its graph's inputs are read from the operands), and every call through dynamo
