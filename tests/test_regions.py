@@ -262,7 +262,7 @@ def test_a_ring_step_with_compiled_regions_runs_them_directly_from_its_second_st
         torch._dynamo.reset()
 
 
-def test_the_region_timings_a_gpu_runs_are_rehearsed_on_cpu():
+def test_the_region_timings_a_gpu_runs_are_rehearsed_on_cpu(tmp_path):
     """``tools/kernel_rates.py --parts regions`` on CPU tensors with CUDA's events, sleep and synchronise answered
     on the host: a row per case and variant with the fields the next GPU run reads, the bytes by
     ``tools/step_ops``'s rule (an in-place merge reads and writes its sum)."""
@@ -288,6 +288,13 @@ def test_the_region_timings_a_gpu_runs_are_rehearsed_on_cpu():
     merge_in_place = next(r for r in rows if r["case"] == "merge into the sum")
     acc, lse = 32 * 4 * 8 * 4, 32 * 4 * 4
     assert merge_in_place["bytes"] == 2 * acc + 3 * lse + 32 * 4 * 8 * 2  # the sum and its lse read and written
+
+    import json
+
+    from tools.gpu_report import report
+    (tmp_path / "regions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = report(str(tmp_path))
+    assert "## The merges' and sums' kernels" in text and text.count("| dK/dV add | ") == 5, text
 
 
 def test_every_role_through_direct_calls_gives_exact_attention(monkeypatch):

@@ -7,7 +7,8 @@ short keeps the lines it wrote): ``summary.jsonl`` (each step's rc and seconds),
 (``bench/bench_attention_*.jsonl``: one rank's step of each scheme against one fused call of equal useful
 FLOPs), ``picks.jsonl`` (``tools/bench_picks.py``: the planner's pick at each cell of its grid) and
 ``profile.jsonl``'s ``occupancy`` rows (``tools/kernel_rates.py``: calls of few heads against the planner's
-occupancy model).
+occupancy model), ``host_costs.jsonl`` (``tools/host_costs.py``) and ``regions.jsonl`` (``tools/kernel_rates.py
+--parts regions``, run after ``make test-gpu`` where device time is left: the merges' and sums' kernels).
 
     python tools/gpu_report.py runs/gpu_checks > runs/gpu_checks/report.md
 """
@@ -164,6 +165,17 @@ def host_costs_table(path: str) -> list[str]:
     return out
 
 
+def regions_table(path: str) -> list[str]:
+    """``tools/kernel_rates.py``'s ``region`` rows: each merge and sum on the ring step's operands, per variant,
+    its GPU time a call with the host ahead, the bandwidth that is, and the host's time a call."""
+    out = ["| region call | variant | GPU µs a call | GB/s | host µs a call |", "|---|---|---|---|---|"]
+    for r in _lines(path):
+        if r.get("part") == "region" and "gpu_us" in r:
+            out.append(f"| {r['case']} | {r['variant']} | {_held(r['gpu_us'], r['host_ahead'])} | "
+                       f"{r['gb_per_s']:.0f} | {r['host_us']:.1f} |")
+    return out
+
+
 def occupancy_table(path: str, profile: str) -> list[str]:
     """The short picks' calls at 4 to 32 heads (``tools/kernel_rates.py``'s ``occupancy`` rows): the busy share
     measured beside the planner's model (``tools/calibrate_profile.occupancy_rows`` with ``profile``)."""
@@ -225,8 +237,16 @@ def report(results: str) -> str:
     host_path = os.path.join(results, "host_costs.jsonl")
     if os.path.exists(host_path):
         lines += ["## Where the host's time goes (tools/host_costs.py)", "",
-                  "Each fused region run eagerly in turn, and the side stream off ('in_order'), against the step as "
-                  "shipped; '*': the host fell behind the hold.", ""] + host_costs_table(host_path) + [""]
+                  "Each fused region run eagerly in turn, every compiled call through dynamo ('through_dynamo', where "
+                  "the shipped step calls a layout seen before directly), and the side stream off ('in_order'), "
+                  "against the step as shipped; '*': the host fell behind the hold.", ""] + host_costs_table(host_path) + [""]
+    regions_path = os.path.join(results, "regions.jsonl")
+    if os.path.exists(regions_path):
+        lines += ["## The merges' and sums' kernels (tools/kernel_rates.py --parts regions)", "",
+                  "Each region on the operands of the ring step at 32K/P8, a run of calls timed together: as "
+                  "shipped (every size symbolic, called directly), through dynamo, compiled per shape, with automatic "
+                  "dynamic shapes (only the rows symbolic), eager; GB/s of the bytes each call must move; '*': the "
+                  "host fell behind the hold.", ""] + regions_table(regions_path) + [""]
     p2p = {s: seen.get(("p2p", s, 8), {}) for s in (32768, 131072)}
     peaks: dict[str, list[float]] = {}  # by scheme
     for (comm, _, _), fb in seen.items():
