@@ -3,9 +3,11 @@ kernel's O(s^2) micro-benchmark and writes every result as it is measured; its G
 CUDA's timing calls answered on the host; the picks tool and the GPU report over real and rehearsed rows."""
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import warnings
+from typing import Iterator
 
 import pytest
 import torch
@@ -138,6 +140,23 @@ class _HostEvent:
 
     def elapsed_time(self, other) -> float:
         return (other.at - self.at) * 1e3
+
+
+@contextlib.contextmanager
+def cuda_timing_on_host() -> Iterator[None]:
+    """CUDA's event, sleep and synchronise answered on the host while inside (a tool's GPU branch rehearsed on
+    CPU tensors), and the sleep rate the host answered forgotten after: it is not a GPU's."""
+    from tools import bench_device
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in {"Event": _HostEvent, "synchronize": lambda *a: None,
+                            "_sleep": lambda cycles: time.sleep(cycles / 1e9)}.items():
+            mp.setattr(torch.cuda, name, value)
+        bench_device._sleep_cycles_per_second.cache_clear()
+        try:
+            yield
+        finally:
+            bench_device._sleep_cycles_per_second.cache_clear()
 
 
 def _gpu_branch_row(monkeypatch, capture) -> tuple[dict, list]:

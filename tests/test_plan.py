@@ -795,29 +795,20 @@ def test_the_occupancy_rows_a_gpu_measures_check_the_model():
     predicts, and apart for times that scale perfectly with heads (the check can fail)."""
     import statistics
     import sys
-    import time
 
     sys.path.insert(0, str(REPO))
     from mcp_context.kernels.torch_sdpa import cpu_flash_kernel
     from mcp_context.masks import CAUSAL_BLOCK, FULL_BLOCK
     from mcp_context.plan.cost import occupancy
     from mcp_context.schedule import BlockTask
-    from tests.test_bench_device import _HostEvent
-    from tools import bench_device
+    from tests.test_bench_device import cuda_timing_on_host
     from tools.calibrate_profile import occupancy_rows
     from tools.kernel_rates import time_occupancy
 
     rows = []
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in {"Event": _HostEvent, "synchronize": lambda *a: None,
-                            "_sleep": lambda cycles: time.sleep(cycles / 1e9)}.items():
-            mp.setattr(torch.cuda, name, value)
-        bench_device._sleep_cycles_per_second.cache_clear()
-        try:
-            time_occupancy(rows.append, cpu_flash_kernel(), 32, 8, 8, 1, rand=lambda *s: torch.randn(*s),
-                           shapes=((16, 48, FULL_BLOCK), (32, 32, CAUSAL_BLOCK)), head_counts=(4, 32))
-        finally:
-            bench_device._sleep_cycles_per_second.cache_clear()
+    with cuda_timing_on_host():
+        time_occupancy(rows.append, cpu_flash_kernel(), 32, 8, 8, 1, rand=lambda *s: torch.randn(*s),
+                       shapes=((16, 48, FULL_BLOCK), (32, 32, CAUSAL_BLOCK)), head_counts=(4, 32))
     assert [(r["part"], r["rows"], r["heads"], r["kv_heads"]) for r in rows] == [
         ("occupancy", 16, 4, 1), ("occupancy", 16, 32, 8), ("occupancy", 32, 4, 1), ("occupancy", 32, 32, 8)]
     assert all(len(r["queued_fwd_s"]) == len(r["queued_fwd_bwd_s"]) == 1 and "host_ahead" in r for r in rows)

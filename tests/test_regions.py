@@ -266,22 +266,12 @@ def test_the_region_timings_a_gpu_runs_are_rehearsed_on_cpu(tmp_path):
     """``tools/kernel_rates.py --parts regions`` on CPU tensors with CUDA's events, sleep and synchronise answered
     on the host: a row per case and variant with the fields the next GPU run reads, the bytes by
     ``tools/step_ops``'s rule (an in-place merge reads and writes its sum)."""
-    import time
-
-    from tests.test_bench_device import _HostEvent
-    from tools import bench_device
+    from tests.test_bench_device import cuda_timing_on_host
     from tools.kernel_rates import time_regions
 
     rows = []
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in {"Event": _HostEvent, "synchronize": lambda *a: None,
-                            "_sleep": lambda cycles: time.sleep(cycles / 1e9)}.items():
-            mp.setattr(torch.cuda, name, value)
-        bench_device._sleep_cycles_per_second.cache_clear()
-        try:
-            time_regions(rows.append, 4, 2, 8, 1, rows=32, shard=64, device=torch.device("cpu"), host_ahead=True)
-        finally:
-            bench_device._sleep_cycles_per_second.cache_clear()
+    with cuda_timing_on_host():
+        time_regions(rows.append, 4, 2, 8, 1, rows=32, shard=64, device=torch.device("cpu"), host_ahead=True)
     assert len(rows) == 6 * 5 and {r["variant"] for r in rows} == {"shipped", "through_dynamo", "per_shape", "automatic",
                                                                     "eager"}
     assert all(r["gpu_us"] > 0 and r["host_us"] > 0 and r["gb_per_s"] > 0 and "host_ahead" in r for r in rows)
