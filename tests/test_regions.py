@@ -204,6 +204,20 @@ def test_under_a_dispatch_mode_calls_go_through_dynamo(region):
         assert not regions.direct_calls_enabled()
 
 
+def _shipped_regions_counted(monkeypatch, on_cpu: bool) -> list:
+    """The shipped regions with no layout remembered, compiling for the CPU too where ``on_cpu``, direct calls
+    on: the list each call through dynamo appends to."""
+    monkeypatch.delenv(regions.DIRECT_ENV, raising=False)
+    through: list = []
+    for r in merge.FUSED_REGIONS.values():
+        if on_cpu:
+            monkeypatch.setattr(r, "devices", ("cuda", "cpu"))
+        monkeypatch.setattr(r, "direct", {})
+        run_compiled = r.run_compiled
+        monkeypatch.setattr(r, "run_compiled", lambda *a, run=run_compiled: (through.append(1), run(*a)))
+    return through
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (the shipped regions compile for CUDA with Triton)"))])
 def test_a_ring_step_with_compiled_regions_runs_them_directly_from_its_second_step(monkeypatch, device):
@@ -223,14 +237,7 @@ def test_a_ring_step_with_compiled_regions_runs_them_directly_from_its_second_st
         pytest.skip(NO_CXX)
     dtype, heads, kv_heads, dim, seq = (torch.bfloat16, 8, 2, 64, 1024) if cuda else (torch.float32, 4, 2, 8, 64)
     tol = dict(atol=2e-2, rtol=2e-2) if cuda else dict(atol=1e-5, rtol=1e-5)
-    monkeypatch.delenv(regions.DIRECT_ENV, raising=False)
-    through = []
-    for r in merge.FUSED_REGIONS.values():
-        if not cuda:
-            monkeypatch.setattr(r, "devices", ("cuda", "cpu"))
-        monkeypatch.setattr(r, "direct", {})
-        run_compiled = r.run_compiled
-        monkeypatch.setattr(r, "run_compiled", lambda *a, run=run_compiled: (through.append(1), run(*a)))
+    through = _shipped_regions_counted(monkeypatch, on_cpu=not cuda)
     kernel = get_kernel("auto", torch.device(device), dtype)
     step = rank_step("p2p", 4, seq, CAUSAL, kernel, heads, kv_heads, dim, rank=1)
     plan, kv_rows = step.plan, step.kv_rows  # every member's K/V laid out here (a walked ring moves no data)
@@ -302,13 +309,7 @@ def test_every_role_through_direct_calls_gives_exact_attention(monkeypatch):
     from tests.reference import relative_error
     from tests.test_results import ROWS, TASKS, _reference
 
-    monkeypatch.delenv(regions.DIRECT_ENV, raising=False)
-    through = []
-    for r in merge.FUSED_REGIONS.values():
-        monkeypatch.setattr(r, "devices", ("cuda", "cpu"))
-        monkeypatch.setattr(r, "direct", {})
-        run_compiled = r.run_compiled
-        monkeypatch.setattr(r, "run_compiled", lambda *a, run=run_compiled: (through.append(1), run(*a)))
+    through = _shipped_regions_counted(monkeypatch, on_cpu=True)
     g = torch.Generator().manual_seed(0)
     q0 = torch.randn(ROWS, 1, 4, 16, generator=g).to(dtype)
     k0, v0 = (torch.randn(ROWS, 1, 2, 16, generator=g).to(dtype) for _ in range(2))

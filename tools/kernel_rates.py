@@ -148,7 +148,7 @@ REGION_CALLS = 20
 
 
 def region_cases(heads: int, kv_heads: int, d: int, rows: int, shard: int, device, dtype=torch.bfloat16) -> list:
-    """``(case, region name, operands)``: the ring step's region calls (a zigzag member at 32K/P8 holds 2048-row
+    """``(case, merge function, operands)``: the ring step's region calls (a zigzag member at 32K/P8 holds 2048-row
     halves and 4096-row shards), token-major like the executor's accumulators and the fused op's outputs."""
     acc = torch.float32
 
@@ -160,15 +160,15 @@ def region_cases(heads: int, kv_heads: int, d: int, rows: int, shard: int, devic
 
     out, out_lse = block(heads, rows, d, acc), lse(heads, rows)
     return [
-        ("merge into the sum", "merge", (out, out_lse, out, out_lse, block(heads, rows, d), lse(heads, rows))),
-        ("merge of two blocks", "merge", (block(heads, rows, d, acc), lse(heads, rows), block(heads, rows, d),
+        ("merge into the sum", "merge_pair_", (out, out_lse, out, out_lse, block(heads, rows, d), lse(heads, rows))),
+        ("merge of two blocks", "merge_pair_", (block(heads, rows, d, acc), lse(heads, rows), block(heads, rows, d),
                                           lse(heads, rows), block(heads, rows, d), lse(heads, rows))),
-        ("last merge into the result", "merge", (block(heads, rows, d), out_lse, out, out_lse, block(heads, rows, d),
+        ("last merge into the result", "merge_pair_", (block(heads, rows, d), out_lse, out, out_lse, block(heads, rows, d),
                                                  lse(heads, rows))),
-        ("dQ sum of two blocks", "dq_sum", (block(heads, rows, d, acc), block(heads, rows, d), block(heads, rows, d))),
-        ("dK/dV add", "dkv_add", (block(kv_heads, shard, 2 * d, acc), block(kv_heads, shard, d),
+        ("dQ sum of two blocks", "add_pair_", (block(heads, rows, d, acc), block(heads, rows, d), block(heads, rows, d))),
+        ("dK/dV add", "add_kv_", (block(kv_heads, shard, 2 * d, acc), block(kv_heads, shard, d),
                                   block(kv_heads, shard, d))),
-        ("dK/dV first write", "dkv_first_write", (block(kv_heads, shard, 2 * d, acc), block(kv_heads, shard, d),
+        ("dK/dV first write", "copy_kv_", (block(kv_heads, shard, 2 * d, acc), block(kv_heads, shard, d),
                                                   block(kv_heads, shard, d))),
     ]
 
@@ -196,16 +196,15 @@ def time_regions(sink, heads: int, kv_heads: int, d: int, reps: int, rows: int =
     """Each region case in each variant (``region_variants``; ``variants``: a subset), ``REGION_CALLS`` calls
     timed together: cold, and (``host_ahead``, default on CUDA) GPU µs a call with the host ahead, GB/s, host
     µs a call."""
-    from mcp_context.merge import FUSED_REGIONS
-    from tools.step_ops import FUSED, _nbytes
+    from mcp_context import merge
+    from tools.step_ops import FUSED, _nbytes, region_attr
 
     device = torch.device("cuda") if device is None else device
-    names = {"merge": "merge_pair_", "dq_sum": "add_pair_", "dkv_add": "add_kv_", "dkv_first_write": "copy_kv_"}
     shorter = region_cases(heads, kv_heads, d, rows // 2, shard // 2, device)
     for (case, name, args), (_, _, short_args) in zip(region_cases(heads, kv_heads, d, rows, shard, device), shorter):
-        _, write_only = FUSED[names[name]]
+        _, write_only = FUSED[name]
         moved = sum(map(_nbytes, args)) + (0 if write_only else _nbytes(args[0]))
-        for variant, (fn, context) in region_variants(FUSED_REGIONS[name]).items():
+        for variant, (fn, context) in region_variants(getattr(merge, region_attr(name))).items():
             if variants is not None and variant not in variants:
                 continue
             if variant == "automatic":  # the rows change once, as a ring's half and whole shards do

@@ -59,6 +59,12 @@ lse), the dK/dV add one kernel. The dQ sum of two blocks and the dK/dV first wri
 of one output each, taken as one kernel too: not yet profiled."""
 
 
+def region_attr(name: str) -> str:
+    """The ``merge`` attribute holding the compiled region behind public function ``name`` of ``FUSED``
+    (``merge_pair_`` -> ``_merge_pair``)."""
+    return f"_{name.rstrip('_')}"
+
+
 def _nbytes(x) -> int:
     return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
 
@@ -109,7 +115,7 @@ class _Counter(TorchDispatchMode):
 def counting() -> Iterator[_Counter]:
     """Count ops (see the module docstring); each fused region counts once with its operands' bytes."""
     counter = _Counter()
-    originals = {name: getattr(merge, f"_{name.rstrip('_')}") for name in FUSED}
+    originals = {name: getattr(merge, region_attr(name)) for name in FUSED}
 
     def fused(name, region):
         def run(*args):
@@ -123,13 +129,13 @@ def counting() -> Iterator[_Counter]:
         return run
 
     for name, region in originals.items():
-        setattr(merge, f"_{name.rstrip('_')}", fused(name, region))
+        setattr(merge, region_attr(name), fused(name, region))
     try:
         with counter:
             yield counter
     finally:
         for name, region in originals.items():
-            setattr(merge, f"_{name.rstrip('_')}", region)
+            setattr(merge, region_attr(name), region)
 
 
 @dataclass(frozen=True)
