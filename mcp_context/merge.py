@@ -20,6 +20,7 @@ Rows that see no key (padding rows of packed documents) stay ``(0, -inf)``: they
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -45,73 +46,70 @@ def _scratch(out: torch.Tensor, a: torch.Tensor, acc: torch.dtype) -> torch.Tens
     return torch.empty(out.shape, dtype=acc, device=out.device)
 
 
-def merge_pair_eager_(out: torch.Tensor, lse: torch.Tensor, a_out: torch.Tensor, a_lse: torch.Tensor,
-                      b_out: torch.Tensor, b_lse: torch.Tensor) -> None:
-    """The merge as plain torch operations (any device); see ``merge_pair_``. The sum is formed where
+def merge_blocks_eager_(out: torch.Tensor, lse: torch.Tensor, *blocks: torch.Tensor) -> None:
+    """The merge as plain torch operations (any device); see ``merge_blocks_``. The sum is formed where
     ``_scratch`` says and rounded once into ``out`` (a planner's dry run runs this form and counts its
     temporaries, which the compiled kernel does not have)."""
     acc = lse.dtype
-    a_lse, b_lse = a_lse.to(acc), b_lse.to(acc)
-    hi = torch.maximum(a_lse, b_lse)
-    lo = torch.minimum(a_lse, b_lse)
-    new_lse = hi + torch.log1p(torch.exp(lo - _finite(hi)))
+    outs, lses = blocks[0::2], [b.to(acc) for b in blocks[1::2]]
+    hi = functools.reduce(torch.maximum, lses)
+    fin = _finite(hi)
+    new_lse = fin + torch.log(functools.reduce(torch.add, [torch.exp(b - fin) for b in lses]))
     ref = _finite(new_lse)
-    sums = _scratch(out, a_out, acc)
-    if sums is not a_out:
-        torch.ops.aten.copy_(sums, a_out)  # not Tensor.copy_: see algorithms/executor.py's _copy_
-    sums.mul_(torch.exp(a_lse - ref).unsqueeze(-1))
-    sums.addcmul_(b_out, torch.exp(b_lse - ref).unsqueeze(-1))
+    sums = _scratch(out, outs[0], acc)
+    if sums is not outs[0]:
+        torch.ops.aten.copy_(sums, outs[0])  # not Tensor.copy_: see algorithms/executor.py's _copy_
+    sums.mul_(torch.exp(lses[0] - ref).unsqueeze(-1))
+    for o, b in zip(outs[1:], lses[1:]):
+        sums.addcmul_(o, torch.exp(b - ref).unsqueeze(-1))
     if sums is not out:
         torch.ops.aten.copy_(out, sums)
     torch.ops.aten.copy_(lse, new_lse)
 
 
-_merge_pair = Region(merge_pair_eager_, "attention merge")
+_merge_blocks = Region(merge_blocks_eager_, "attention merge")
 
 
 def compiled_merge() -> Callable:
-    """``merge_pair_eager_`` compiled into one kernel (built once; shapes are dynamic)."""
-    return _merge_pair.compile()
+    """``merge_blocks_eager_`` compiled into one kernel (built once; shapes are dynamic)."""
+    return _merge_blocks.compile()
 
 
-def merge_pair_(out: torch.Tensor, lse: torch.Tensor, a_out: torch.Tensor, a_lse: torch.Tensor,
-                b_out: torch.Tensor, b_lse: torch.Tensor) -> None:
-    """Write the merge of ``(a_out, a_lse)`` and ``(b_out, b_lse)`` (disjoint key sets) into ``out [..., s, d]``
-    (any float dtype: rounded once) and ``lse [..., s]`` (the accumulator dtype, which the merge computes in).
+def merge_blocks_(out: torch.Tensor, lse: torch.Tensor, *blocks: torch.Tensor) -> None:
+    """Write the merge of ``blocks`` (``a_out, a_lse, b_out, b_lse, ...``: two or more partial results over
+    disjoint key sets) into ``out [..., s, d]`` (any float dtype: rounded once) and ``lse [..., s]`` (the
+    accumulator dtype, which the merge computes in): one fused kernel on CUDA, however many blocks.
 
-    Any of them may be views (query sub-ranges), and ``out``/``lse`` may be ``a_out``/``a_lse`` themselves
-    (an accumulator merged in place, or a held block's rows overwritten by the merged result). An ``a_out``
-    in the accumulator dtype written into an ``out`` that is not (the last merge of an fp32 sum) is consumed:
-    its rows are not to be read again.
+    Any of them may be views (query sub-ranges). ``out``/``lse`` may be the *first* block itself (an
+    accumulator merged in place, or a held block's rows overwritten by the merged result); no other block
+    may share their memory. A first block in the accumulator dtype written into an ``out`` that is not (the
+    last merge of an fp32 sum) is consumed: its rows are not to be read again.
     """
-    _merge_pair(out, lse, a_out, a_lse, b_out, b_lse)
+    _merge_blocks(out, lse, *blocks)
 
 
-def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """Fold ``(block_out, block_lse)`` into the accumulators ``out [..., s, d]``, ``lse [..., s]`` in place."""
-    _merge_pair(out, lse, out, lse, block_out, block_lse)
-
-
-def add_pair_eager_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``out = a + b`` summed in fp32 (fp64 when any is fp64), rounded once into ``out``'s dtype (formed where
-    ``_scratch`` says)."""
-    acc = torch.float64 if torch.float64 in (out.dtype, a.dtype, b.dtype) else torch.float32
-    sums = _scratch(out, a, acc)
-    if sums is not a:
-        torch.ops.aten.copy_(sums, a)  # not Tensor.copy_: see algorithms/executor.py's _copy_
-    sums.add_(b)
+def add_blocks_eager_(out: torch.Tensor, *blocks: torch.Tensor) -> None:
+    """``out = sum(blocks)`` summed in fp32 (fp64 when any is fp64), rounded once into ``out``'s dtype (formed
+    where ``_scratch`` says)."""
+    acc = torch.float64 if any(x.dtype == torch.float64 for x in (out, *blocks)) else torch.float32
+    sums = _scratch(out, blocks[0], acc)
+    if sums is not blocks[0]:
+        torch.ops.aten.copy_(sums, blocks[0])  # not Tensor.copy_: see algorithms/executor.py's _copy_
+    for b in blocks[1:]:
+        sums.add_(b)
     if sums is not out:
         torch.ops.aten.copy_(out, sums)
 
 
-_add_pair = Region(add_pair_eager_, "dQ sum")
+_add_blocks = Region(add_blocks_eager_, "dQ sum")
 
 
-def add_pair_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``out = a + b`` in fp32 with one rounding into ``out`` (a held dQ block plus the next, or the fp32 sum
-    plus the last block): one fused kernel on CUDA, where a copy into fp32 and an add were two. An fp32 ``a``
-    added into a half-precision ``out`` (the last block of a sum) is consumed, as in ``merge_pair_``."""
-    _add_pair(out, a, b)
+def add_blocks_(out: torch.Tensor, *blocks: torch.Tensor) -> None:
+    """``out = sum(blocks)`` in fp32 with one rounding into ``out`` (held dQ blocks and the next, or the fp32 sum
+    and the blocks after it): one fused kernel on CUDA, where a copy into fp32 and an add per block were one
+    more kernel each. ``out`` may be the first block (a sum added into in place), no other; an fp32 first block
+    added into a half-precision ``out`` (the last add of a sum) is consumed, as in ``merge_blocks_``."""
+    _add_blocks(out, *blocks)
 
 
 def add_kv_eager_(dkv: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
@@ -147,7 +145,7 @@ def copy_kv_(dkv: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
     _copy_kv(dkv, dk, dv)
 
 
-FUSED_REGIONS = {"merge": _merge_pair, "dq_sum": _add_pair, "dkv_add": _add_kv, "dkv_first_write": _copy_kv}
+FUSED_REGIONS = {"merge": _merge_blocks, "dq_sum": _add_blocks, "dkv_add": _add_kv, "dkv_first_write": _copy_kv}
 """Every region compiled on CUDA, by name (``tools/host_costs.py`` runs each eagerly in turn)."""
 
 

@@ -117,16 +117,30 @@ class _Variant:
         return _Direct(self.compiled, slots, consts)
 
 
+def _operand(source, names: list[str]) -> Optional[int]:
+    """The operand position a dynamo source names: a parameter (``names``), or an item of a trailing ``*args``
+    parameter (listed ``"*args"`` last, as ``Region.names`` does); None for any other source."""
+    from torch._dynamo.source import GetItemSource, LocalSource
+
+    if isinstance(source, LocalSource) and source.local_name in names:
+        return names.index(source.local_name)
+    if isinstance(source, GetItemSource) and isinstance(source.base, LocalSource) and not source.index_is_slice \
+            and names[-1] == f"*{source.base.local_name}" and isinstance(source.index, int):
+        return len(names) - 1 + source.index
+    return None
+
+
 def _read(source, names: list[str], args: Sequence[torch.Tensor]):
     """``(operand position, None)`` for a graph input that is an operand, ``(-1, value)`` for one that is a
     size, stride or storage offset of one (its value in ``args``), None for any other source."""
-    from torch._dynamo.source import LocalSource, TensorProperty, TensorPropertySource
+    from torch._dynamo.source import TensorProperty, TensorPropertySource
 
-    if isinstance(source, LocalSource) and source.local_name in names:
-        return names.index(source.local_name), None
-    if isinstance(source, TensorPropertySource) and isinstance(source.base, LocalSource) \
-            and source.base.local_name in names:
-        t = args[names.index(source.base.local_name)]
+    at = _operand(source, names)
+    if at is not None:
+        return at, None
+    at = _operand(source.base, names) if isinstance(source, TensorPropertySource) else None
+    if at is not None:
+        t = args[at]
         if source.prop == TensorProperty.SIZE:
             return -1, t.size(source.idx)
         if source.prop == TensorProperty.STRIDE:
@@ -163,7 +177,8 @@ class Region:
 
     def __init__(self, eager: Callable, what: str):
         self.eager, self.what = eager, what
-        self.names = list(inspect.signature(eager).parameters)
+        self.names = [f"*{p.name}" if p.kind is p.VAR_POSITIONAL else p.name  # ``*blocks``: the operands past the others
+                      for p in inspect.signature(eager).parameters.values()]
         self.compiled: Optional[Callable] = None
         self.error: Optional[str] = None
         self.compiling = True

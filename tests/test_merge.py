@@ -1,7 +1,13 @@
 """Online-softmax merge: exact against one softmax over the union of keys; -inf rows stay finite."""
+import pytest
 import torch
 
-from mcp_context.merge import merge_
+from mcp_context.merge import merge_blocks_
+
+
+def merge_(out, lse, block_out, block_lse):
+    """Fold one block into accumulators in place (the sum-so-far form of ``merge_blocks_``)."""
+    merge_blocks_(out, lse, out, lse, block_out, block_lse)
 
 
 def _partial(scores, v):
@@ -37,10 +43,29 @@ def test_merge_is_stable_for_huge_lse_gaps():
     assert torch.isfinite(out).all() and torch.allclose(out, torch.ones(1, 1, 2)) and lse.item() == 1e4
 
 
+@pytest.mark.parametrize("blocks", [2, 3, 5, 8])
+def test_merging_many_key_runs_at_once_equals_softmax_over_all_keys(blocks):
+    """One merge of ``blocks`` partial results (each over its own run of keys, one run fully masked on some
+    rows) is the softmax over every key, fp64 within 1e-13; rows no run sees stay (0, -inf)."""
+    gen = torch.Generator().manual_seed(blocks)
+    scores = torch.randn(2, 6, 4 * blocks, generator=gen, dtype=torch.float64) * 4
+    v = torch.randn(2, 4 * blocks, 5, generator=gen, dtype=torch.float64)
+    scores[:, 1, 4:] = float("-inf")  # row 1 sees only the first run
+    scores[:, 2] = float("-inf")  # row 2 sees nothing
+    parts = [x for r in range(blocks) for x in _partial(scores[..., 4 * r:4 * r + 4], v[:, 4 * r:4 * r + 4])]
+    out, lse = torch.empty(2, 6, 5, dtype=torch.float64), torch.empty(2, 6, dtype=torch.float64)
+    merge_blocks_(out, lse, *parts)
+    ref_lse = torch.logsumexp(scores, -1)
+    ref_out = torch.softmax(scores.masked_fill(ref_lse.isinf().unsqueeze(-1), 0), -1) @ v
+    ref_out[:, 2] = 0
+    assert (out - ref_out).abs().max() <= 1e-13 and torch.equal(lse.isinf(), ref_lse.isinf())
+    assert (lse - ref_lse)[ref_lse.isfinite()].abs().max() <= 1e-13 and (out[:, 2] == 0).all()
+
+
 def test_compiled_merge_equals_eager_merge_on_views_with_masked_rows():
     """The fused (torch.compile) merge that CUDA uses gives the eager merge's results, here compiled for
     the CPU: same in-place writes into a query sub-range, -inf rows kept, bit-close (fp32 1e-6)."""
-    from mcp_context.merge import compiled_merge, merge_pair_eager_
+    from mcp_context.merge import compiled_merge, merge_blocks_eager_
 
     gen = torch.Generator().manual_seed(1)
     out, lse = torch.randn(2, 4, 64, 16, generator=gen), torch.randn(2, 4, 64, generator=gen)
@@ -50,8 +75,8 @@ def test_compiled_merge_equals_eager_merge_on_views_with_masked_rows():
     eager_out, eager_lse = out.clone(), lse.clone()
     rows = slice(10, 42)
     compiled_merge()(out[:, :, rows], lse[:, :, rows], out[:, :, rows], lse[:, :, rows], block_out, block_lse)
-    merge_pair_eager_(eager_out[:, :, rows], eager_lse[:, :, rows], eager_out[:, :, rows], eager_lse[:, :, rows],
-                      block_out, block_lse)
+    merge_blocks_eager_(eager_out[:, :, rows], eager_lse[:, :, rows], eager_out[:, :, rows], eager_lse[:, :, rows],
+                        block_out, block_lse)
     assert torch.isfinite(out).all() and (lse[0, 0, 10:15] == float("-inf")).all()
     assert torch.allclose(out, eager_out, atol=1e-6, rtol=1e-6)
     assert torch.equal(lse.isinf(), eager_lse.isinf())
@@ -59,12 +84,13 @@ def test_compiled_merge_equals_eager_merge_on_views_with_masked_rows():
     assert torch.allclose(lse[finite], eager_lse[finite], atol=1e-6, rtol=1e-6)
 
 
-def test_a_pair_merged_into_a_half_result_rounds_once():
-    """``merge_pair_`` of two bf16 blocks written straight into bf16 rows (one of them the first block's own
+def test_blocks_merged_into_a_half_result_round_once():
+    """``merge_blocks_`` of two bf16 blocks written straight into bf16 rows (one of them the first block's own
     rows, overwritten in place: a held block) is the fp32 merge rounded once, bit for bit, and its lse the
-    fp32 one; a later block merged through an fp32 accumulator and written by the last merge
-    (``merge_pair_`` from the accumulator) equals three blocks merged in fp32 then rounded once."""
-    from mcp_context.merge import merge_pair_
+    fp32 one; a later block merged through an fp32 accumulator and written by the last merge (from the
+    accumulator) equals three blocks merged in fp32 then rounded once; and four held blocks merged at once into
+    the first one's rows equal them merged in fp32 one by one, rounded once (within one bf16 rounding: the
+    weights are summed in another order)."""
 
     g = torch.Generator().manual_seed(2)
     blocks = [(torch.randn(1, 2, 8, 4, generator=g).bfloat16(), torch.randn(1, 2, 8, generator=g) * 3)
@@ -73,30 +99,42 @@ def test_a_pair_merged_into_a_half_result_rounds_once():
     for o, l in blocks[1:2]:
         merge_(ref_out, ref_lse, o, l)
     held, held_lse = blocks[0][0].clone(), blocks[0][1].clone()
-    merge_pair_(held, held_lse, held, held_lse, *blocks[1])  # two blocks: into the first's own rows
+    merge_blocks_(held, held_lse, held, held_lse, *blocks[1])  # two blocks: into the first's own rows
     assert torch.equal(held, ref_out.bfloat16()) and torch.equal(held_lse, ref_lse)
     acc, acc_lse = torch.empty(1, 2, 8, 4), torch.empty(1, 2, 8)
-    merge_pair_(acc, acc_lse, *blocks[0], *blocks[1])  # three: the first pair into fp32
+    merge_blocks_(acc, acc_lse, *blocks[0], *blocks[1])  # three: the first pair into fp32
     result = torch.empty(1, 2, 8, 4, dtype=torch.bfloat16)
-    merge_pair_(result, acc_lse, acc, acc_lse, *blocks[2])  # the last: fp32 sum + block, rounded once
+    merge_blocks_(result, acc_lse, acc, acc_lse, *blocks[2])  # the last: fp32 sum + block, rounded once
     merge_(ref_out, ref_lse, *blocks[2])
     assert torch.equal(result, ref_out.bfloat16()) and torch.allclose(acc_lse, ref_lse, atol=0, rtol=1e-6)
+    four = blocks + [(torch.randn(1, 2, 8, 4, generator=g).bfloat16(), torch.randn(1, 2, 8, generator=g) * 3)]
+    ref_out, ref_lse = four[0][0].float(), four[0][1].clone()
+    for o, l in four[1:]:
+        merge_(ref_out, ref_lse, o, l)
+    held, held_lse = four[0][0].clone(), four[0][1].clone()
+    merge_blocks_(held, held_lse, held, held_lse, *(x for block in four[1:] for x in block))
+    assert (held.float() - ref_out).abs().max() <= 2 ** -8 * ref_out.abs().max()
+    assert torch.allclose(held_lse, ref_lse, atol=0, rtol=1e-6)
 
 
-def test_add_pair_sums_in_fp32_and_rounds_once():
-    """``add_pair_``: two bf16 dQ blocks into bf16 (or an fp32 sum plus a bf16 block) equal adding them in
-    fp32 and casting once, bit for bit, also into a strided view."""
-    from mcp_context.merge import add_pair_
+def test_add_blocks_sums_in_fp32_and_rounds_once():
+    """``add_blocks_``: two bf16 dQ blocks into bf16 (or an fp32 sum plus a bf16 block, or four blocks at once)
+    equal adding them in fp32 and casting once, bit for bit, also into a strided view."""
+    from mcp_context.merge import add_blocks_
 
     g = torch.Generator().manual_seed(3)
     a, b, c = (torch.randn(1, 2, 8, 4, generator=g).bfloat16() for _ in range(3))
     out = torch.zeros(1, 2, 16, 4, dtype=torch.bfloat16)
-    add_pair_(out[:, :, 4:12], a, b)
+    add_blocks_(out[:, :, 4:12], a, b)
     assert torch.equal(out[:, :, 4:12], (a.float() + b.float()).bfloat16()) and (out[:, :, :4] == 0).all()
     acc = torch.empty(1, 2, 8, 4)
-    add_pair_(acc, a, b)
-    add_pair_(out[:, :, 4:12], acc, c)
+    add_blocks_(acc, a, b)
+    add_blocks_(out[:, :, 4:12], acc, c)
     assert torch.equal(out[:, :, 4:12], (a.float() + b.float() + c.float()).bfloat16())
+    d = torch.randn(1, 2, 8, 4, generator=g).bfloat16()
+    held = a.clone()
+    add_blocks_(held, held, b, c, d)  # into the first block's own rows
+    assert torch.equal(held, (a.float() + b.float() + c.float() + d.float()).bfloat16())
 
 
 def test_a_first_write_of_dk_dv_equals_adding_them_to_zeros():
@@ -113,25 +151,29 @@ def test_a_first_write_of_dk_dv_equals_adding_them_to_zeros():
     assert torch.equal(written, added)
 
 
-def test_compiled_pair_forms_equal_their_eager_forms_into_a_half_result():
-    """The last merge and the last dQ add of an fp32 sum (fp32 ``a``, bf16 ``out``), compiled as CUDA runs them
-    (here for the CPU), give the eager forms' bf16 results; compiled, ``a`` is left as it was (eagerly it is
-    used as the scratch, which the executor allows: its rows are not read again)."""
-    from mcp_context.merge import add_pair_eager_, merge_pair_eager_
+@pytest.mark.parametrize("held", [0, 3])
+def test_compiled_folds_equal_their_eager_forms_into_a_half_result(held):
+    """The last merge and the last dQ add of an fp32 sum (fp32 ``a``, bf16 ``out``), with ``held`` held blocks
+    beside the block, compiled as CUDA runs them (here for the CPU), give the eager forms' bf16 results;
+    compiled, ``a`` is left as it was (eagerly it is used as the scratch, which the executor allows: its rows
+    are not read again)."""
+    from mcp_context.merge import add_blocks_eager_, merge_blocks_eager_
 
     g = torch.Generator().manual_seed(4)
     acc, acc_lse = torch.randn(1, 2, 16, 8, generator=g), torch.randn(1, 2, 16, generator=g)
-    block, block_lse = torch.randn(1, 2, 16, 8, generator=g).bfloat16(), torch.randn(1, 2, 16, generator=g)
+    blocks = [(torch.randn(1, 2, 16, 8, generator=g).bfloat16(), torch.randn(1, 2, 16, generator=g))
+              for _ in range(held + 1)]
+    flat = [x for block in blocks for x in block]
     kept = acc.clone()
     out, lse = torch.empty(1, 2, 16, 8, dtype=torch.bfloat16), acc_lse.clone()
-    torch.compile(merge_pair_eager_, fullgraph=True)(out, lse, acc, lse, block, block_lse)
+    torch.compile(merge_blocks_eager_, fullgraph=True)(out, lse, acc, lse, *flat)
     assert torch.equal(acc, kept)
     eager_out, eager_lse = torch.empty_like(out), acc_lse.clone()
-    merge_pair_eager_(eager_out, eager_lse, acc.clone(), eager_lse, block, block_lse)
+    merge_blocks_eager_(eager_out, eager_lse, acc.clone(), eager_lse, *flat)
     assert torch.allclose(out.float(), eager_out.float(), atol=0, rtol=2 ** -7) and torch.allclose(lse, eager_lse)
     dq = torch.empty(1, 2, 16, 8, dtype=torch.bfloat16)
-    torch.compile(add_pair_eager_, fullgraph=True)(dq, acc, block)
-    assert torch.equal(acc, kept) and torch.equal(dq, (acc + block.float()).bfloat16())
+    torch.compile(add_blocks_eager_, fullgraph=True)(dq, acc, *flat[0::2])
+    assert torch.equal(acc, kept) and torch.equal(dq, sum((b.float() for b in flat[0::2]), acc).bfloat16())
 
 
 def _double_add_(out, a, b):

@@ -149,14 +149,18 @@ def test_bytes_split_by_node_boundary(h100):
 
 @pytest.mark.parametrize("comm,sizes", [("p2p", (20,)), ("a2a+p2p", (4, 5))])
 def test_sampled_ranks_give_the_same_figures_as_all_ranks(h100, comm, sizes):
-    """Beyond 16 CP ranks the planner dry-runs the first and last node only (here 4 GPUs a node)."""
+    """Beyond 16 CP ranks the planner dry-runs the first and last node only (here 4 GPUs a node): the same bytes
+    on the wire, and the same prediction within 1e-4 (a middle rank of a ring merges its blocks at other steps
+    than the first and last nodes' ranks, so its work around the calls differs by a few bytes a step)."""
     profile = MachineProfile(**{**h100.__dict__, "gpus_per_node": 4})
     req = _request(profile, seq=80, gpus=20)
     cand = Candidate(20, sizes, comm, "zigzag")
     sampled, full = evaluate(req, cand), evaluate(req, cand, ranks=list(range(20)))
     assert sampled.dry_run_ranks == [0, 1, 2, 3, 16, 17, 18, 19]
     assert (sampled.intra_node_bytes, sampled.inter_node_bytes) == (full.intra_node_bytes, full.inter_node_bytes)
-    assert sampled.inter_node_bytes > 0 and sampled.prediction == full.prediction
+    assert sampled.inter_node_bytes > 0
+    for name, value in vars(full.prediction).items():
+        assert getattr(sampled.prediction, name) == pytest.approx(value, rel=1e-4), name
 
 
 def test_cost_model_overlap_arithmetic(h100):

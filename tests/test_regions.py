@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mcp_context import merge, regions
-from mcp_context.merge import merge_pair_eager_
+from mcp_context.merge import merge_blocks_eager_
 
 NEG_INF = float("-inf")
 NO_CXX = None if shutil.which(os.environ.get("CXX", "g++")) or shutil.which("clang++") else \
@@ -42,7 +42,7 @@ def region(monkeypatch):
     """A merge region that compiles on the CPU, its calls through dynamo counted."""
     if NO_CXX:
         pytest.skip(NO_CXX)
-    r = regions.Region(merge_pair_eager_, "test merge")
+    r = regions.Region(merge_blocks_eager_, "test merge")
     r.devices = ("cuda", "cpu")
     r.through = 0
     run_compiled = r.run_compiled
@@ -65,11 +65,28 @@ def test_a_layout_seen_through_dynamo_is_then_called_directly_with_the_same_kern
     assert region.through == 1, "the same layout went through dynamo again"
     for direct, through in zip(again[:2], first[:2]):
         assert torch.equal(direct, through)
-    merge_pair_eager_(*eager)
+    merge_blocks_eager_(*eager)
     assert torch.allclose(again[0], eager[0], atol=1e-6, rtol=1e-6)
     assert torch.equal(again[1].isinf(), eager[1].isinf()) and (again[1][0, 0, :2] == NEG_INF).all()
     finite = eager[1].isfinite()
     assert torch.allclose(again[1][finite], eager[1][finite], atol=1e-6, rtol=1e-6)
+
+
+def test_a_merge_of_many_blocks_reads_each_from_its_place_among_the_operands(region):
+    """A merge of four held blocks into the first one's rows (``merge_blocks_``'s ``*blocks``: dynamo names
+    them as items of that parameter), through dynamo, then directly: bit for bit alike, and as the eager merge
+    within 1e-6."""
+    def run():
+        gen = torch.Generator().manual_seed(5)
+        blocks = [x for _ in range(4) for x in _token_major(16, gen=gen)]
+        eager = [x.clone() for x in blocks]
+        merge_blocks_eager_(eager[0], eager[1], *eager)
+        region(blocks[0], blocks[1], *blocks)
+        return blocks, eager
+    (through, _), (direct, eager) = run(), run()
+    assert region.through == 1 and None not in region.direct.values()
+    assert torch.equal(direct[0], through[0]) and torch.equal(direct[1], through[1])
+    assert torch.allclose(direct[0], eager[0], atol=1e-6, rtol=1e-6)
 
 
 def test_another_length_is_a_new_layout_then_direct_too(region):
@@ -91,7 +108,7 @@ def test_aliased_operands_are_called_directly_as_dynamo_calls_them(region, alias
         acc, acc_lse, block, block_lse = *_token_major(24, gen=torch.Generator().manual_seed(seed)), \
             *_token_major(24, gen=torch.Generator().manual_seed(seed + 1))
         eager = [acc.clone(), acc_lse.clone()]
-        merge_pair_eager_(eager[0], eager[1], eager[0].clone(), eager[1].clone(), block, block_lse)
+        merge_blocks_eager_(eager[0], eager[1], eager[0].clone(), eager[1].clone(), block, block_lse)
         if aliasing == "in place":
             region(acc, acc_lse, acc, acc_lse, block, block_lse)
         else:
@@ -152,7 +169,7 @@ def test_a_direct_call_inductors_checks_refuse_leaves_the_operands_and_goes_thro
     region.direct[key] = wrong
     eager = _copies(other)
     region(*other)
-    merge_pair_eager_(*eager)
+    merge_blocks_eager_(*eager)
     assert region.through == 2 and region.direct[key] is None
     assert torch.allclose(other[0], eager[0], atol=1e-6, rtol=1e-6)
 
@@ -185,7 +202,7 @@ def test_past_the_layouts_kept_new_layouts_go_through_dynamo(region, monkeypatch
     eager = _copies(longer)
     region(*longer)
     region(*_copies(longer))
-    merge_pair_eager_(*eager)
+    merge_blocks_eager_(*eager)
     assert region.through == 3 and len(region.direct) == 1
     assert torch.allclose(longer[0], eager[0], atol=1e-6, rtol=1e-6)
 
@@ -279,12 +296,14 @@ def test_the_region_timings_a_gpu_runs_are_rehearsed_on_cpu(tmp_path):
     rows = []
     with cuda_timing_on_host():
         time_regions(rows.append, 4, 2, 8, 1, rows=32, shard=64, device=torch.device("cpu"), host_ahead=True)
-    assert len(rows) == 6 * 5 and {r["variant"] for r in rows} == {"shipped", "through_dynamo", "per_shape", "automatic",
+    assert len(rows) == 7 * 5 and {r["variant"] for r in rows} == {"shipped", "through_dynamo", "per_shape", "automatic",
                                                                     "eager"}
     assert all(r["gpu_us"] > 0 and r["host_us"] > 0 and r["gb_per_s"] > 0 and "host_ahead" in r for r in rows)
-    merge_in_place = next(r for r in rows if r["case"] == "merge into the sum")
-    acc, lse = 32 * 4 * 8 * 4, 32 * 4 * 4
-    assert merge_in_place["bytes"] == 2 * acc + 3 * lse + 32 * 4 * 8 * 2  # the sum and its lse read and written
+    acc, lse, half = 32 * 4 * 8 * 4, 32 * 4 * 4, 32 * 4 * 8 * 2
+    merge = next(r for r in rows if r["case"] == "merge of five blocks into the sum")
+    assert merge["bytes"] == acc + lse + 5 * (half + lse)  # each block read once, the sum and its lse written
+    in_place = next(r for r in rows if r["case"] == "dQ sum: the sum and two blocks")
+    assert in_place["bytes"] == 2 * acc + 2 * half  # the sum read and written
 
     import json
 

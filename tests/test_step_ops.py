@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import pytest
 
+from mcp_context.algorithms.results import DQ_ARITY, HOLD, OUT_ARITY, folds
 from tools.step_ops import count_step
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # FakeTensorMode's "CUDA not available" notes
 
 # scheme: (attention calls per pass, ops forward, ops backward, most bytes moved / the rank's outputs)
 PINNED = {
-    "p2p": (8, 15, 19, 22.5),  # the ring as the member walks it: its K/V packed into one message each way
+    "p2p": (8, 5, 16, 16.0),  # the ring as the member walks it: its K/V packed into one message each way
     "all_gather": (3, 4, 8, 9.0),  # dK/dV handed on as strided views: the gather's reorder copies them anyway
     "a2a": (1, 0, 1, 0.05),  # one call over every row: its out, dq, dk, dv are the results (lse made finite: 1)
-    "a2a+p2p": (4, 6, 10, 9.5),  # K/V arrive packed (they crossed the all-to-all so): no packing here
+    "a2a+p2p": (4, 2, 9, 7.0),  # K/V arrive packed (they crossed the all-to-all so): no packing here
     "a2a+all_gather": (3, 4, 8, 6.0),
 }
 
@@ -45,29 +46,32 @@ def test_a_single_call_plan_adds_no_byte_around_the_fused_op():
     assert count.bytes <= count.output_bytes / 64
 
 
-def test_the_ring_step_does_one_kernel_per_block_for_each_accumulator():
+def test_the_ring_step_merges_its_blocks_a_few_at_a_time():
     """p2p: the step-0 call covers every row, so its out and dQ are the results, and the later blocks meet
-    the half of the rows the zigzag's second chunk holds: forward one merge per later block (two kernels),
-    the first reading the held step-0 rows, the last writing the result (no copy into or out of fp32);
-    backward the same for dQ (a fused add for the first and last, an add between) and one fused dK/dV add
-    per block; two kernels for the two distinct query spans' lse; one copy for dK and dV together (summed in
-    fp32 around the ring in one packed buffer, cast to the inputs' dtype at once); the own K/V packed into a message once each way; the dK/dV sum this member
-    starts is its first block's (written, not filled and added). Nothing grows with P beyond one kernel per
-    block and accumulator."""
-    for cp, blocks in ((8, 8), (16, 16)):
+    the half of the rows the zigzag's second chunk holds: forward their outputs are held and merged up to
+    ``OUT_ARITY`` at a time (two kernels a merge), the first reading the held step-0 rows, the last writing the
+    result (no copy into or out of fp32): 2 merges at P = 8, 4 at 16; backward the same for dQ up to
+    ``DQ_ARITY`` at a time (4 sums at P = 8, 8 at 16), and one fused dK/dV add per block; two kernels for the two
+    distinct query spans' lse; one copy for dK and dV together (summed in fp32 around the ring in one packed
+    buffer, cast to the inputs' dtype at once); the own K/V packed into a message once each way; the dK/dV sum
+    this member starts is its first block's (written, not filled and added)."""
+    for cp, merges, sums in ((8, 2, 4), (16, 4, 8)):
+        assert sum(role != HOLD for role, _, _ in folds(cp, arity=OUT_ARITY)) == merges
+        assert sum(role != HOLD for role, _, _ in folds(cp, arity=DQ_ARITY)) == sums
         count = count_step("p2p", 2048 * cp, cp)
         fwd, bwd = count.forward.by_op, count.backward.by_op
-        assert fwd == {"merge_pair_": 2 * (blocks - 1), "cat": 1}, fwd
-        assert bwd["add_kv_"] + bwd["copy_kv_"] == blocks and bwd["copy_kv_"] == 1, bwd
-        assert bwd["add_pair_"] == 2 and bwd["add_"] == blocks - 3 and bwd["copy_"] == 1, bwd  # dq; the dk/dv cast
-        assert bwd["nan_to_num"] == 2 and "fill_" not in bwd and bwd["cat"] == 1 and count.ops == 4 * blocks + 2, bwd
+        assert fwd == {"merge_blocks_": 2 * merges, "cat": 1}, fwd
+        assert bwd["add_kv_"] + bwd["copy_kv_"] == cp and bwd["copy_kv_"] == 1, bwd
+        assert bwd["add_blocks_"] == sums and bwd["copy_"] == 1 and "add_" not in bwd, bwd  # dq; the dk/dv cast
+        assert bwd["nan_to_num"] == 2 and "fill_" not in bwd and bwd["cat"] == 1, bwd
+        assert count.ops == 2 * merges + sums + cp + 5, count.ops
 
 
 @pytest.mark.parametrize("comm", ["p2p", "a2a+p2p"])
 def test_every_rank_of_a_ring_stays_within_the_bound(comm):
     """Ranks move in lockstep, so the busiest one sets the pace: each of the 8 stays at or below 40 ops (seen:
-    p2p 34 at rank 0, 37 at ranks 1-6, whose first chunk's sum ends mid-walk and splits a merge in two, and
-    33 at rank 7; a2a+p2p 15-19)."""
+    p2p 21 at rank 0, 24-26 at ranks 1-6, whose first chunk's blocks are merged mid-walk (and the second's with
+    them), and 20 at rank 7; a2a+p2p 10-16)."""
     counts = {rank: count_step(comm, 32768, 8, rank=rank).ops for rank in range(8)}
     assert max(counts.values()) <= 40, counts
 
@@ -92,11 +96,11 @@ def test_the_cost_model_prices_the_bytes_the_executor_moves(rank):
         shape = RankShape(32768, 1, step.heads, step.kv_heads, 128, torch.bfloat16)
         tasks, kv_rows = step.plan.tasks, step.walked()[1]
         held = Accumulation.of(tasks, kv_rows)
-        results, first_keys = held.results(tasks, step.q_rows), held.key_rows(tasks, kv_rows)[0]
+        (out, dq), first_keys = held.results(tasks, step.q_rows), held.key_rows(tasks, kv_rows)[0]
         forward = backward = 0
         for t, calls in enumerate(tasks):
             for i, task in enumerate(calls):
-                f, b = task_bytes(task, results.pieces[t][i], (t, i) == results.adopted,
+                f, b = task_bytes(task, (out.pieces[t][i], dq.pieces[t][i]), (t, i) == out.adopted,
                                   first_keys[t][i], shape, step.heads, step.kv_heads, held)
                 forward, backward = forward + f, backward + b
         layer = layer_bytes(shape, step.heads, step.kv_heads, tasks, step.q_rows, kv_rows, held,

@@ -62,12 +62,15 @@ def predicted_step(profile: MachineProfile, comm: str, seq_len: int, cp: int, he
     """``(seconds, calls, bytes)`` of one rank's fwd+bwd of ``comm`` (rank 0, batch 1, bf16; ``inner``: the
     all-to-all degree of a hierarchical kind), compute only, as the timed step ran (``harness``,
     ``tools/rank_step.HARNESS``): 1, the measured engine (``MEASURED_ENGINE``) over every member's K/V; 2,
-    the engine that holds results as their rows need, over the K/V the rank holds, one call per task; 3, that
-    with its calls planned for the GPU (``algorithms/calls.py``)."""
+    the engine that holds results as their rows need, over the K/V the rank holds, one call per task, merging
+    one block at a time; 3, that with its calls planned for the GPU (``algorithms/calls.py``); 4, that merging
+    several blocks at a time (today's)."""
     step = rank_step(comm, cp, seq_len, CAUSAL, TorchKernel(FUSED_OPS["cudnn"]), heads, kv_heads, head_dim,
                      inner=inner)
     kv_rows = step.kv_rows if harness == 1 else step.walked()[1]
     held = MEASURED_ENGINE if harness == 1 else Accumulation.of(step.plan.tasks, kv_rows)
+    if harness in (2, 3):  # that engine merged a row's blocks one at a time
+        held = dataclasses.replace(held, arities=(2, 2))
     shape = RankShape(seq_len, 1, step.heads, step.kv_heads, head_dim, torch.bfloat16)
     traffic = RankTraffic(0, {}, {}, tasks=tuple(step.plan.tasks), q_rows=step.q_rows, kv_rows=kv_rows)
     fwd, bwd = step_compute([traffic], shape, 1, profile, held, planned=harness >= 3)

@@ -3,9 +3,10 @@
 # 1, 4, 2, 5 below; 3 and 6 only without SUITE=0):
 #   1. the kernel report (which fused op serves each dtype, and why the others do not)
 #   2. the step replayed from CUDA graphs against the eager step (tests/test_graphs.py, first: not yet run
-#      on a GPU), then the GPU tests, those of what has not yet run on a GPU first (tests/test_calls.py,
-#      tests/test_regions.py's CUDA case; then tests/test_gpu.py, tests/test_kernels.py,
-#      tests/test_direct_results.py, tests/test_results.py, tests/test_streams.py, tests/test_packing.py)
+#      on a GPU), then the GPU tests, those of what has not yet run on a GPU first (tests/test_results.py:
+#      blocks merged several at a time; tests/test_calls.py, tests/test_regions.py's CUDA case; then
+#      tests/test_gpu.py, tests/test_kernels.py, tests/test_direct_results.py, tests/test_streams.py,
+#      tests/test_packing.py)
 #   3. a representative subset of the member-schedule cases (P = 4, 8, 16; ring and a2a+p2p; bf16, fp16)
 #   4. the benchmark at S = 32K and 128K, P = 8, every scheme, Llama-3-8B heads (32/8, d = 128), bf16 (each
 #      step also in order, with the host ahead and replayed from CUDA graphs), then
@@ -82,10 +83,9 @@ step 4_picks 100 "$PYTHON" tools/bench_picks.py --grid docs/img/plan_grid_h200.j
     --out "$RESULTS/picks.jsonl"
 step 2_graph_tests 50 "$PYTHON" -m pytest -q -rs tests/test_graphs.py
 # the tests of what has not yet run on a GPU first (a step cut short by its timeout loses its last tests)
-step 2_gpu_tests 115 "$PYTHON" -m pytest -q -rs tests/test_calls.py \
+step 2_gpu_tests 115 "$PYTHON" -m pytest -q -rs tests/test_results.py tests/test_calls.py \
     "tests/test_regions.py::test_a_ring_step_with_compiled_regions_runs_them_directly_from_its_second_step[cuda]" \
-    tests/test_gpu.py tests/test_kernels.py tests/test_direct_results.py tests/test_results.py tests/test_streams.py \
-    tests/test_packing.py
+    tests/test_gpu.py tests/test_kernels.py tests/test_direct_results.py tests/test_streams.py tests/test_packing.py
 step 5_pretrain_bf16 40 "$PYTHON" -m torch.distributed.run --nproc-per-node 1 -m mcp_context.pretrain \
     --recipe recipes/tiny_cpu.yaml --run-dir "$RESULTS/pretrain" --restart model.context_parallel_size=1 \
     model.hierarchical_context_parallel_sizes=null model.cp_comm_type=p2p model.bf16=true \

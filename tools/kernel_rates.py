@@ -158,18 +158,21 @@ def region_cases(heads: int, kv_heads: int, d: int, rows: int, shard: int, devic
     def lse(h: int, n: int) -> torch.Tensor:
         return torch.randn(1, h, n, device=device)
 
+    def blocks(n: int) -> list:
+        return [x for _ in range(n) for x in (block(heads, rows, d), lse(heads, rows))]
+
     out, out_lse = block(heads, rows, d, acc), lse(heads, rows)
-    return [
-        ("merge into the sum", "merge_pair_", (out, out_lse, out, out_lse, block(heads, rows, d), lse(heads, rows))),
-        ("merge of two blocks", "merge_pair_", (block(heads, rows, d, acc), lse(heads, rows), block(heads, rows, d),
-                                          lse(heads, rows), block(heads, rows, d), lse(heads, rows))),
-        ("last merge into the result", "merge_pair_", (block(heads, rows, d), out_lse, out, out_lse, block(heads, rows, d),
-                                                 lse(heads, rows))),
-        ("dQ sum of two blocks", "add_pair_", (block(heads, rows, d, acc), block(heads, rows, d), block(heads, rows, d))),
+    return [  # a zigzag member over 8 ranks: out merged 5 blocks at a time (results.OUT_ARITY), dQ 3 (DQ_ARITY)
+        ("merge of five blocks into the sum", "merge_blocks_", (out, out_lse, *blocks(5))),
+        ("last merge: the sum and three blocks", "merge_blocks_", (block(heads, rows, d), out_lse, out, out_lse,
+                                                                  *blocks(3))),
+        ("dQ sum of three blocks", "add_blocks_", (out, *blocks(3)[0::2])),
+        ("dQ sum: the sum and two blocks", "add_blocks_", (out, out, *blocks(2)[0::2])),
+        ("last dQ sum into the result", "add_blocks_", (block(heads, rows, d), out, block(heads, rows, d))),
         ("dK/dV add", "add_kv_", (block(kv_heads, shard, 2 * d, acc), block(kv_heads, shard, d),
                                   block(kv_heads, shard, d))),
         ("dK/dV first write", "copy_kv_", (block(kv_heads, shard, 2 * d, acc), block(kv_heads, shard, d),
-                                                  block(kv_heads, shard, d))),
+                                           block(kv_heads, shard, d))),
     ]
 
 

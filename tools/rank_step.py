@@ -47,9 +47,10 @@ from mcp_context.masks import Mask  # noqa: E402
 from mcp_context.schedule import gathered_tasks, layout_schedule, position_pieces  # noqa: E402
 
 SCHEMES = ("p2p", "all_gather", "a2a", "a2a+p2p", "a2a+all_gather")
-HARNESS = 3
+HARNESS = 4
 """What a timed rank step is (written into the timing tools' output, read by ``tools/calibrate_profile.py``):
-3, as 2 with the calls planned for the GPU's SMs (``algorithms/calls.py``: short equal tasks stacked, a short
+4, as 3 with a row's blocks merged several at a time (``results.OUT_ARITY``, ``DQ_ARITY``; one at a time
+before); 3, as 2 with the calls planned for the GPU's SMs (``algorithms/calls.py``: short equal tasks stacked, a short
 full block's keys split); 2 (run 4 of 2026-11-26), a ring walked over the rank's own shard
 (``RankStep.walked``) by the engine that holds results as their rows need (``algorithms/results.py``), one
 call per task; 1 (the H200 runs of 2026-11-26, which wrote no field), a ring laid out

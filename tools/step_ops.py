@@ -7,7 +7,7 @@ op, and every aten op the executor dispatches is recorded by a ``TorchDispatchMo
 - attention ops (``_scaled_dot_product_*``) are counted apart, as calls;
 - ops that launch no kernel are not counted: views (``narrow``, ``permute``, ``reshape`` of a view, ...)
   and allocations (``empty``, ``empty_strided``);
-- a fused region (``merge.merge_pair_``, ``merge.add_pair_``, ``merge.add_kv_``, compiled on a GPU) counts as
+- a fused region (``merge.merge_blocks_``, ``merge.add_blocks_``, ``merge.add_kv_``, compiled on a GPU) counts as
   the kernels the H200 profile shows it launching (``FUSED``: the merge is two, its output and its lse;
   the adds one), whatever eager ops it runs here; its bytes are its operands' sizes (each read or
   written once, an accumulator it adds into both);
@@ -51,7 +51,7 @@ NO_KERNEL = frozenset({
     "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh", "flip_view",
 })
 WRITE_ONLY_FIRST = frozenset({"copy_", "fill_", "zero_"})
-FUSED = {"merge_pair_": (2, True), "add_pair_": (1, True), "add_kv_": (1, False), "copy_kv_": (1, True)}
+FUSED = {"merge_blocks_": (2, True), "add_blocks_": (1, True), "add_kv_": (1, False), "copy_kv_": (1, True)}
 """Per compiled region: the kernels it launches on a GPU, and whether its destinations are only written
 (else the first operand is read and written). torch.profiler on an H200, torch 2.11,
 docs/gpu/h200_run2_profile.jsonl: the merge is ``triton_poi_fused_..._mul`` + ``..._sub_1`` (its out and its
@@ -61,7 +61,7 @@ of one output each, taken as one kernel too: not yet profiled."""
 
 def region_attr(name: str) -> str:
     """The ``merge`` attribute holding the compiled region behind public function ``name`` of ``FUSED``
-    (``merge_pair_`` -> ``_merge_pair``)."""
+    (``merge_blocks_`` -> ``_merge_blocks``)."""
     return f"_{name.rstrip('_')}"
 
 

@@ -33,9 +33,10 @@ from torch._subclasses.fake_tensor import is_fake
 
 from ..kernels import Dropout, Kernel, fold_rows
 from ..masks import BlockMask
-from ..merge import merge_pair_
+from ..merge import merge_blocks_
 from ..schedule import BlockTask
 from ..switches import switch
+from .results import FOLD, HOLD, folds
 from .rotation import rows_of
 
 TILE_ROWS = 128
@@ -182,17 +183,18 @@ def unstacked(x: torch.Tensor, parts: int) -> list[torch.Tensor]:
 
 def merged_key_parts(out: torch.Tensor, lse: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``(out, lse)`` of a block from its key parts' (``[parts * b, ...]``, ``key_parts``): merged into
-    the first part's rows, in fp32 with one rounding of ``out`` (an fp32 sum over the parts past two)."""
+    the first part's rows with one rounding of ``out``, as a row's blocks are (``results.folds``: one kernel for
+    up to ``results.OUT_ARITY`` parts, an fp32 sum past that)."""
     outs, lses = unstacked(out, parts), unstacked(lse, parts)
+    blocks = [x for pair in zip(outs, lses) for x in pair]
     o, l = outs[0], lses[0]
-    if parts == 2:
-        merge_pair_(o, l, o, l, outs[1], lses[1])
-        return o, l
-    acc = torch.empty(o.shape, dtype=l.dtype, device=o.device)
-    merge_pair_(acc, l, o, l, outs[1], lses[1])
-    for po, pl in zip(outs[2:-1], lses[2:-1]):
-        merge_pair_(acc, l, acc, l, po, pl)
-    merge_pair_(o, l, acc, l, outs[-1], lses[-1])
+    acc: Optional[torch.Tensor] = None
+    for k, (role, held, summed) in enumerate(folds(parts)):
+        if role == HOLD:
+            continue
+        if acc is None and role == FOLD:
+            acc = torch.empty(o.shape, dtype=l.dtype, device=o.device)
+        merge_blocks_(acc if role == FOLD else o, l, *([acc, l] if summed else []), *blocks[2 * (k - held):2 * k + 2])
     return o, l
 
 

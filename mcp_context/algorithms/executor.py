@@ -22,12 +22,12 @@ from typing import Callable, Iterator, Optional, Protocol, Sequence
 import torch
 
 from ..kernels import Dropout, Kernel, accum_dtype, finite_lse_for_backward
-from ..merge import add_pair_, add_sink_, merge_, merge_pair_, sink_grad
+from ..merge import add_blocks_, add_sink_, merge_blocks_, sink_grad
 from ..schedule import BlockTask
 from .. import trace
 from .calls import Call, backward_call, calls_for, forward_call
 from .packing import packed_columns, split_kv
-from .results import FIRST, HOLD, LAST, MERGE, OWN, PAIR, PAIR_LAST, Piece, ResultPlan, most_blocks_per_key
+from .results import DQ_ARITY, FIRST, FOLD, FOLD_LAST, HOLD, OWN, Piece, ResultPlan, most_blocks_per_key
 from .rotation import Rotation, rows_of
 from .streams import streams_for
 
@@ -47,9 +47,10 @@ class StepRunner(Protocol):
 class RingPlan:
     """What one member executes: its tasks per ring step, how shards arrive, and the kernel.
 
-    ``results`` (how each call's query rows are written, summed or held: ``results.ResultPlan``; the forward
-    with a sink uses ``sink_results``, every row through fp32) and ``kv_sums_exact`` are derived from ``tasks``
-    once (``RingPlan.build``). ``kv_sums_exact``: every dK/dV sum is complete on this member
+    ``results`` (how each call's out rows are written, merged or held: ``results.ResultPlan``; the forward
+    with a sink uses ``sink_results``, every row through fp32), ``dq_results`` (the same for dQ, merged fewer
+    blocks at a time: ``results.DQ_ARITY``) and ``kv_sums_exact`` are derived from ``tasks`` once
+    (``RingPlan.build``). ``kv_sums_exact``: every dK/dV sum is complete on this member
     (``rotation.complete_sums``) and adds at most two blocks, so summing in the inputs' half precision rounds
     exactly as fp32 then one cast would (two bf16 numbers add exactly in fp32 arithmetic before the one
     rounding): the all-gather's plans, whose fp32 dK/dV buffer over the whole sequence was the largest
@@ -62,6 +63,7 @@ class RingPlan:
     scale: float
     results: ResultPlan
     sink_results: ResultPlan
+    dq_results: ResultPlan
     dropout_p: float = 0.0
     dropout_seed: Optional[int] = None  # already distinct per rank; mixed with step and task here
     kv_sums_exact: bool = False
@@ -77,7 +79,8 @@ class RingPlan:
               dropout_seed: Optional[int] = None) -> "RingPlan":
         exact = rotation.complete_sums and most_blocks_per_key(tasks) <= 2
         return cls(tasks, rotation, kernel, scale, ResultPlan.build(tasks, rows),
-                   ResultPlan.build(tasks, rows, through=True), dropout_p, dropout_seed, exact)
+                   ResultPlan.build(tasks, rows, through=True), ResultPlan.build(tasks, rows, arity=DQ_ARITY),
+                   dropout_p, dropout_seed, exact)
 
     def with_dropout_seed(self, seed: Optional[int]) -> "RingPlan":
         return dataclasses.replace(self, dropout_seed=seed)
@@ -220,14 +223,25 @@ class _Sums:
         """Make the buffers ``pieces`` write, on the current (main) stream (``streams``: what the side
         stream writes is never allocated there)."""
         for p in pieces:
-            if p.role in (OWN, FIRST, PAIR_LAST, LAST):
+            if p.role in (OWN, FIRST, FOLD_LAST):
                 self.result()
-            if p.role in (PAIR, MERGE, LAST):
+            if p.role == FOLD or p.summed:
                 self._accumulator()
 
-    def held_rows(self, key: tuple[int, int], rows: tuple[int, int]) -> tuple[torch.Tensor, ...]:
-        q0, blocks = self.held[key]
-        return tuple(rows_of(x, (rows[0] - q0, rows[1] - q0)) for x in blocks)
+    def folded(self, p: Piece, *block: torch.Tensor) -> list[torch.Tensor]:
+        """What ``p`` merges on its rows, in order: the sum so far, the held blocks' tensors and ``block``'s
+        (each call's outputs in turn: ``out, lse`` forward, ``dq`` backward)."""
+        parts: list[torch.Tensor] = []
+        if p.summed:
+            parts.append(self.sum(p.rows))
+        for key in p.held:
+            q0, blocks = self.held[key]
+            parts.extend(rows_of(x, (p.rows[0] - q0, p.rows[1] - q0)) for x in blocks)
+        return parts + list(block)
+
+    def target(self, p: Piece) -> torch.Tensor:
+        """Where ``p`` writes its rows: the fp32 sum (``FOLD``) or the result."""
+        return self.sum(p.rows) if p.role == FOLD else self.result(p.rows)
 
     def after(self, step: int, task: int, q0: int, *blocks: torch.Tensor) -> None:
         """Hold this call's outputs if a later call reads them; drop what no later call reads."""
@@ -248,13 +262,11 @@ def _forward_piece(p: Piece, q0: int, o: torch.Tensor, l: torch.Tensor, sums: _S
             _copy_(sums.result(p.rows), bo)
         if l is not lse:
             _copy_(lse_rows, bl)
-    elif p.role in (PAIR, PAIR_LAST):
-        ho, hl = sums.held_rows(p.held, p.rows)
-        merge_pair_(sums.sum(p.rows) if p.role == PAIR else sums.result(p.rows), lse_rows, ho, hl, bo, bl)
-    elif p.role == MERGE:
-        merge_(sums.sum(p.rows), lse_rows, bo, bl)
-    elif p.role == LAST:
-        merge_pair_(sums.result(p.rows), lse_rows, sums.sum(p.rows), lse_rows, bo, bl)
+        return
+    parts = sums.folded(p, bo, bl)
+    if p.summed:  # the sum's lse is the final lse's rows
+        parts.insert(1, lse_rows)
+    merge_blocks_(sums.target(p), lse_rows, *parts)
 
 
 def _backward_piece(p: Piece, q0: int, gq: torch.Tensor, sums: _Sums) -> None:
@@ -264,12 +276,8 @@ def _backward_piece(p: Piece, q0: int, gq: torch.Tensor, sums: _Sums) -> None:
     bg = rows_of(gq, (p.rows[0] - q0, p.rows[1] - q0))
     if p.role == OWN:
         _copy_(sums.result(p.rows), bg)
-    elif p.role in (PAIR, PAIR_LAST):
-        add_pair_(sums.sum(p.rows) if p.role == PAIR else sums.result(p.rows), *sums.held_rows(p.held, p.rows), bg)
-    elif p.role == MERGE:
-        sums.sum(p.rows).add_(bg)
-    elif p.role == LAST:
-        add_pair_(sums.result(p.rows), sums.sum(p.rows), bg)
+    else:
+        add_blocks_(sums.target(p), *sums.folded(p, bg))
 
 
 def _in_task_order(calls: Sequence[Call], run: Callable[[Call], list]) -> Iterator[tuple]:
@@ -345,7 +353,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     dout = _contiguous(dout.to(q.dtype))
     qb, ob, dob = _bhsd(q), _bhsd(out), _bhsd(dout)
     block_lse = _BackwardLse(lse)
-    sums = _Sums(plan.results, qb, tuple(qb.shape), q.dtype, accum_dtype(q.dtype))
+    sums = _Sums(plan.dq_results, qb, tuple(qb.shape), q.dtype, accum_dtype(q.dtype))
     kb_all, vb_all = _bhsd(k), _bhsd(v)
     grads = plan.rotation.gradients(kb_all, vb_all, plan.kv_dtype(k.dtype))
     streams = streams_for(qb)
@@ -359,7 +367,7 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         for i, gq, gk, gv in _in_task_order(calls_for(tasks, parallel, qb, False, plan.dropout_p > 0), run):
             t = tasks[i]
             sums.offer(step, i, gq)
-            pieces = plan.results.pieces[step][i]
+            pieces = plan.dq_results.pieces[step][i]
             sums.ready(pieces)
             if gq is not sums.out:  # else the call's dQ is the result: nothing to do
                 with streams.after(gq):

@@ -2,57 +2,89 @@
 does with its rows, so the work around the attention calls is only what the rows need.
 
 A row one block writes takes that block's output as it is (``OWN``: copied into the result, nothing
-when the block's output *is* the result). A row ``n >= 2`` blocks meet is summed in the accumulator
-dtype with no copy into or out of an fp32 buffer:
+when the block's output *is* the result). A row ``n >= 2`` blocks meet is merged in the accumulator
+dtype, in as few kernels as the arity allows (``OUT_ARITY`` for out, ``DQ_ARITY`` for dQ), each reading its
+blocks once:
 
-- the first block's rows are held where the call left them (``HOLD``);
-- the second reads them with its own (``PAIR``): into the fp32 accumulator, or straight into the
-  result when it is also the last (``PAIR_LAST``: two blocks, one rounding);
-- every later block merges into the accumulator (``MERGE``), and the last reads the accumulator and
-  writes the result (``LAST``: one rounding to the inputs' dtype).
+- a block is held where its call left it (``HOLD``) until a later block's call merges it;
+- a ``FOLD`` merges the held blocks, its own and the sum so far (``Piece.summed``) into the fp32
+  accumulator; the last block's (``FOLD_LAST``) writes the result instead: one rounding to the inputs'
+  dtype. A row of up to ``arity`` blocks is merged once, by its last block's call, straight into the result.
 
-So the fp32 accumulator spans only the rows three or more blocks meet (``accumulator``). A zigzag ring's
-member keeps its step-0 output as the result and sums its later blocks over the half of its rows they
-meet; an all-gather's query run that meets two calls is merged once, into the result.
+So the fp32 accumulator spans only the rows more than ``arity`` blocks meet (``accumulator``). A zigzag
+ring's member over 8 ranks keeps its step-0 output as the result and merges the 8 blocks of the half of its
+rows they meet in 2 kernels (forward; 7 before); an all-gather's query run that meets two calls is merged
+once, into the result.
 
 ``through=True`` (a forward with an attention sink, whose merge comes after every block's) sends every
-row through an fp32 accumulator over all rows: the first block is copied in (``FIRST``), the others
-merge there (``MERGE``), and one copy writes the result after the sink.
+row through an fp32 accumulator over all rows: the first block is copied in (``FIRST``), each other folds
+into it at once (nothing held), and one copy writes the result after the sink.
 
 The same bookkeeping over key rows starts a dK/dV sum (``runs_written``, ``first_key_rows``; the executor's
 side is ``rotation.KeySums``): a key row's first block writes it, later ones add.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from ..schedule import BlockTask
 
-OWN, HOLD, PAIR, PAIR_LAST, MERGE, LAST, FIRST = "own", "hold", "pair", "pair_last", "merge", "last", "first"
+OWN, HOLD, FOLD, FOLD_LAST, FIRST = "own", "hold", "fold", "fold_last", "first"
+
+OUT_ARITY = 5
+"""The most partial results one forward merge reads (the fp32 sum counting as one). A row's ``n`` blocks move
+``2n + 2`` bytes an element (bf16: each read once, the result written once) when one kernel merges them all,
+against ``10`` a block when each folds into an fp32 sum (read and write the sum, read the block), in ``n - 1``
+kernels. What limits it is memory: a held block is a call's whole output, kept until the merge that reads it.
+At 5 a zigzag member over 8 ranks merges its 8 blocks in 2 kernels (26 bytes an element, was 66 in 7), and
+no rank's rehearsed peak over 8 ranks at 32K and 128K (Llama-3-8B heads, ``tools/rehearse_memory.py``) rises
+above the highest before (0.90 of the fused call); at 8, one kernel, the last rank's rose to 1.25."""
+
+DQ_ARITY = 3
+"""``OUT_ARITY``'s counterpart for the dQ sums of the backward, lower because the backward's peak is where
+the ring's dK/dV sums and messages are also held: 3 keeps every rank's rehearsed peak at 32K and 128K over 8
+ranks within 0.87–0.90 of the fused call (4 took rank 3 to 1.01); a zigzag member's 8 dQ blocks are summed in
+4 kernels (42 bytes an element, was 66 in 7)."""
 
 
 @dataclass(frozen=True)
 class Piece:
-    """What one call does with rows ``rows`` of its query run: ``role``, and for ``PAIR``/``PAIR_LAST`` the
-    ``(step, task)`` whose output holds these rows' first block."""
+    """What one call does with rows ``rows`` of its query run: ``role``; for ``FOLD``/``FOLD_LAST`` the
+    ``(step, task)`` of the held blocks it merges with its own (``held``, oldest first) and whether the fp32
+    sum so far is one of them (``summed``)."""
 
     rows: tuple[int, int]
     role: str
-    held: Optional[tuple[int, int]] = None
+    held: tuple[tuple[int, int], ...] = ()
+    summed: bool = False
 
 
-def _role(k: int, n: int, through: bool) -> str:
-    """The role of the ``k``-th of the ``n`` blocks that write a row."""
+def _merges_now(held: int, summed: bool, last: bool, arity: int) -> bool:
+    """Whether a row's block merges (rather than is held): it is the row's last, or the held blocks, its own
+    and the sum so far fill a merge of ``arity``."""
+    return last or held + 1 + summed == arity
+
+
+def folds(n: int, through: bool = False, arity: int = OUT_ARITY) -> list[tuple[str, int, bool]]:
+    """For each of the ``n`` blocks that write a row, in order: its role, how many held blocks before it it
+    merges (the ones just before it), and whether it reads the sum so far. A merge reads at most ``arity``
+    partial results; the last block's writes the result. (``ResultPlan.build`` applies the same rule to
+    every row, and merges a row early where its call merges the same held block elsewhere.)"""
     if through:
-        return FIRST if k == 0 else MERGE
+        return [(FIRST, 0, False)] + [(FOLD, 0, True)] * (n - 1)
     if n == 1:
-        return OWN
-    if k == 0:
-        return HOLD
-    if k == 1:
-        return PAIR_LAST if n == 2 else PAIR
-    return LAST if k == n - 1 else MERGE
+        return [(OWN, 0, False)]
+    out, pending, summed = [], 0, False
+    for k in range(n):
+        if _merges_now(pending, summed, k == n - 1, arity):
+            out.append((FOLD_LAST if k == n - 1 else FOLD, pending, summed))
+            pending, summed = 0, True
+        else:
+            out.append((HOLD, 0, False))
+            pending += 1
+    return out
 
 
 @dataclass(frozen=True)
@@ -64,7 +96,8 @@ class ResultPlan:
     so its output is the result itself; else None (a first call whose rows all go on to be summed is not
     kept past the sum's start: the result is made at its first write, and what the call held costs no
     memory meanwhile). ``accumulator``: the rows
-    ``[a, b)`` the fp32 accumulator spans (None: no row meets three blocks, and not ``through``).
+    ``[a, b)`` the fp32 accumulator spans (None: no row meets more than ``OUT_ARITY`` blocks, and not
+    ``through``).
     ``releases[step][task]``: the held outputs (``(step, task)``) no call after this one reads; ``holders``:
     every held output's ``(step, task)``."""
 
@@ -83,33 +116,63 @@ class ResultPlan:
         return any(p.role != OWN for step in self.pieces for task in step for p in task)
 
     @classmethod
-    def build(cls, tasks: Sequence[Sequence[BlockTask]], rows: int, through: bool = False) -> "ResultPlan":
+    def build(cls, tasks: Sequence[Sequence[BlockTask]], rows: int, through: bool = False,
+              arity: int = OUT_ARITY) -> "ResultPlan":
+        """Each row's blocks merged as ``folds`` says, but for one thing: where a call merges a held block on
+        some rows, it merges the other rows it writes that wait on that block too (into the fp32 sum), so no
+        block is held past the first merge that reads it (a zigzag ring's full blocks, whose first chunk's
+        blocks end early, would otherwise be held whole for the second chunk's later merge)."""
         order = [(s, i, t.q) for s, step in enumerate(tasks) for i, t in enumerate(step) if t.q[0] < t.q[1]]
         cuts = sorted({0, rows} | {r for *_, q in order for r in q})
         segments = [(a, b) for a, b in zip(cuts, cuts[1:]) if a < b]
         writers = {seg: [(s, i) for s, i, q in order if q[0] <= seg[0] and seg[1] <= q[1]] for seg in segments}
+        pending: dict[tuple[int, int], list[tuple[int, int]]] = {seg: [] for seg in segments}
+        summed = dict.fromkeys(segments, False)
+        seen = dict.fromkeys(segments, 0)
         pieces: list[list[list[Piece]]] = [[[] for _ in step] for step in tasks]
-        for seg in segments:  # row order: each task's pieces come out sorted
-            ws = writers[seg]
-            for k, (s, i) in enumerate(ws):
-                role = _role(k, len(ws), through)
-                held = ws[0] if role in (PAIR, PAIR_LAST) else None
-                mine = pieces[s][i]
-                if mine and mine[-1].rows[1] == seg[0] and (mine[-1].role, mine[-1].held) == (role, held):
-                    mine[-1] = Piece((mine[-1].rows[0], seg[1]), role, held)  # one call per contiguous run
+        into_sum = set(segments) if through else set()  # the rows some merge writes into the fp32 sum
+        for s, i, q in order:
+            mine = [seg for seg in segments if q[0] <= seg[0] and seg[1] <= q[1]]
+            last = {seg for seg in mine if seen[seg] == len(writers[seg]) - 1}
+            merging = {seg for seg in mine if _merges_now(len(pending[seg]), summed[seg], seg in last, arity)}
+            while True:  # a held block merged on some rows is merged on every row waiting on it here
+                read = {key for seg in merging for key in pending[seg]}
+                more = {seg for seg in mine if seg not in merging and read & set(pending[seg])}
+                if not more:
+                    break
+                merging |= more
+            for seg in mine:  # row order: each task's pieces come out sorted
+                n = len(writers[seg])
+                if through:
+                    piece = Piece(seg, FIRST) if seen[seg] == 0 else Piece(seg, FOLD, (), True)
+                elif n == 1:
+                    piece = Piece(seg, OWN)
+                elif seg in merging:
+                    piece = Piece(seg, FOLD_LAST if seg in last else FOLD, tuple(pending[seg]), summed[seg])
+                    pending[seg], summed[seg] = [], True
+                    if seg not in last:
+                        into_sum.add(seg)
                 else:
-                    mine.append(Piece(seg, role, held))
+                    piece = Piece(seg, HOLD)
+                    pending[seg].append((s, i))
+                seen[seg] += 1
+                run = pieces[s][i]
+                if run and run[-1].rows[1] == seg[0] and (run[-1].role, run[-1].held, run[-1].summed) == (
+                        piece.role, piece.held, piece.summed):
+                    run[-1] = dataclasses.replace(piece, rows=(run[-1].rows[0], seg[1]))  # one call per run
+                else:
+                    run.append(piece)
         last_reader: dict[tuple[int, int], tuple[int, int]] = {}
         for s, step in enumerate(pieces):
             for i, task in enumerate(step):
                 for p in task:
-                    if p.held is not None:
-                        last_reader[p.held] = (s, i)
+                    for key in p.held:
+                        last_reader[key] = (s, i)
         releases: list[list[list[tuple[int, int]]]] = [[[] for _ in step] for step in tasks]
         for holder, (s, i) in sorted(last_reader.items()):
             releases[s][i].append(holder)
-        summed = [seg for seg in segments if len(writers[seg]) >= (1 if through else 3)]
-        accumulator = (0, rows) if through else (summed[0][0], summed[-1][1]) if summed else None
+        spans = sorted(into_sum)
+        accumulator = (0, rows) if through else (spans[0][0], spans[-1][1]) if spans else None
         adopted = order[0][:2] if order and order[0][2] == (0, rows) and any(
             p.role in (OWN, FIRST) for p in pieces[order[0][0]][order[0][1]]) else None
         return cls(tuple(tuple(tuple(task) for task in step) for step in pieces), rows,

@@ -1,8 +1,11 @@
 """Predicted attention time of one layer, from the tasks the engine executes, the dry run's bytes and a
 machine profile calibrated on measured GPU rates.
 
-The model follows the engine step by step. Ranks move through the ring in lockstep, so a step costs
-the slowest member's compute and the slowest rank's transfer. A member's compute at a step is the sum
+The model follows the engine step by step. A member's step takes the longer of its compute and the
+step's transfer (the slowest rank's), and the layer its busiest member's steps: a member waits only for
+the shard its neighbour sent as that neighbour's previous step began, so one member's slow step and the
+next member's slow step a step later do not add up (a ring's members merge at different steps). A
+member's compute at a step is the sum
 over its block tasks (the plan the dry run resolved: a ring's tasks per step, or an all-gather's few
 calls in one step) of
 
@@ -35,7 +38,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..algorithms.results import (FIRST, HOLD, LAST, MERGE, OWN, PAIR, PAIR_LAST, Piece, ResultPlan, first_key_rows,
+from ..algorithms.results import (DQ_ARITY, FIRST, FOLD, HOLD, OUT_ARITY, OWN, Piece, ResultPlan, first_key_rows,
                                   most_blocks_per_key)
 from ..algorithms.calls import Call, one_call_each, stacked_by_copy, step_calls, task_share
 from ..schedule import BlockTask
@@ -134,17 +137,21 @@ class Accumulation:
     """How the executor holds a plan's results (``algorithms/results.py``, ``rotation.LocalGradients``).
 
     Out and dQ follow the plan's ``ResultPlan``: rows one block writes are its output (none moved where the
-    first call covers every row), rows more blocks meet are merged, in fp32 only where three or more do.
+    first call covers every row), rows more blocks meet are merged, in fp32 only where more than
+    ``results.OUT_ARITY`` (out) or ``results.DQ_ARITY`` (dQ) do.
     ``through``: every row goes through an fp32 accumulator with a copy at each end, the way the engine
     measured on the H200 held every plan (``tools/calibrate_profile.MEASURED_ENGINE``; today's executor does
     so only in a forward with a sink, which the model leaves out). ``lone_kv``: one block covers every key
     row of a ring of one, whose own dK/dV are the results (no buffer, fill, add or copy); ``kv_exact``: dK/dV
     are summed in the inputs' half dtype (``RingPlan.kv_sums_exact``: a ring of one, at most two blocks a key
-    row) and handed on as views of that buffer, with no result copy."""
+    row) and handed on as views of that buffer, with no result copy. ``arities``: the most partial results one
+    out merge and one dQ sum read (``results.OUT_ARITY``, ``DQ_ARITY``; 2, 2: one block at a time, as the
+    engine of the H200 runs up to run 4 merged)."""
 
     lone_kv: bool
     kv_exact: bool = False
     through: bool = False
+    arities: tuple[int, int] = (OUT_ARITY, DQ_ARITY)
 
     @classmethod
     def of(cls, tasks: Sequence[Sequence[BlockTask]], kv_rows: int) -> "Accumulation":
@@ -152,8 +159,9 @@ class Accumulation:
         return cls(len(tasks) == 1 and len(flat) == 1 and flat[0].kv == (0, kv_rows),
                    len(tasks) == 1 and most_blocks_per_key(tasks) <= 2)
 
-    def results(self, tasks: Sequence[Sequence[BlockTask]], q_rows: int) -> ResultPlan:
-        return ResultPlan.build(tasks, q_rows, through=self.through)
+    def results(self, tasks: Sequence[Sequence[BlockTask]], q_rows: int) -> tuple[ResultPlan, ResultPlan]:
+        """How out (forward) and dQ (backward) are held, as ``RingPlan.build`` has them."""
+        return tuple(ResultPlan.build(tasks, q_rows, through=self.through, arity=a) for a in self.arities)
 
     def key_rows(self, tasks: Sequence[Sequence[BlockTask]], kv_rows: int) -> tuple[list[list[int]], int]:
         """Per step and task the key rows its dK/dV are written to first, and the rows zeroed
@@ -164,19 +172,29 @@ class Accumulation:
         return first_key_rows(tasks, kv_rows)
 
 
-# Bytes a role moves per row, head and column of out (forward) or dQ (backward), as (reads + writes) in
-# units of the inputs' element size ``e`` and the accumulator's ``a``: ``(e, a)`` coefficients. OWN on the
-# first call's rows, when that call covers every row, moves nothing (its output is the result).
-_OUT_BYTES = {OWN: (2, 0), HOLD: (0, 0), FIRST: (1, 1), PAIR: (2, 1), PAIR_LAST: (3, 0), MERGE: (1, 2),
-              LAST: (2, 1)}
-_LSE_READS_WRITES = {OWN: 2, HOLD: 0, FIRST: 2, PAIR: 3, PAIR_LAST: 3, MERGE: 3, LAST: 3}
+def _role_bytes(p: Piece) -> tuple[int, int, int]:
+    """Bytes a piece moves per row, head and column of out (forward) or dQ (backward), as (reads + writes) in
+    units of the inputs' element size ``e`` and the accumulator's ``a``: ``(e, a)`` coefficients; and the
+    ``lse`` values it reads and writes per row and head (accumulator dtype). A merge reads each block it folds
+    once and the sum so far where it has one, and writes the sum (``FOLD``) or the result (``FOLD_LAST``)."""
+    if p.role == HOLD:
+        return 0, 0, 0
+    if p.role == OWN:
+        return 2, 0, 2
+    if p.role == FIRST:
+        return 1, 1, 2
+    blocks = len(p.held) + 1
+    if p.role == FOLD:
+        return blocks, 1 + p.summed, blocks + 1 + p.summed
+    return blocks + 1, int(p.summed), blocks + 1 + p.summed
 
 
-def task_bytes(task: BlockTask, pieces: Sequence[Piece], adopted: bool, first_keys: int, shape: RankShape,
-               heads: int, kv_heads: int, accumulation: Accumulation) -> tuple[int, int]:
+def task_bytes(task: BlockTask, pieces: tuple[Sequence[Piece], Sequence[Piece]], adopted: bool, first_keys: int,
+               shape: RankShape, heads: int, kv_heads: int, accumulation: Accumulation) -> tuple[int, int]:
     """``(forward, backward)`` bytes the executor moves around one task's call: for each of its row pieces
-    (``results.Piece``) the out and dQ work of its role (``_OUT_BYTES``; the ``lse`` rows forward), nothing
-    for the first call's rows when its output is the result (``adopted``), plus its dK/dV: written on the
+    (``results.Piece``; ``pieces``: out's, then dQ's) the work of its role (``_role_bytes``; the ``lse`` rows
+    forward), nothing for the first call's rows when its output is the result (``adopted``), plus its dK/dV:
+    written on the
     ``first_keys`` rows it writes first (read the block, write the sum's dtype: fp32, or the inputs' for
     ``kv_exact``), added on the others (read and write the sum, read the block); nothing for a lone block."""
     e = shape.dtype.itemsize
@@ -184,13 +202,14 @@ def task_bytes(task: BlockTask, pieces: Sequence[Piece], adopted: bool, first_ke
     kv_acc = e if accumulation.kv_exact else acc
     keys = task.kv[1] - task.kv[0]
     forward = backward = 0
-    for p in pieces:
-        if adopted and p.role in (OWN, FIRST, HOLD) and (e == acc or not accumulation.through):
-            continue
-        rows = shape.batch * (p.rows[1] - p.rows[0]) * heads
-        ce, ca = _OUT_BYTES[p.role]
-        forward += rows * (shape.dv * (ce * e + ca * acc) + _LSE_READS_WRITES[p.role] * acc)
-        backward += rows * shape.head_dim * (ce * e + ca * acc)
+    for outputs, (columns, with_lse) in zip(pieces, ((shape.dv, True), (shape.head_dim, False))):
+        for p in outputs:
+            if adopted and p.role in (OWN, FIRST, HOLD) and (e == acc or not accumulation.through):
+                continue
+            rows = shape.batch * (p.rows[1] - p.rows[0]) * heads
+            ce, ca, lse_rw = _role_bytes(p)
+            moved = rows * (columns * (ce * e + ca * acc) + (lse_rw * acc if with_lse else 0))
+            forward, backward = (forward + moved, backward) if with_lse else (forward, backward + moved)
     per_key = kv_heads * (shape.head_dim + shape.dv)
     dkv = 0 if accumulation.lone_kv else per_key * (first_keys * (e + kv_acc) + (keys - first_keys) * (e + 2 * kv_acc))
     return forward, backward + shape.batch * dkv
@@ -293,29 +312,30 @@ def flops_per_pair(shape: RankShape, a2a_degree: int) -> int:
     return 2 * (shape.head_dim + shape.dv) * shape.batch * (shape.heads // a2a_degree)
 
 
-def step_compute(traffics: Sequence[RankTraffic], shape: RankShape, a2a_degree: int, profile: MachineProfile,
-                 accumulation: Optional[Accumulation] = None, planned: bool = True) -> tuple[list[float], list[float]]:
-    """Forward and backward compute seconds of each step, the slowest rank's (ranks move in lockstep).
-    ``accumulation``: how the results are held, by default as the executor holds them for these tasks
-    (a calibration against steps measured on an older engine passes that engine's). ``planned``: the calls
-    planned for the profile's GPU (``algorithms/calls.py``); False: one call per task, as every step timed
-    before those calls ran (``tools/rank_step.HARNESS`` 1 and 2)."""
+def rank_step_compute(traffics: Sequence[RankTraffic], shape: RankShape, a2a_degree: int, profile: MachineProfile,
+                      accumulation: Optional[Accumulation] = None, planned: bool = True
+                      ) -> list[tuple[list[float], list[float]]]:
+    """Per rank of ``traffics``, its forward and backward compute seconds at each step. ``accumulation``: how
+    the results are held, by default as the executor holds them for these tasks (a calibration against steps
+    measured on an older engine passes that engine's). ``planned``: the calls planned for the profile's GPU
+    (``algorithms/calls.py``); False: one call per task, as every step timed before those calls ran
+    (``tools/rank_step.HARNESS`` 1 and 2)."""
     heads, kv_heads = shape.heads // a2a_degree, max(1, shape.kv_heads // a2a_degree)
     per_pair = flops_per_pair(shape, a2a_degree)
     parallel = shape.batch * heads
     bandwidth = profile.memory_bandwidth_gbps * 1e9
-    steps = len(traffics[0].tasks)
-    fwd, bwd = [0.0] * steps, [0.0] * steps
+    ranks = []
     for tr in traffics:
         held = accumulation or Accumulation.of(tr.tasks, tr.kv_rows)
-        results = held.results(tr.tasks, tr.q_rows)
+        out, dq = held.results(tr.tasks, tr.q_rows)
         first_keys = held.key_rows(tr.tasks, tr.kv_rows)[0]
+        fwd, bwd = [], []
         for t, tasks in enumerate(tr.tasks):
             f = b = 0.0
             for i, task in enumerate(tasks):
-                adopted = (t, i) == results.adopted
-                bf, bb = task_bytes(task, results.pieces[t][i], adopted, first_keys[t][i], shape, heads, kv_heads,
-                                    held)
+                adopted = (t, i) == out.adopted
+                bf, bb = task_bytes(task, (out.pieces[t][i], dq.pieces[t][i]), adopted, first_keys[t][i], shape,
+                                    heads, kv_heads, held)
                 f, b = f + bf / bandwidth, b + bb / bandwidth
             for forward in (True, False):
                 spent = sum(call_time(profile, tasks, call, per_pair, parallel, forward)
@@ -323,8 +343,18 @@ def step_compute(traffics: Sequence[RankTraffic], shape: RankShape, a2a_degree: 
                             for call in (step_calls(tuple(tasks), parallel, profile.gpu, forward) if planned
                                          else one_call_each(len(tasks))))
                 f, b = (f + spent, b) if forward else (f, b + spent)
-            fwd[t], bwd[t] = max(fwd[t], f), max(bwd[t], b)
-    return fwd, bwd
+            fwd.append(f)
+            bwd.append(b)
+        ranks.append((fwd, bwd))
+    return ranks
+
+
+def step_compute(traffics: Sequence[RankTraffic], shape: RankShape, a2a_degree: int, profile: MachineProfile,
+                 accumulation: Optional[Accumulation] = None, planned: bool = True) -> tuple[list[float], list[float]]:
+    """Forward and backward compute seconds of each step, the slowest rank's at that step
+    (``rank_step_compute``'s arguments)."""
+    ranks = rank_step_compute(traffics, shape, a2a_degree, profile, accumulation, planned)
+    return ([max(c) for c in zip(*(f for f, _ in ranks))], [max(c) for c in zip(*(b for _, b in ranks))])
 
 
 def busy_share(traffics: Sequence[RankTraffic], shape: RankShape, a2a_degree: int, profile: MachineProfile) -> float:
@@ -369,15 +399,16 @@ def host_seconds(profile: MachineProfile, calls: int) -> float:
 
 
 def predict(shape: RankShape, a2a_degree: int, traffics: Sequence[RankTraffic], fabric: Fabric) -> Prediction:
-    """Forward and backward time of one attention layer (slowest rank of ``traffics`` at every step)."""
+    """Forward and backward time of one attention layer: the busiest rank of ``traffics`` over its steps, each
+    step the longer of its compute and the slowest rank's transfer."""
     p = fabric.profile
-    c_fwd, c_bwd = step_compute(traffics, shape, a2a_degree, p)
+    ranks = rank_step_compute(traffics, shape, a2a_degree, p)
     heads, kv_heads = shape.heads // a2a_degree, max(1, shape.kv_heads // a2a_degree)
-    extra = max(layer_bytes(shape, heads, kv_heads, tr.tasks, tr.q_rows, tr.kv_rows,
-                            Accumulation.of(tr.tasks, tr.kv_rows), bool(tr.forward.get("ring_kv")) and a2a_degree == 1)
-                for tr in traffics) / (p.memory_bandwidth_gbps * 1e9)
-    c_bwd[-1] += extra  # the result copies and the dK/dV fill, once per layer (counted with the backward)
-    steps = len(c_fwd)
+    for tr, (_, bwd) in zip(traffics, ranks):  # the result copies and the dK/dV fill, once per layer (backward)
+        bwd[-1] += layer_bytes(shape, heads, kv_heads, tr.tasks, tr.q_rows, tr.kv_rows,
+                               Accumulation.of(tr.tasks, tr.kv_rows),
+                               bool(tr.forward.get("ring_kv")) and a2a_degree == 1) / (p.memory_bandwidth_gbps * 1e9)
+    steps = len(ranks[0][0])
 
     def ring_transfer(kv_fwd: bool, kv_bwd: bool, dkv: bool) -> float:
         """Slowest rank's time for one step's ring traffic of the given kinds."""
@@ -399,11 +430,12 @@ def predict(shape: RankShape, a2a_degree: int, traffics: Sequence[RankTraffic], 
     m_fwd = [ring_transfer(ringed and t < steps - 1, False, False) for t in range(steps)]
     m_bwd = [ring_transfer(False, ringed and t < steps - 1, ringed and t >= 1) for t in range(steps)]
     tail = ring_transfer(False, False, ringed)
-    forward = coll_fwd + sum(max(c, m) for c, m in zip(c_fwd, m_fwd))
-    backward = coll_bwd + sum(max(c, m) for c, m in zip(c_bwd, m_bwd)) + tail
+    forward = coll_fwd + max(sum(map(max, f, m_fwd)) for f, _ in ranks)
+    backward = coll_bwd + max(sum(map(max, b, m_bwd)) for _, b in ranks) + tail
     kv_bwd = [ring_transfer(False, ringed and t < steps - 1, False) for t in range(steps)]
-    forward_serial = coll_fwd + sum(c_fwd) + sum(m_fwd)
-    backward_serial = coll_bwd + sum(c_bwd) + sum(kv_bwd) + steps * tail
-    return Prediction(forward, backward, forward_serial, backward_serial, sum(c_fwd) + sum(c_bwd),
-                      max(c_fwd[1:], default=0.0), max(m_fwd, default=0.0), host_issue_seconds(p, traffics),
+    forward_serial = coll_fwd + max(sum(f) for f, _ in ranks) + sum(m_fwd)
+    backward_serial = coll_bwd + max(sum(b) for _, b in ranks) + sum(kv_bwd) + steps * tail
+    return Prediction(forward, backward, forward_serial, backward_serial, max(sum(f) + sum(b) for f, b in ranks),
+                      max((c for f, _ in ranks for c in f[1:]), default=0.0), max(m_fwd, default=0.0),
+                      host_issue_seconds(p, traffics),
                       busy_share(traffics, shape, a2a_degree, p))
