@@ -63,7 +63,7 @@ def test_bench_attention_writes_the_jsonl_and_the_json(tmp_path):
     row = summary["device"][0]["rank_schedule"][0]
     assert row["fwd_bwd"]["efficiency"] > 0
     assert "side_stream_gain" not in row["fwd_bwd"]  # on CPU the step runs in order: nothing to compare
-    assert row["comm"] == "p2p" and row["harness"] == HARNESS == 3  # a ring walked over its own K/V, calls planned
+    assert row["comm"] == "p2p" and row["harness"] == HARNESS == 4  # walked over its own K/V, calls planned, merges folded
 
 
 def test_bench_picks_times_each_pick_with_its_own_hierarchy_and_skips_what_is_over_the_budget(tmp_path):
