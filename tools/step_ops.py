@@ -55,8 +55,8 @@ FUSED = {"merge_blocks_": (2, True), "add_blocks_": (1, True), "add_kv_": (1, Fa
 """Per compiled region: the kernels it launches on a GPU, and whether its destinations are only written
 (else the first operand is read and written). torch.profiler on an H200, torch 2.11,
 docs/gpu/h200_run2_profile.jsonl: the merge is ``triton_poi_fused_..._mul`` + ``..._sub_1`` (its out and its
-lse), the dK/dV add one kernel. The dQ sum of two blocks and the dK/dV first write are pointwise regions
-of one output each, taken as one kernel too: not yet profiled."""
+lse), the dK/dV add one kernel. A merge of more than two blocks is taken as two kernels too, and the dQ sums
+and the dK/dV first write, pointwise regions of one output each, as one: not yet profiled."""
 
 
 def region_attr(name: str) -> str:

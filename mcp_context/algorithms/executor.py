@@ -228,12 +228,12 @@ class _Sums:
             if p.role == FOLD or p.summed:
                 self._accumulator()
 
-    def folded(self, p: Piece, *block: torch.Tensor) -> list[torch.Tensor]:
-        """What ``p`` merges on its rows, in order: the sum so far, the held blocks' tensors and ``block``'s
-        (each call's outputs in turn: ``out, lse`` forward, ``dq`` backward)."""
-        parts: list[torch.Tensor] = []
-        if p.summed:
-            parts.append(self.sum(p.rows))
+    def folded(self, p: Piece, block: tuple[torch.Tensor, ...], with_sum: tuple[torch.Tensor, ...] = ()
+               ) -> list[torch.Tensor]:
+        """What ``p`` merges on its rows, in order: the sum so far (followed by ``with_sum``: its lse rows
+        forward), the held blocks' tensors and ``block``'s (each call's outputs in turn: ``out, lse`` forward,
+        ``dq`` backward)."""
+        parts: list[torch.Tensor] = [self.sum(p.rows), *with_sum] if p.summed else []
         for key in p.held:
             q0, blocks = self.held[key]
             parts.extend(rows_of(x, (p.rows[0] - q0, p.rows[1] - q0)) for x in blocks)
@@ -263,10 +263,7 @@ def _forward_piece(p: Piece, q0: int, o: torch.Tensor, l: torch.Tensor, sums: _S
         if l is not lse:
             _copy_(lse_rows, bl)
         return
-    parts = sums.folded(p, bo, bl)
-    if p.summed:  # the sum's lse is the final lse's rows
-        parts.insert(1, lse_rows)
-    merge_blocks_(sums.target(p), lse_rows, *parts)
+    merge_blocks_(sums.target(p), lse_rows, *sums.folded(p, (bo, bl), (lse_rows,)))  # the sum's lse: the final's
 
 
 def _backward_piece(p: Piece, q0: int, gq: torch.Tensor, sums: _Sums) -> None:
@@ -277,7 +274,7 @@ def _backward_piece(p: Piece, q0: int, gq: torch.Tensor, sums: _Sums) -> None:
     if p.role == OWN:
         _copy_(sums.result(p.rows), bg)
     else:
-        add_blocks_(sums.target(p), *sums.folded(p, bg))
+        add_blocks_(sums.target(p), *sums.folded(p, (bg,)))
 
 
 def _in_task_order(calls: Sequence[Call], run: Callable[[Call], list]) -> Iterator[tuple]:

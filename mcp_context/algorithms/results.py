@@ -68,23 +68,11 @@ def _merges_now(held: int, summed: bool, last: bool, arity: int) -> bool:
 
 
 def folds(n: int, through: bool = False, arity: int = OUT_ARITY) -> list[tuple[str, int, bool]]:
-    """For each of the ``n`` blocks that write a row, in order: its role, how many held blocks before it it
-    merges (the ones just before it), and whether it reads the sum so far. A merge reads at most ``arity``
-    partial results; the last block's writes the result. (``ResultPlan.build`` applies the same rule to
-    every row, and merges a row early where its call merges the same held block elsewhere.)"""
-    if through:
-        return [(FIRST, 0, False)] + [(FOLD, 0, True)] * (n - 1)
-    if n == 1:
-        return [(OWN, 0, False)]
-    out, pending, summed = [], 0, False
-    for k in range(n):
-        if _merges_now(pending, summed, k == n - 1, arity):
-            out.append((FOLD_LAST if k == n - 1 else FOLD, pending, summed))
-            pending, summed = 0, True
-        else:
-            out.append((HOLD, 0, False))
-            pending += 1
-    return out
+    """For each of the ``n`` blocks that write one row, in order: its role, how many held blocks before it it
+    merges, and whether it reads the sum so far (``ResultPlan.build``'s plan of a row that ``n`` calls write,
+    one a step: a merge reads at most ``arity`` partial results; the last block's writes the result)."""
+    plan = ResultPlan.build([[BlockTask((0, 1), (k, k + 1))] for k in range(n)], 1, through, arity)
+    return [(p.role, len(p.held), p.summed) for step in plan.pieces for p in step[0]]
 
 
 @dataclass(frozen=True)
@@ -118,21 +106,25 @@ class ResultPlan:
     @classmethod
     def build(cls, tasks: Sequence[Sequence[BlockTask]], rows: int, through: bool = False,
               arity: int = OUT_ARITY) -> "ResultPlan":
-        """Each row's blocks merged as ``folds`` says, but for one thing: where a call merges a held block on
-        some rows, it merges the other rows it writes that wait on that block too (into the fp32 sum), so no
-        block is held past the first merge that reads it (a zigzag ring's full blocks, whose first chunk's
-        blocks end early, would otherwise be held whole for the second chunk's later merge)."""
+        """Each row's blocks held until a merge of ``arity`` partial results fills (``_merges_now``; ``folds``
+        lists one row's), but for one thing: where a call merges a held block on some rows, it merges the other
+        rows it writes that wait on that block too (into the fp32 sum), so no block is held past the first merge
+        that reads it (a zigzag ring's full blocks, whose first chunk's blocks end early, would otherwise be
+        held whole for the second chunk's later merge)."""
         order = [(s, i, t.q) for s, step in enumerate(tasks) for i, t in enumerate(step) if t.q[0] < t.q[1]]
         cuts = sorted({0, rows} | {r for *_, q in order for r in q})
         segments = [(a, b) for a, b in zip(cuts, cuts[1:]) if a < b]
-        writers = {seg: [(s, i) for s, i, q in order if q[0] <= seg[0] and seg[1] <= q[1]] for seg in segments}
+        spans = {(s, i): [seg for seg in segments if q[0] <= seg[0] and seg[1] <= q[1]] for s, i, q in order}
+        writers: dict[tuple[int, int], list[tuple[int, int]]] = {seg: [] for seg in segments}
+        for call, mine in spans.items():
+            for seg in mine:
+                writers[seg].append(call)
         pending: dict[tuple[int, int], list[tuple[int, int]]] = {seg: [] for seg in segments}
         summed = dict.fromkeys(segments, False)
         seen = dict.fromkeys(segments, 0)
         pieces: list[list[list[Piece]]] = [[[] for _ in step] for step in tasks]
         into_sum = set(segments) if through else set()  # the rows some merge writes into the fp32 sum
-        for s, i, q in order:
-            mine = [seg for seg in segments if q[0] <= seg[0] and seg[1] <= q[1]]
+        for (s, i), mine in spans.items():  # in call order
             last = {seg for seg in mine if seen[seg] == len(writers[seg]) - 1}
             merging = {seg for seg in mine if _merges_now(len(pending[seg]), summed[seg], seg in last, arity)}
             while True:  # a held block merged on some rows is merged on every row waiting on it here
@@ -171,8 +163,8 @@ class ResultPlan:
         releases: list[list[list[tuple[int, int]]]] = [[[] for _ in step] for step in tasks]
         for holder, (s, i) in sorted(last_reader.items()):
             releases[s][i].append(holder)
-        spans = sorted(into_sum)
-        accumulator = (0, rows) if through else (spans[0][0], spans[-1][1]) if spans else None
+        summed_rows = sorted(into_sum)
+        accumulator = (0, rows) if through else (summed_rows[0][0], summed_rows[-1][1]) if summed_rows else None
         adopted = order[0][:2] if order and order[0][2] == (0, rows) and any(
             p.role in (OWN, FIRST) for p in pieces[order[0][0]][order[0][1]]) else None
         return cls(tuple(tuple(tuple(task) for task in step) for step in pieces), rows,
