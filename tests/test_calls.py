@@ -29,6 +29,12 @@ from mcp_context.schedule import BlockTask, layout_schedule
 from tests.reference import TOL, full_attention, random_qkv
 
 S, CP, D = 256, 4, 16
+
+
+@pytest.fixture(autouse=True)
+def _sized_calls_on(monkeypatch):
+    """These calls are opt-in (``MCP_CONTEXT_SIZED_CALLS=1``: the module note of ``algorithms/calls.py``)."""
+    monkeypatch.setenv("MCP_CONTEXT_SIZED_CALLS", "1")
 TASKS = (BlockTask((0, 32), (0, 32), CAUSAL_BLOCK), BlockTask((32, 64), (0, 224), FULL_BLOCK),
          BlockTask((32, 64), (224, 256), CAUSAL_BLOCK))
 
@@ -65,6 +71,8 @@ def test_equal_tasks_are_stacked_only_as_many_as_fill_the_gpu_once():
 def test_the_sized_calls_switch_is_read_and_checked(monkeypatch):
     x = torch.empty(0)
     with assumed_gpu(Gpu(16, 16)):
+        monkeypatch.delenv("MCP_CONTEXT_SIZED_CALLS")  # unset: one call per task until a GPU has run them exact
+        assert calls_for(TASKS, 2, x, True, False) == (Call((0,)), Call((1,)), Call((2,)))
         monkeypatch.setenv("MCP_CONTEXT_SIZED_CALLS", "0")
         assert calls_for(TASKS, 2, x, True, False) == (Call((0,)), Call((1,)), Call((2,)))
         monkeypatch.setenv("MCP_CONTEXT_SIZED_CALLS", "1")
@@ -82,20 +90,29 @@ def test_key_parts_cut_the_keys_evenly_and_no_shorter_than_a_tile():
     assert step_calls((BlockTask((0, 32), (0, 102), FULL_BLOCK),), 1, Gpu(8, 16), True) == (Call((0,), 3),)
 
 
+def _order(x: torch.Tensor) -> tuple[int, ...]:
+    """The dimensions of ``x`` of more than one entry, outermost in memory first: its layout."""
+    return tuple(sorted((d for d in range(x.dim()) if x.shape[d] > 1), key=lambda d: -x.stride(d)))
+
+
 class _Counted:
-    """A kernel and how many calls it was given each way."""
+    """A kernel, how many calls it was given each way, and the layouts of each call's row operands (forward:
+    q, k, v; backward: dout, q, k, v, out)."""
 
     def __init__(self, kernel):
         self.kernel, self.name, self.capabilities = kernel, kernel.name, kernel.capabilities
         self.forwards = self.backwards = 0
+        self.layouts: list[tuple[tuple[int, ...], ...]] = []
 
-    def forward(self, *args, **kwargs):
+    def forward(self, q, k, v, *args, **kwargs):
         self.forwards += 1
-        return self.kernel.forward(*args, **kwargs)
+        self.layouts.append(tuple(map(_order, (q, k, v))))
+        return self.kernel.forward(q, k, v, *args, **kwargs)
 
-    def backward(self, *args, **kwargs):
+    def backward(self, dout, q, k, v, out, *args, **kwargs):
         self.backwards += 1
-        return self.kernel.backward(*args, **kwargs)
+        self.layouts.append(tuple(map(_order, (dout, q, k, v, out))))
+        return self.kernel.backward(dout, q, k, v, out, *args, **kwargs)
 
 
 def _run(kernel, dtype, gpu, batch=1):
@@ -125,6 +142,19 @@ def test_stacked_and_split_calls_match_the_fp64_reference(kernel, dtype, gpu, ba
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
         err = (a.double() - b).abs().max().item()
         assert err <= TOL[dtype], (name, err)
+
+
+@pytest.mark.parametrize("gpu,batch", [(Gpu(32, 16), 1), (Gpu(32, 16), 2)], ids=["one-sequence", "batch-2"])
+def test_every_operand_of_a_stacked_or_split_call_is_laid_out_token_major(gpu, batch):
+    """A call's row operands share one layout with the rows outside the heads: ``[b, h, n, d]`` laid out
+    ``b, n, h, d`` for a stack (``n, h, d`` for one sequence's single call, ``n, b, h, d`` for a batch's: the
+    executor's sbhd storage). On an H200, cuDNN gave a split call whose query stack was copied head-major
+    (``b, h, n, d``) beside token-major key views 8 % wrong results."""
+    counted = _Counted(cpu_flash_kernel())
+    _run(counted, torch.float32, gpu, batch)
+    assert counted.layouts and all(len(set(call)) == 1 for call in counted.layouts), counted.layouts
+    stacks = [call[0] for call in counted.layouts if call[0] not in {(2, 1, 3), (2, 0, 1, 3)}]
+    assert stacks and set(stacks) == {(0, 2, 1, 3)}, counted.layouts
 
 
 def test_in_bf16_the_stacked_and_split_calls_give_what_one_call_per_task_gives():

@@ -173,12 +173,7 @@ def test_every_role_gives_exact_attention_forward_and_gradients(dtype, tol, arit
 def test_on_cuda_every_role_gives_exact_attention_with_cudnn_and_compiled_merges():
     """The same plan on an NVIDIA GPU: ``torch:cudnn`` in bf16, the merges and dQ sums compiled (their
     in-place and held-row forms: the compiled regions read rows they overwrite), at arities 2, 3 and 8, against
-    fp64 attention within 2e-2 x max(1, |ref|); then a P = 8 zigzag member (rank 3: its first chunk's blocks
-    merge at step 3, the second's at step 7) against the same member in fp64 through the math kernel, within
-    the same bound. Passed on an H200 (2026-11-26) with one merge per block; the merges of many blocks at once
-    have not yet run on a GPU."""
-    from mcp_context.algorithms.executor import ring_backward, ring_forward
-    from mcp_context.kernels.math import MathKernel
+    fp64 attention within 2e-2 x max(1, |ref|). Passed on an H200 (2026-11-27, main dd6c460)."""
     from mcp_context.kernels.torch_sdpa import FUSED_OPS, TorchKernel
 
     kernel = TorchKernel(FUSED_OPS["cudnn"])
@@ -202,6 +197,24 @@ def test_on_cuda_every_role_gives_exact_attention_with_cudnn_and_compiled_merges
             err = relative_error(got, want)
             assert err <= 2e-2, (arity, name, err)
 
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (cuDNN's fused op, compiled merges)")
+@pytest.mark.parametrize("sized", ["0", "1"], ids=["one-call-per-task", "sized-calls"])
+def test_on_cuda_a_zigzag_member_gives_what_it_gives_in_fp64(monkeypatch, sized):
+    """A P = 8 zigzag member at 8K (rank 3: its first chunk's blocks merge at step 3, the second's at step 7;
+    8 query heads, 2 K/V heads, bf16, cuDNN) against the same member in fp64 through the math kernel, within
+    2e-2 x max(1, |ref|): one call per task (the default), and with the calls sized to the GPU
+    (``MCP_CONTEXT_SIZED_CALLS=1``: its blocks' keys split in 2 and 4 parts on an H200). On an H200
+    (2026-11-27, main dd6c460) the sized calls gave out 5-8 % off and lse 10 % off, in every merge arity, eager
+    and in order too, where the same plan with the same calls was exact on a CPU: the split calls handed cuDNN
+    a head-major query stack beside token-major keys (since laid out alike: ``algorithms/calls.stacked``); not
+    yet rerun on a GPU."""
+    from mcp_context.algorithms.executor import ring_backward, ring_forward
+    from mcp_context.kernels.math import MathKernel
+    from mcp_context.kernels.torch_sdpa import FUSED_OPS, TorchKernel
+
+    monkeypatch.setenv("MCP_CONTEXT_SIZED_CALLS", sized)
+    kernel = TorchKernel(FUSED_OPS["cudnn"])
     step = rank_step("p2p", 8, 8192, CAUSAL, kernel, 8, 2, 128, rank=3)
     exact = dataclasses.replace(step.plan, kernel=MathKernel())  # the same member in fp64, the math kernel
     q, dout = (torch.randn(step.q_rows, 1, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))

@@ -270,7 +270,7 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
     from mcp_context.algorithms import streams
     from mcp_context.algorithms.calls import gpu_of
     from mcp_context.masks import CAUSAL
-    from tools.rank_step import HARNESS, captured_call, rank_step, transfer_bytes, walked_call
+    from tools.rank_step import captured_call, harness, rank_step, transfer_bytes, walked_call
 
     b, h, hk, d = shape.batch, shape.heads, shape.kv_heads, shape.head_dim
     world, comm = row["world_size"], row["comm"]
@@ -280,7 +280,7 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
     s_eq, s_rank = _equal_len(pairs * step.heads // h), shape.seq_len // world
     row.update(sizes=list(step.sizes), heads_on_rank=step.heads, attention_calls=step.calls_on(gpu_of(rand(1))),
                useful_pairs=pairs,
-               equal_flops_causal_len=s_eq, per_rank_len=s_rank, harness=HARNESS)
+               equal_flops_causal_len=s_eq, per_rank_len=s_rank, harness=harness())
     rank_step_call = walked_call(step, rand, d, b)  # a ring as its member walks it: its own K/V, its messages
     if device.type == "cuda":  # the same step replayed from CUDA graphs (step_graphs): the host issues one launch
         graphed_call, error = captured_call(step, rand, d, b)

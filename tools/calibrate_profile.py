@@ -52,7 +52,7 @@ def _lines(path: str) -> list[dict]:
 
 
 MEASURED_ENGINE = Accumulation(lone_kv=False, through=True)
-"""How the engine of the shipped H200 runs (docs/gpu, 2026-11-25, ``tools/rank_step.HARNESS`` 1) held every
+"""How the engine of the shipped H200 runs (docs/gpu, 2026-11-25, ``tools/rank_step.harness()`` 1) held every
 plan's results: in fp32 accumulators, with result copies; a single-call plan's direct results and the
 results held as their rows need came after them, so the fit prices the steps that were measured."""
 
@@ -61,10 +61,10 @@ def predicted_step(profile: MachineProfile, comm: str, seq_len: int, cp: int, he
                    head_dim: int, harness: int = 1, inner: int = 2) -> tuple[float, float, int]:
     """``(seconds, calls, bytes)`` of one rank's fwd+bwd of ``comm`` (rank 0, batch 1, bf16; ``inner``: the
     all-to-all degree of a hierarchical kind), compute only, as the timed step ran (``harness``,
-    ``tools/rank_step.HARNESS``): 1, the measured engine (``MEASURED_ENGINE``) over every member's K/V; 2,
+    ``tools/rank_step.harness()``): 1, the measured engine (``MEASURED_ENGINE``) over every member's K/V; 2,
     the engine that holds results as their rows need, over the K/V the rank holds, one call per task, merging
-    one block at a time; 3, that with its calls planned for the GPU (``algorithms/calls.py``); 4, that merging
-    several blocks at a time (today's)."""
+    one block at a time; 3, that with its calls sized for the GPU (``algorithms/calls.py``); 4, that merging
+    several blocks at a time; 5, that with one call per task again (today's default)."""
     step = rank_step(comm, cp, seq_len, CAUSAL, TorchKernel(FUSED_OPS["cudnn"]), heads, kv_heads, head_dim,
                      inner=inner)
     kv_rows = step.kv_rows if harness == 1 else step.walked()[1]
@@ -73,10 +73,11 @@ def predicted_step(profile: MachineProfile, comm: str, seq_len: int, cp: int, he
         held = dataclasses.replace(held, arities=(2, 2))
     shape = RankShape(seq_len, 1, step.heads, step.kv_heads, head_dim, torch.bfloat16)
     traffic = RankTraffic(0, {}, {}, tasks=tuple(step.plan.tasks), q_rows=step.q_rows, kv_rows=kv_rows)
-    fwd, bwd = step_compute([traffic], shape, 1, profile, held, planned=harness >= 3)
+    sized = harness in (3, 4)
+    fwd, bwd = step_compute([traffic], shape, 1, profile, held, planned=sized)
     extra = layer_bytes(shape, step.heads, step.kv_heads, step.plan.tasks, step.q_rows, kv_rows, held,
                         ring=harness != 1 and step.ring)
-    calls = step.calls_on(profile.gpu if harness >= 3 else None)
+    calls = step.calls_on(profile.gpu, sized)
     return sum(fwd) + sum(bwd) + extra / (profile.memory_bandwidth_gbps * 1e9), calls, extra
 
 

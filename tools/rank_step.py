@@ -23,7 +23,7 @@ K/V, through ``RingRotation`` with transfers that move nothing (``NoWireExchange
 packed, received into fresh buffers (whose contents are left as allocated: a one-GPU timing reads them
 like any data) and handed on as on the wire, and its dK/dV sums travel in them, with no buffer over every
 member's rows. The schemes whose K/V cross a collective hand the executor K and V as the columns of one
-packed tensor, as ``Scheme.run`` does (``kv_inputs``). ``HARNESS`` names this in what the timing tools write.
+packed tensor, as ``Scheme.run`` does (``kv_inputs``). ``harness()`` names this in what the timing tools write.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mcp_context.algorithms.calls import Gpu, step_calls  # noqa: E402
+from mcp_context.algorithms.calls import Gpu, planned_calls, sized_calls_enabled, step_calls  # noqa: E402
 from mcp_context.algorithms.executor import RingAttention, RingPlan, StepRunner  # noqa: E402
 from mcp_context.algorithms.packing import split_kv, unpacked  # noqa: E402
 from mcp_context.algorithms.rotation import LocalRotation, RingRotation  # noqa: E402
@@ -47,15 +47,17 @@ from mcp_context.masks import Mask  # noqa: E402
 from mcp_context.schedule import gathered_tasks, layout_schedule, position_pieces  # noqa: E402
 
 SCHEMES = ("p2p", "all_gather", "a2a", "a2a+p2p", "a2a+all_gather")
-HARNESS = 4
-"""What a timed rank step is (written into the timing tools' output, read by ``tools/calibrate_profile.py``):
-4, as 3 with a row's blocks merged several at a time (``results.OUT_ARITY``, ``DQ_ARITY``; one at a time
-before); 3, as 2 with the calls planned for the GPU's SMs (``algorithms/calls.py``: short equal tasks stacked, a short
-full block's keys split); 2 (run 4 of 2026-11-26), a ring walked over the rank's own shard
-(``RankStep.walked``) by the engine that holds results as their rows need (``algorithms/results.py``), one
-call per task; 1 (the H200 runs of 2026-11-26, which wrote no field), a ring laid out
-over every member's K/V with a dK/dV buffer over all of them, by the engine that sent every row through
-fp32 (``tools/calibrate_profile.MEASURED_ENGINE``)."""
+def harness() -> int:
+    """What a timed rank step is (written into the timing tools' output, read by ``tools/calibrate_profile.py``):
+    5, as 4 with one call per task (``MCP_CONTEXT_SIZED_CALLS`` unset or 0, the default since 2026-11-27);
+    4, as 3 with a row's blocks merged several at a time (``results.OUT_ARITY``, ``DQ_ARITY``; one at a time
+    before); 3, as 2 with the calls sized for the GPU's SMs (``algorithms/calls.py``: short equal tasks stacked,
+    a short full block's keys split); 2 (run 4 of 2026-11-26), a ring walked over the rank's own shard
+    (``RankStep.walked``) by the engine that holds results as their rows need (``algorithms/results.py``), one
+    call per task; 1 (the H200 runs of 2026-11-26, which wrote no field), a ring laid out over every member's
+    K/V with a dK/dV buffer over all of them, by the engine that sent every row through fp32
+    (``tools/calibrate_profile.MEASURED_ENGINE``)."""
+    return 4 if sized_calls_enabled() else 5
 
 
 class _Received:
@@ -103,13 +105,14 @@ class RankStep:
         many; ``calls_on`` counts the calls a GPU's SMs make of them)."""
         return sum(len(step) for step in self.plan.tasks)
 
-    def calls_on(self, gpu: Optional[Gpu]) -> float:
+    def calls_on(self, gpu: Optional[Gpu], sized: Optional[bool] = None) -> float:
         """Attention calls of one forward and one backward on ``gpu``, their mean (``algorithms/calls.py``:
-        tasks too small to fill it stacked, a full block's forward split by keys into one call); ``calls``
-        off a GPU (None)."""
-        if gpu is None:
+        tasks too small to fill it stacked, a full block's forward split by keys into one call, where ``sized``
+        or, for None, ``MCP_CONTEXT_SIZED_CALLS`` says); ``calls`` off a GPU (None) or unsized."""
+        if gpu is None or sized is False:
             return self.calls
-        return sum(len(step_calls(tuple(step), self.heads, gpu, forward))
+        count = step_calls if sized else planned_calls
+        return sum(len(count(tuple(step), self.heads, gpu, forward))
                    for step in self.plan.tasks for forward in (True, False)) / 2
 
     @property

@@ -20,6 +20,15 @@ run) and copied otherwise, O(rows x d) against O(rows x keys x d) compute.
 Where the GPU is (``Gpu``): a real CUDA device's SM count; elsewhere none, so CPU runs and a fake-CUDA
 rehearsal keep one call per task, unless a caller assumes one (``assumed_gpu``: the planner's dry run with
 its profile's GPU, and the tests of these calls on CPU).
+
+Off unless ``MCP_CONTEXT_SIZED_CALLS=1``. On an H200 (2026-11-27, torch 2.11, cuDNN) a P = 8 zigzag member of
+8 query and 2 K/V heads, whose blocks cut their keys into 2 and 4 parts, gave ``out`` 8 % off fp64 attention,
+while the same plan on a CPU with the calls sized for that GPU was exact: the split call handed cuDNN a query
+stack copied head-major beside key and value views laid out token-major. Every stacked operand is now laid out
+token-major (``stacked``, ``kernels.fold_rows``), as the single calls' are; whether that was the whole cause is
+for the next GPU run (``tests/test_calls.py``, ``tests/test_results.py``), and until it passes the calls are
+one per task, the form that ran exact on the H200. The planner prices what this switch runs
+(``planned_calls``).
 """
 from __future__ import annotations
 
@@ -63,13 +72,12 @@ class Call:
 
 _assumed: Optional[Gpu] = None
 SIZED_CALLS_ENV = "MCP_CONTEXT_SIZED_CALLS"
-"""``0`` runs one call per task on a GPU too (the same results; for comparing, or if the sized calls misbehave
-on a machine); ``1`` or unset: calls sized to the GPU."""
+"""``1``: calls sized to the GPU (not yet exact on a GPU: the module's note); ``0`` or unset: one call per task."""
 
 
 def sized_calls_enabled() -> bool:
-    """``MCP_CONTEXT_SIZED_CALLS`` (``0`` or ``1``; unset is ``1``)."""
-    return switch(SIZED_CALLS_ENV, "one attention call per block task", "calls sized to the GPU's SMs")
+    """``MCP_CONTEXT_SIZED_CALLS`` (``0`` or ``1``; unset is ``0``)."""
+    return switch(SIZED_CALLS_ENV, "one attention call per block task", "calls sized to the GPU's SMs", default=False)
 
 
 @contextlib.contextmanager
@@ -162,11 +170,13 @@ def adjacent(spans: Sequence[tuple[int, int]]) -> bool:
 
 def stacked(x: torch.Tensor, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
     """Rows ``spans`` (equal lengths, dim 2) of ``x [b, h, s, ...]`` stacked in the batch dimension:
-    ``[len(spans) * b, h, n, ...]``; a copy of the rows where ``stacked_by_copy`` says, else a view."""
+    ``[len(spans) * b, h, n, ...]``, token-major within each entry (what ``fold_rows`` gives); a copy of the rows
+    where ``stacked_by_copy`` says, else a view. One layout for every operand of a call: cuDNN gave wrong results
+    for a head-major query stack beside token-major keys (the module's note)."""
     n = spans[0][1] - spans[0][0]
     if adjacent(spans):
         return fold_rows(x.narrow(2, spans[0][0], n * len(spans)), len(spans))
-    return torch.cat([x.narrow(2, a, n) for a, _ in spans], dim=0)
+    return torch.cat([x.narrow(2, a, n).transpose(1, 2) for a, _ in spans], dim=0).transpose(1, 2)
 
 
 def stacked_by_copy(spans: Sequence[tuple[int, int]], batch: int) -> bool:
@@ -210,12 +220,18 @@ def one_call_each(count: int) -> tuple[Call, ...]:
     return tuple(Call((i,)) for i in range(count))
 
 
+def planned_calls(tasks: Sequence[BlockTask], parallel: int, gpu: Gpu, forward: bool) -> tuple[Call, ...]:
+    """The calls of a step on ``gpu`` as ``MCP_CONTEXT_SIZED_CALLS`` says: ``step_calls`` where it is on, one per
+    task where it is off (the executor's ``calls_for``, the planner's prices and the timing tools' counts)."""
+    return step_calls(tuple(tasks), parallel, gpu, forward) if sized_calls_enabled() else one_call_each(len(tasks))
+
+
 def calls_for(tasks: Sequence[BlockTask], parallel: int, x: torch.Tensor, forward: bool,
               dropout: bool) -> tuple[Call, ...]:
-    """The calls of a step the executor runs on tensors like ``x``: ``step_calls`` on a GPU, one call per task
-    elsewhere, with dropout (each block replays its own mask) and with ``MCP_CONTEXT_SIZED_CALLS=0``."""
-    gpu = None if dropout or not sized_calls_enabled() else gpu_of(x)
-    return one_call_each(len(tasks)) if gpu is None else step_calls(tuple(tasks), parallel, gpu, forward)
+    """The calls of a step the executor runs on tensors like ``x``: ``planned_calls`` on a GPU, one call per task
+    elsewhere and with dropout (each block replays its own mask)."""
+    gpu = None if dropout else gpu_of(x)
+    return one_call_each(len(tasks)) if gpu is None else planned_calls(tasks, parallel, gpu, forward)
 
 
 DropoutOf = Callable[[int], Optional[Dropout]]

@@ -94,8 +94,9 @@ def fold_rows(x: torch.Tensor, g: int) -> torch.Tensor:
     """``[b, h, g*s, ...] -> [g*b, h, s, ...]``: ``g`` equal row ranges as batch entries, the form a fused op
     takes several blocks in one call in (a diagonal run's squares, ``torch_sdpa``; a step's stacked tasks,
     ``algorithms/calls.py``). A view of ``x`` when ``b == 1`` (an sbhd or bshd shard folds into bshd-packed batch
-    entries); copied otherwise."""
-    return x.unflatten(2, (g, x.shape[2] // g)).movedim(2, 0).flatten(0, 1)
+    entries); copied otherwise, bshd-packed too, so a call's folded operands share one layout."""
+    t = x.transpose(1, 2)  # [b, g*s, h, ...]: the rows outside the heads, as the executor's storage has them
+    return t.unflatten(1, (g, x.shape[2] // g)).movedim(1, 0).flatten(0, 1).transpose(1, 2)
 
 
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:

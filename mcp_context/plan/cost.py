@@ -40,7 +40,7 @@ from typing import Optional, Sequence
 
 from ..algorithms.results import (DQ_ARITY, FIRST, FOLD, HOLD, OUT_ARITY, OWN, Piece, ResultPlan, first_key_rows,
                                   most_blocks_per_key)
-from ..algorithms.calls import Call, one_call_each, stacked_by_copy, step_calls, task_share
+from ..algorithms.calls import Call, one_call_each, planned_calls, stacked_by_copy, step_calls, task_share
 from ..schedule import BlockTask
 from .dryrun import RankShape, RankTraffic
 from .profiles import MachineProfile
@@ -313,13 +313,14 @@ def flops_per_pair(shape: RankShape, a2a_degree: int) -> int:
 
 
 def rank_step_compute(traffics: Sequence[RankTraffic], shape: RankShape, a2a_degree: int, profile: MachineProfile,
-                      accumulation: Optional[Accumulation] = None, planned: bool = True
+                      accumulation: Optional[Accumulation] = None, planned: Optional[bool] = None
                       ) -> list[tuple[list[float], list[float]]]:
     """Per rank of ``traffics``, its forward and backward compute seconds at each step. ``accumulation``: how
     the results are held, by default as the executor holds them for these tasks (a calibration against steps
-    measured on an older engine passes that engine's). ``planned``: the calls planned for the profile's GPU
-    (``algorithms/calls.py``); False: one call per task, as every step timed before those calls ran
-    (``tools/rank_step.HARNESS`` 1 and 2)."""
+    measured on an older engine passes that engine's). ``planned``: None, the calls the executor makes on the
+    profile's GPU (``algorithms/calls.planned_calls``: one per task unless ``MCP_CONTEXT_SIZED_CALLS=1``); True,
+    the calls sized to it (``step_calls``), as steps timed with them ran (``tools/rank_step.harness`` 3 and 4);
+    False: one call per task."""
     heads, kv_heads = shape.heads // a2a_degree, max(1, shape.kv_heads // a2a_degree)
     per_pair = flops_per_pair(shape, a2a_degree)
     parallel = shape.batch * heads
@@ -340,8 +341,7 @@ def rank_step_compute(traffics: Sequence[RankTraffic], shape: RankShape, a2a_deg
             for forward in (True, False):
                 spent = sum(call_time(profile, tasks, call, per_pair, parallel, forward)
                             + call_bytes(tasks, call, shape, heads, kv_heads, forward) / bandwidth
-                            for call in (step_calls(tuple(tasks), parallel, profile.gpu, forward) if planned
-                                         else one_call_each(len(tasks))))
+                            for call in _calls(tasks, parallel, profile, forward, planned))
                 f, b = (f + spent, b) if forward else (f, b + spent)
             fwd.append(f)
             bwd.append(b)
@@ -349,8 +349,17 @@ def rank_step_compute(traffics: Sequence[RankTraffic], shape: RankShape, a2a_deg
     return ranks
 
 
+def _calls(tasks: Sequence[BlockTask], parallel: int, profile: MachineProfile, forward: bool,
+           planned: Optional[bool]) -> tuple[Call, ...]:
+    """``rank_step_compute``'s calls of one step (its ``planned``)."""
+    if planned is None:
+        return planned_calls(tasks, parallel, profile.gpu, forward)
+    return step_calls(tuple(tasks), parallel, profile.gpu, forward) if planned else one_call_each(len(tasks))
+
+
 def step_compute(traffics: Sequence[RankTraffic], shape: RankShape, a2a_degree: int, profile: MachineProfile,
-                 accumulation: Optional[Accumulation] = None, planned: bool = True) -> tuple[list[float], list[float]]:
+                 accumulation: Optional[Accumulation] = None, planned: Optional[bool] = None
+                 ) -> tuple[list[float], list[float]]:
     """Forward and backward compute seconds of each step, the slowest rank's at that step
     (``rank_step_compute``'s arguments)."""
     ranks = rank_step_compute(traffics, shape, a2a_degree, profile, accumulation, planned)
@@ -372,7 +381,7 @@ def busy_share(traffics: Sequence[RankTraffic], shape: RankShape, a2a_degree: in
                 filled += sum(_filled_seconds(profile, t, per_pair)[0 if forward else 1]
                               for t in tasks if t.useful_pairs)
                 actual += sum(call_time(profile, tasks, call, per_pair, parallel, forward) - overhead
-                              for call in step_calls(tuple(tasks), parallel, profile.gpu, forward)
+                              for call in planned_calls(tasks, parallel, profile.gpu, forward)
                               if any(tasks[i].useful_pairs for i in call.tasks))
         if actual > worst:
             worst, share = actual, filled / actual
