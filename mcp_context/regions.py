@@ -2,7 +2,12 @@
 dynamo's per-call Python where a call repeats a layout dynamo has already seen.
 
 A region is a plain torch function that writes its first operands in place. On CUDA it runs as one
-compiled kernel (``torch.compile``, dynamic shapes); elsewhere, and on fake tensors, eagerly. Through
+compiled kernel (``torch.compile`` with its automatic dynamic shapes: each size a constant until a call changes
+it, then that size symbolic); elsewhere, and on fake tensors, eagerly. On an H200 (2026-11-27,
+``docs/gpu/h200_run5_regions.log``) the kernels with every size symbolic ran the ring step's merges at a fifth
+to half of the memory bandwidth (a flat index divided by runtime head and row counts), those with only the rows
+symbolic at 0.8-1.0 of the per-shape kernels: the merge of the sum and three blocks 132 -> 31 µs, of five blocks
+73 -> 38 µs, the dK/dV first write 58 -> 17 µs. Through
 ``torch.compile`` every call goes through dynamo's frame wrappers, its guards and AOTAutograd's runtime
 wrapper before Inductor's launcher: on an H200's host (run 4, cProfile) 240-300 µs a call, of which Inductor's
 own call was 94 µs; a ring step at 32K/P8 makes 17 such calls, and its host issue time (7.75 ms) was on a
@@ -170,8 +175,8 @@ _noted = threading.local()  # the variant the last call through dynamo ran, per 
 
 
 class Region:
-    """``eager`` run as one compiled kernel on CUDA (dynamic shapes, up to ``RECOMPILE_LIMIT`` variants; a layout
-    seen before called directly), eagerly elsewhere.
+    """``eager`` run as one compiled kernel on CUDA (automatic dynamic shapes, up to ``RECOMPILE_LIMIT`` variants;
+    a layout seen before called directly), eagerly elsewhere.
 
     A fake-CUDA rehearsal cannot compile, so it runs eagerly too."""
 
@@ -185,7 +190,7 @@ class Region:
         self.direct: dict[tuple, Optional[_Direct]] = {}  # layout_key -> its direct call (None: through dynamo)
         self.devices = ("cuda",)  # where it compiles (a test adds the CPU: Inductor compiles C++ there)
         self.backend = "inductor"  # the dynamo backend that compiles each variant
-        self.dynamic = True  # torch.compile's: False a variant per shape, None automatic (tools/kernel_rates.py)
+        self.dynamic: Optional[bool] = None  # torch.compile's: None automatic, False per shape, True all symbolic
 
     @contextlib.contextmanager
     def eagerly(self) -> Iterator[None]:
@@ -207,8 +212,8 @@ class Region:
         return _Variant(lookup_backend(self.backend)(graph, example_inputs), sources, self.names)
 
     def compile(self) -> Callable:
-        """The region through ``torch.compile`` (built once; every size symbolic unless ``dynamic`` says otherwise;
-        each variant it compiles is recorded for direct calls)."""
+        """The region through ``torch.compile`` (built once; sizes as ``dynamic`` says; each variant it compiles is
+        recorded for direct calls)."""
         if self.compiled is None:
             self.compiled = torch.compile(self.eager, backend=self._backend, dynamic=self.dynamic, fullgraph=True)
         return self.compiled

@@ -296,8 +296,8 @@ def test_the_region_timings_a_gpu_runs_are_rehearsed_on_cpu(tmp_path):
     rows = []
     with cuda_timing_on_host():
         time_regions(rows.append, 4, 2, 8, 1, rows=32, shard=64, device=torch.device("cpu"), host_ahead=True)
-    assert len(rows) == 7 * 5 and {r["variant"] for r in rows} == {"shipped", "through_dynamo", "per_shape", "automatic",
-                                                                    "eager"}
+    assert len(rows) == 7 * 5 and {r["variant"] for r in rows} == {"shipped", "through_dynamo", "per_shape",
+                                                                    "every_size_symbolic", "eager"}
     assert all(r["gpu_us"] > 0 and r["host_us"] > 0 and r["gb_per_s"] > 0 and "host_ahead" in r for r in rows)
     acc, lse, half = 32 * 4 * 8 * 4, 32 * 4 * 4, 32 * 4 * 8 * 2
     merge = next(r for r in rows if r["case"] == "merge of five blocks into the sum")

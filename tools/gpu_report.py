@@ -244,8 +244,8 @@ def report(results: str) -> str:
     if os.path.exists(regions_path):
         lines += ["## The merges' and sums' kernels (tools/kernel_rates.py --parts regions)", "",
                   "Each region on the operands of the ring step at 32K/P8, a run of calls timed together: as "
-                  "shipped (every size symbolic, called directly), through dynamo, compiled per shape, with automatic "
-                  "dynamic shapes (only the rows symbolic), eager; GB/s of the bytes each call must move; '*': the "
+                  "shipped (automatic dynamic shapes: only the rows symbolic; called directly), through dynamo, compiled "
+                  "per shape, with every size symbolic, eager; GB/s of the bytes each call must move; '*': the "
                   "host fell behind the hold.", ""] + regions_table(regions_path) + [""]
     p2p = {s: seen.get(("p2p", s, 8), {}) for s in (32768, 131072)}
     peaks: dict[str, list[float]] = {}  # by scheme

@@ -12,12 +12,12 @@ rank's step spends its GPU time.
    inside the attention ops and outside them (merges, accumulation, copies), and the host's wall time.
 4. ``regions``: the merges and sums (``merge.FUSED_REGIONS``) on the operands of the ring step at 32K/P8
    (Llama-3-8B heads, token-major), each call's GPU time with the host ahead and GB/s of the bytes it must
-   move (``tools/step_ops.FUSED``'s rule), and the host's time a call: compiled as shipped (every size
-   symbolic, called directly), through dynamo, compiled per shape (``Region.dynamic`` False), with torch's
-   automatic dynamic shapes (``dynamic`` None: only the rows symbolic), eagerly. Run 2's profile had the
-   shipped merge's output kernel at 68 µs a call, about a third of the H200's memory bandwidth; dividing a
-   flat index by symbolic head and row counts costs tens of integer instructions an element, which at that
-   bandwidth may bind: whether constant sizes close the gap is this part's question.
+   move (``tools/step_ops.FUSED``'s rule), and the host's time a call: compiled as shipped (torch's automatic
+   dynamic shapes, ``Region.dynamic`` None: only the rows symbolic once they change; called directly), through
+   dynamo, compiled per shape (``dynamic`` False), with every size symbolic (``dynamic`` True, shipped until
+   2026-11-27), eagerly. On an H200 (run 5, ``docs/gpu/h200_run5_regions.log``) every size symbolic ran the
+   merges at a fifth to half of the memory bandwidth, only the rows symbolic at 0.8-1.0 of the per-shape
+   kernels: the shipped form since.
 
 Writes one JSON line per result to ``--out`` (flushed as measured). Needs CUDA.
 
@@ -111,7 +111,7 @@ def time_occupancy(sink, kernel, heads: int, kv_heads: int, d: int, reps: int, r
 def _profile(sink, kernel, seq_len: int, cp: int, heads: int, kv_heads: int, d: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    from tools.rank_step import HARNESS, SCHEMES, rank_step, walked_call
+    from tools.rank_step import SCHEMES, harness, rank_step, walked_call
 
     for comm in SCHEMES:
         step = rank_step(comm, cp, seq_len, CAUSAL, kernel, heads, kv_heads, d)
@@ -132,7 +132,7 @@ def _profile(sink, kernel, seq_len: int, cp: int, heads: int, kv_heads: int, d: 
         names: dict[str, list] = {}
         for e in outside:
             names.setdefault(e.name[:80], []).append(e.device_time)
-        row = {"part": "profile", "harness": HARNESS, "comm": comm, "seq_len": seq_len, "cp": cp, "calls": step.calls,
+        row = {"part": "profile", "harness": harness(), "comm": comm, "seq_len": seq_len, "cp": cp, "calls": step.calls,
                "wall_ms": start.elapsed_time(end), "kernels": len(kernels), "attention_kernels": len(inside),
                "other_kernels": len(outside), "attention_us": sum(e.device_time for e in inside),
                "other_us": sum(e.device_time for e in outside),
@@ -177,9 +177,9 @@ def region_cases(heads: int, kv_heads: int, d: int, rows: int, shard: int, devic
 
 
 def region_variants(region) -> dict:
-    """``name -> (callable like the region, context)``: as shipped (every size symbolic), through dynamo,
-    compiled per shape, with torch's automatic dynamic shapes (static until a size changes, then only that size
-    symbolic: ``time_regions`` first calls it at half the rows), eager."""
+    """``name -> (callable like the region, context)``: as shipped (torch's automatic dynamic shapes: static
+    until a size changes, then only that size symbolic; ``time_regions`` first calls it at half the rows, as a
+    ring's half and whole shards do), through dynamo, compiled per shape, with every size symbolic, eager."""
     import contextlib
 
     from mcp_context.regions import Region, through_dynamo
@@ -190,7 +190,7 @@ def region_variants(region) -> dict:
         return r
     return {"shipped": (region, contextlib.nullcontext), "through_dynamo": (region, through_dynamo),
             "per_shape": (compiled(False, "per shape"), contextlib.nullcontext),
-            "automatic": (compiled(None, "automatic dynamic shapes"), contextlib.nullcontext),
+            "every_size_symbolic": (compiled(True, "every size symbolic"), contextlib.nullcontext),
             "eager": (region.eager, contextlib.nullcontext)}
 
 
@@ -210,7 +210,7 @@ def time_regions(sink, heads: int, kv_heads: int, d: int, reps: int, rows: int =
         for variant, (fn, context) in region_variants(getattr(merge, region_attr(name))).items():
             if variants is not None and variant not in variants:
                 continue
-            if variant == "automatic":  # the rows change once, as a ring's half and whole shards do
+            if variant in ("shipped", "through_dynamo"):  # the rows change once, as a ring's half and whole shards do
                 fn(*short_args)
 
             def calls(fn=fn, context=context) -> None:
