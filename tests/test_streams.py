@@ -45,10 +45,32 @@ class _Scoped(streams.Inline):
 
 
 def test_cpu_and_fake_cuda_tensors_run_in_order():
-    assert isinstance(streams.streams_for(torch.zeros(1)), streams.Inline)
+    assert isinstance(streams.streams_for(torch.zeros(1), 1e15), streams.Inline)
     with FakeTensorMode():
         fake = torch.empty(1, device="cuda")
-    assert isinstance(streams.streams_for(fake), streams.Inline)
+    assert isinstance(streams.streams_for(fake, 1e15), streams.Inline)
+
+
+def test_the_side_stream_is_used_where_calls_are_long_unless_the_switch_says(monkeypatch):
+    """Unset, calls of ``SIDE_STREAM_MIN_FLOPS`` or more a call use the side stream and shorter ones run in order
+    (on an H200 the side stream slowed the cold 32K/P8 steps by 6-14 %); ``1`` uses it for every call, ``0`` and
+    ``inline()`` for none. The 32K/P8 ring's calls fall below the bound, 128K/P8's above it."""
+    from mcp_context.kernels.torch_sdpa import cpu_flash_kernel
+
+    monkeypatch.delenv(streams.SIDE_STREAM_ENV, raising=False)
+    bound = streams.SIDE_STREAM_MIN_FLOPS
+    assert streams.side_stream_pays(bound) and not streams.side_stream_pays(bound / 2)
+    with streams.inline():
+        assert not streams.side_stream_pays(bound * 10)
+    flops = {}
+    for seq in (32768, 131072):
+        step = rank_step("p2p", 8, seq, CAUSAL, cpu_flash_kernel(), 32, 8, 128)
+        flops[seq] = step.plan.call_flops(32, 128, 128)
+    assert flops[32768] < bound <= flops[131072], flops
+    monkeypatch.setenv(streams.SIDE_STREAM_ENV, "1")
+    assert streams.side_stream_pays(0.0)
+    monkeypatch.setenv(streams.SIDE_STREAM_ENV, "0")
+    assert not streams.side_stream_pays(bound * 10)
 
 
 @pytest.mark.parametrize("comm,rank", [("every_role", 0), ("p2p", 0), ("p2p", 3), ("all_gather", 5), ("a2a+p2p", 2)])
@@ -66,7 +88,7 @@ def test_no_result_or_accumulator_is_made_inside_the_side_stream_scope(monkeypat
         return make(*args, **kwargs)
 
     monkeypatch.setattr(executor, "_accumulator", accumulator)
-    monkeypatch.setattr(executor, "streams_for", lambda x: scoped)
+    monkeypatch.setattr(executor, "streams_for", lambda x, flops: scoped)
     if comm == "every_role":
         plan, q_rows, kv_rows, heads, kv_heads = (RingPlan.build(TASKS, LocalRotation(0, 2), MathKernel(), 0.25, ROWS),
                                                   ROWS, ROWS, 4, 2)
@@ -148,7 +170,7 @@ def _step(build, inputs, sink: bool, monkeypatch):
     s = s if sink else None
 
     def run(sim):
-        monkeypatch.setattr(executor, "streams_for", lambda x: sim)
+        monkeypatch.setattr(executor, "streams_for", lambda x, flops: sim)
         plan = build(sim.races)
         out, lse = ring_forward(q, k, v, plan, s)
         return out, lse, *ring_backward(dout, q, k, v, out, lse, plan, s)
@@ -230,6 +252,7 @@ def test_on_cuda_the_side_stream_gives_the_in_order_results(monkeypatch, rank):
     passed; rank 3 failed where the test process had passed torch's recompile limit and its merges turned
     eager between the two runs (fixed: ``regions.RECOMPILE_LIMIT``; in a fresh process the forward was bit for
     bit equal, docs/gpu/h200_run4_diag.log), not yet re-run as a test."""
+    monkeypatch.setenv(streams.SIDE_STREAM_ENV, "1")  # every call: at 32K/P8 they fall below SIDE_STREAM_MIN_FLOPS
     kernel = TorchKernel(FUSED_OPS["cudnn"])
     step = rank_step("p2p", 8, 32768, CAUSAL, kernel, 32, 8, 128, rank=rank)
     plan, kv_rows = step.plan, step.kv_rows  # every member's K/V here (a walked ring receives no numbers)

@@ -85,6 +85,17 @@ class RingPlan:
     def with_dropout_seed(self, seed: Optional[int]) -> "RingPlan":
         return dataclasses.replace(self, dropout_seed=seed)
 
+    @functools.cached_property
+    def _pairs_per_call(self) -> float:
+        pairs = [t.useful_pairs for step in self.tasks for t in step if t.useful_pairs]
+        return sum(pairs) / len(pairs) if pairs else 0.0
+
+    def call_flops(self, parallel: int, dqk: int, dv: int) -> float:
+        """Forward FLOPs of the mean attention call with work (2 (dqk + dv) a visible pair, ``parallel`` =
+        batch x heads): what decides whether the work after each call goes on a side stream
+        (``streams.side_stream_pays``)."""
+        return 2 * (dqk + dv) * parallel * self._pairs_per_call
+
     def kv_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype dK/dV are summed in for inputs of ``dtype``."""
         return dtype if self.kv_sums_exact and dtype in (torch.bfloat16, torch.float16) else accum_dtype(dtype)
@@ -308,7 +319,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPl
     results = plan.results if sink is None else plan.sink_results
     sums = _Sums(results, qb, (b, h, sq, v.shape[-1]), acc if results.through else q.dtype, acc)
     lse: Optional[torch.Tensor] = None
-    streams = streams_for(qb)
+    streams = streams_for(qb, plan.call_flops(b * h, qb.shape[-1], v.shape[-1]))
     for step, kb, vb in plan.rotation.blocks(_bhsd(k), _bhsd(v)):
         t0 = trace.now()
         tasks = plan.tasks[step]
@@ -353,8 +364,8 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     sums = _Sums(plan.dq_results, qb, tuple(qb.shape), q.dtype, accum_dtype(q.dtype))
     kb_all, vb_all = _bhsd(k), _bhsd(v)
     grads = plan.rotation.gradients(kb_all, vb_all, plan.kv_dtype(k.dtype))
-    streams = streams_for(qb)
     parallel = qb.shape[0] * qb.shape[1]
+    streams = streams_for(qb, plan.call_flops(parallel, qb.shape[-1], v.shape[-1]))
     for step, kb, vb in grads.blocks(kb_all, vb_all):
         t0 = trace.now()
         tasks = plan.tasks[step]

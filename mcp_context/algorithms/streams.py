@@ -1,6 +1,7 @@
-"""Where the work after each attention call runs: on a CUDA device, on a second stream, so the merges
-and dQ sums of one call run while the next call computes (TransformerEngine's ring overlaps its
-corrections the same way); anywhere else (CPU, fake tensors) in order, as written.
+"""Where the work after each attention call runs: on a CUDA device, where the calls are long, on a second
+stream, so the merges and dQ sums of one call run while the next call computes (TransformerEngine's ring
+overlaps its corrections the same way); where they are short (``SIDE_STREAM_MIN_FLOPS``), and anywhere else
+(CPU, fake tensors), in order, as written.
 
 The rules that keep the overlap exact, all kept here and in ``executor``:
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from typing import ContextManager, Iterator, Union
 
 import torch
@@ -26,7 +28,18 @@ from ..switches import switch
 _enabled = True
 SIDE_STREAM_ENV = "MCP_CONTEXT_SIDE_STREAM"
 """``0`` runs the work after each call in order on the calls' own stream (the same results; for comparing,
-or if the overlap misbehaves on a machine); ``1`` or unset: the side stream on CUDA."""
+or if the overlap misbehaves on a machine); ``1``: the side stream on CUDA for every call; unset: for calls
+of ``SIDE_STREAM_MIN_FLOPS`` or more."""
+
+SIDE_STREAM_MIN_FLOPS = 1e12
+"""The forward FLOPs a step's attention calls must average for their work to go on the side stream when
+``MCP_CONTEXT_SIDE_STREAM`` is unset. The side stream adds host work to every call (a wait, a mark per output,
+two stream switches); where calls are short the host issues a step slower than the GPU runs it, and that work
+is the step's time. On an H200 (run 5, ``docs/gpu/h200_run5_bench.log`` and ``_picks.log``, Llama-3-8B heads)
+the side stream made the step slower, timed cold, in every scheme with merges at 32K over 8 ranks (x0.86-0.94,
+0.14-0.37 TFLOP a call) and at 128K over 64 (x0.97, 0.27 TFLOP), and faster at 128K over 8 and 16 (x1.02-1.08,
+1.1-5.9 TFLOP a call); with the host ahead of the GPU it was within 1 % either way. One cell went the other
+way: 32K over 16, a2a+p2p, 0.27 TFLOP a call, x1.04."""
 
 
 def side_stream_enabled() -> bool:
@@ -81,8 +94,17 @@ class SideStream:
         self.main.wait_stream(self.side)
 
 
-def streams_for(x: torch.Tensor) -> Union[Inline, SideStream]:
-    """A side stream for real CUDA tensors while the overlap is on (``side_stream_enabled``), else ``Inline``."""
-    if side_stream_enabled() and x.is_cuda and not is_fake(x):  # a bad switch is refused on any device
+def side_stream_pays(call_flops: float) -> bool:
+    """Whether calls of ``call_flops`` forward FLOPs on average put their work on the side stream: never with
+    ``MCP_CONTEXT_SIDE_STREAM=0`` or inside ``inline()``, always with ``1``, else from ``SIDE_STREAM_MIN_FLOPS``."""
+    if not side_stream_enabled():
+        return False
+    return os.environ.get(SIDE_STREAM_ENV) == "1" or call_flops >= SIDE_STREAM_MIN_FLOPS
+
+
+def streams_for(x: torch.Tensor, call_flops: float) -> Union[Inline, SideStream]:
+    """A side stream for real CUDA tensors where the calls pay for it (``side_stream_pays``; ``call_flops``: their
+    mean forward FLOPs, ``RingPlan.call_flops``), else ``Inline``."""
+    if side_stream_pays(call_flops) and x.is_cuda and not is_fake(x):  # a bad switch is refused on any device
         return SideStream(x.device)
     return Inline()
