@@ -29,9 +29,9 @@
 # PYTHON is the interpreter that holds CUDA torch (default python3). The repository is prepended to
 # PYTHONPATH, so the package runs from this checkout and a megatron-core installed elsewhere (pip
 # --target) stays importable. Each step writes its log to RESULTS_DIR/<step>.log as it runs and one
-# line to RESULTS_DIR/summary.jsonl when it ends (rc 124: it hit its timeout). A device loan may end mid-run,
-# and the files a loan brings back are few: write RESULTS_DIR under the loan's $OUT and tar it there as the
-# last command. The timeouts of steps 0, 1, 4, 2 and 5 add up to 595 s, inside 10 minutes; step 6 has 600 s of
+# line to RESULTS_DIR/summary.jsonl when it ends (rc 124: it hit its timeout), and one archive of them all but
+# the pretrain's checkpoints is rewritten after every step: $GPU_BUNDLE, else RESULTS_DIR.tgz. A device loan
+# may end mid-run and brings back few files: GPU_BUNDLE=$OUT/g.tgz make test-gpu ... GPU_RESULTS=/tmp/g. The timeouts of steps 0, 1, 4, 2 and 5 add up to 595 s, inside 10 minutes; step 6 has 600 s of
 # its own. On an H200 (2026-11-27, main dd6c460) the steps took: kernel report 14 s, benchmark 127 s, profile
 # 27 s, host costs 35 s, picks over 85 s (6 of the grid's 14 timed cells), the tests of test_results.py 77 s
 # with their compiles. The refit, after it:
@@ -47,6 +47,8 @@ PYTHON=${PYTHON:-python3}
 RESULTS=${1:-runs/gpu_checks}
 cd "$ROOT"
 mkdir -p "$RESULTS"
+RESULTS=$(cd "$RESULTS" && pwd)
+BUNDLE=${GPU_BUNDLE:-$RESULTS.tgz}
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 : > "$RESULTS/summary.jsonl"
 
@@ -69,6 +71,11 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run it, log it, record rc and second
     tail -n 5 "$RESULTS/$name.log"
     echo "== $name: rc=$rc$([ "$rc" = 124 ] && echo ' (timed out)')"
     [ "$rc" = 0 ] || failed=1
+    bundle
+}
+bundle() {  # $BUNDLE: the results but the pretrain's checkpoints, one file a device loan brings back
+    tar czf "$BUNDLE.part" --exclude=checkpoints -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")" \
+        && mv "$BUNDLE.part" "$BUNDLE"
 }
 
 step 0_unverified_tests 125 "$PYTHON" -m pytest -q -rs -p no:cacheprovider tests/test_results.py tests/test_calls.py \
@@ -99,6 +106,7 @@ sys.exit(0 if len(losses) == 30 and all(map(math.isfinite, losses)) and losses[-
 # steps 1, 2, 4 and 5 as markdown, against issue 25's targets (what to paste into docs/performance.md)
 "$PYTHON" tools/gpu_report.py "$RESULTS" > "$RESULTS/report.md" 2>&1
 cat "$RESULTS/report.md"
+bundle
 
 if [ "${SUITE:-1}" = 0 ]; then
     echo "results: $RESULTS (summary.jsonl, one log per step, bench/bench_attention_p8_gpu_checks.jsonl); SUITE=0: no steps 3 and 6"
