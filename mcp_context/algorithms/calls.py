@@ -22,7 +22,7 @@ rehearsal keep one call per task, unless a caller assumes one (``assumed_gpu``: 
 its profile's GPU, and the tests of these calls on CPU).
 
 Off unless ``MCP_CONTEXT_SIZED_CALLS=1``. On an H200 (2026-11-27, torch 2.11, cuDNN) a P = 8 zigzag member of
-8 query and 2 K/V heads, whose blocks cut their keys into 2 and 4 parts, gave ``out`` 8 % off fp64 attention,
+8 query and 2 K/V heads, whose blocks cut their keys into 2 and 4 parts, gave ``out`` 5-8 % off fp64 attention,
 while the same plan on a CPU with the calls sized for that GPU was exact: the split call handed cuDNN a query
 stack copied head-major beside key and value views laid out token-major. Every stacked operand is now laid out
 token-major (``stacked``, ``kernels.fold_rows``), as the single calls' are; whether that was the whole cause is
