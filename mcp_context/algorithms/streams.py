@@ -43,7 +43,8 @@ way: 32K over 16, a2a+p2p, 0.27 TFLOP a call, x1.04."""
 
 
 def side_stream_enabled() -> bool:
-    """``MCP_CONTEXT_SIDE_STREAM`` (``0`` or ``1``; unset is ``1``) and no ``inline()`` in effect."""
+    """``MCP_CONTEXT_SIDE_STREAM`` is not ``0`` (unset: ``side_stream_pays`` decides by the calls' size) and no
+    ``inline()`` is in effect."""
     return _enabled and switch(SIDE_STREAM_ENV, "the work after each attention call in order",
                                "on a second CUDA stream")
 
