@@ -19,7 +19,7 @@ def test_each_variant_is_timed_and_the_profile_groups_add_up(tmp_path):
     assert {r["comm"] for r in rows} == {"p2p", "a2a+all_gather"}
     names = list(variants())
     assert names == ["shipped", "eager:merge", "eager:dq_sum", "eager:dkv_add", "eager:dkv_first_write",
-                     "through_dynamo", "in_order"]
+                     "through_dynamo", "in_order", "side_stream"]
     for comm, sizes in (("p2p", [4]), ("a2a+all_gather", [2, 2])):
         mine = [r for r in rows if r["comm"] == comm]
         timed = [r for r in mine if "profile" not in r]

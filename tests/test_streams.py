@@ -62,6 +62,11 @@ def test_the_side_stream_is_used_where_calls_are_long_unless_the_switch_says(mon
     assert streams.side_stream_pays(bound) and not streams.side_stream_pays(bound / 2)
     with streams.inline():
         assert not streams.side_stream_pays(bound * 10)
+    with streams.everywhere():
+        assert streams.side_stream_pays(0.0)
+        with streams.inline():
+            assert not streams.side_stream_pays(bound * 10)
+    assert not streams.side_stream_pays(bound / 2)
     flops = {}
     for seq in (32768, 131072):
         step = rank_step("p2p", 8, seq, CAUSAL, cpu_flash_kernel(), 32, 8, 128)

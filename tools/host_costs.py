@@ -8,12 +8,15 @@ over 64 ranks 4.0 ms beside 1.4 ms. For each case (scheme, S, P) this times one 
 ``tools/bench_device.py`` does (``tools/rank_step.py``: a ring walked by its member), cold and with the
 host ahead (the GPU held busy while the host issues the step), with the host's issue time, in variants:
 
-- ``shipped``: every fused region compiled, the side stream on;
+- ``shipped``: every fused region compiled, the side stream where the calls are long
+  (``streams.SIDE_STREAM_MIN_FLOPS``);
 - ``eager:<region>``: one region of ``merge.FUSED_REGIONS`` run eagerly (the compiled call's host cost
   against the eager form's extra kernels);
 - ``through_dynamo``: every compiled call through ``torch.compile``'s wrappers (``regions.through_dynamo``),
   where the shipped step calls a layout seen before directly;
 - ``in_order``: no side stream (``streams.inline``);
+- ``side_stream``: the side stream for every call, short ones too (``streams.everywhere``): at 32K/P8 the
+  shipped step runs in order since run 5, and this is what it weighs that against;
 - ``graphed`` (CUDA only): replayed from CUDA graphs (``algorithms/graphs.py``, ``step_graphs``), one launch
   to issue;
 
@@ -76,11 +79,12 @@ def parse_case(text: str) -> tuple[str, int, int, int]:
 
 def variants() -> dict[str, Callable[[], ContextManager]]:
     """The shipped step, each fused region eager in turn, every compiled call through dynamo, and the step
-    with no side stream."""
+    with no side stream and with it for every call."""
     out: dict[str, Callable[[], ContextManager]] = {"shipped": contextlib.nullcontext}
     out.update({f"eager:{name}": region.eagerly for name, region in FUSED_REGIONS.items()})
     out["through_dynamo"] = through_dynamo
     out["in_order"] = streams.inline
+    out["side_stream"] = streams.everywhere
     return out
 
 

@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import is_fake
 from ..switches import switch
 
 _enabled = True
+_everywhere = False
 SIDE_STREAM_ENV = "MCP_CONTEXT_SIDE_STREAM"
 """``0`` runs the work after each call in order on the calls' own stream (the same results; for comparing,
 or if the overlap misbehaves on a machine); ``1``: the side stream on CUDA for every call; unset: for calls
@@ -59,6 +60,18 @@ def inline() -> Iterator[None]:
         yield
     finally:
         _enabled = before
+
+
+@contextlib.contextmanager
+def everywhere() -> Iterator[None]:
+    """Put the work after every call on the side stream, short calls too, as ``MCP_CONTEXT_SIDE_STREAM=1`` does
+    (what ``tools/host_costs.py`` weighs the in-order step against where the calls are short)."""
+    global _everywhere
+    before, _everywhere = _everywhere, True
+    try:
+        yield
+    finally:
+        _everywhere = before
 
 
 class Inline:
@@ -97,10 +110,11 @@ class SideStream:
 
 def side_stream_pays(call_flops: float) -> bool:
     """Whether calls of ``call_flops`` forward FLOPs on average put their work on the side stream: never with
-    ``MCP_CONTEXT_SIDE_STREAM=0`` or inside ``inline()``, always with ``1``, else from ``SIDE_STREAM_MIN_FLOPS``."""
+    ``MCP_CONTEXT_SIDE_STREAM=0`` or inside ``inline()``, always with ``1`` or inside ``everywhere()``, else from
+    ``SIDE_STREAM_MIN_FLOPS``."""
     if not side_stream_enabled():
         return False
-    return os.environ.get(SIDE_STREAM_ENV) == "1" or call_flops >= SIDE_STREAM_MIN_FLOPS
+    return _everywhere or os.environ.get(SIDE_STREAM_ENV) == "1" or call_flops >= SIDE_STREAM_MIN_FLOPS
 
 
 def streams_for(x: torch.Tensor, call_flops: float) -> Union[Inline, SideStream]:
