@@ -71,7 +71,7 @@ _merge_blocks = Region(merge_blocks_eager_, "attention merge")
 
 
 def compiled_merge() -> Callable:
-    """``merge_blocks_eager_`` compiled into one kernel (built once; shapes are dynamic)."""
+    """``merge_blocks_eager_`` compiled into one kernel (built once; sizes as ``regions.Region.dynamic`` says)."""
     return _merge_blocks.compile()
 
 

@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mcp_context.algorithms.calls import Gpu, planned_calls, sized_calls_enabled, step_calls  # noqa: E402
+from mcp_context.algorithms.calls import Gpu, planned_calls, sized_calls_enabled  # noqa: E402
 from mcp_context.algorithms.executor import RingAttention, RingPlan, StepRunner  # noqa: E402
 from mcp_context.algorithms.packing import split_kv, unpacked  # noqa: E402
 from mcp_context.algorithms.rotation import LocalRotation, RingRotation  # noqa: E402
@@ -47,6 +47,8 @@ from mcp_context.masks import Mask  # noqa: E402
 from mcp_context.schedule import gathered_tasks, layout_schedule, position_pieces  # noqa: E402
 
 SCHEMES = ("p2p", "all_gather", "a2a", "a2a+p2p", "a2a+all_gather")
+
+
 def harness() -> int:
     """What a timed rank step is (written into the timing tools' output, read by ``tools/calibrate_profile.py``):
     5, as 4 with one call per task (``MCP_CONTEXT_SIZED_CALLS`` unset or 0, the default since 2026-11-27);
@@ -109,10 +111,9 @@ class RankStep:
         """Attention calls of one forward and one backward on ``gpu``, their mean (``algorithms/calls.py``:
         tasks too small to fill it stacked, a full block's forward split by keys into one call, where ``sized``
         or, for None, ``MCP_CONTEXT_SIZED_CALLS`` says); ``calls`` off a GPU (None) or unsized."""
-        if gpu is None or sized is False:
+        if gpu is None:
             return self.calls
-        count = step_calls if sized else planned_calls
-        return sum(len(count(tuple(step), self.heads, gpu, forward))
+        return sum(len(planned_calls(step, self.heads, gpu, forward, sized))
                    for step in self.plan.tasks for forward in (True, False)) / 2
 
     @property

@@ -220,10 +220,14 @@ def one_call_each(count: int) -> tuple[Call, ...]:
     return tuple(Call((i,)) for i in range(count))
 
 
-def planned_calls(tasks: Sequence[BlockTask], parallel: int, gpu: Gpu, forward: bool) -> tuple[Call, ...]:
-    """The calls of a step on ``gpu`` as ``MCP_CONTEXT_SIZED_CALLS`` says: ``step_calls`` where it is on, one per
-    task where it is off (the executor's ``calls_for``, the planner's prices and the timing tools' counts)."""
-    return step_calls(tuple(tasks), parallel, gpu, forward) if sized_calls_enabled() else one_call_each(len(tasks))
+def planned_calls(tasks: Sequence[BlockTask], parallel: int, gpu: Gpu, forward: bool,
+                  sized: Optional[bool] = None) -> tuple[Call, ...]:
+    """The calls of a step on ``gpu``: ``step_calls`` where ``sized``, one per task where not; None, as
+    ``MCP_CONTEXT_SIZED_CALLS`` says (the executor's ``calls_for``, the planner's prices and the timing tools'
+    counts; a calibration against steps timed with or without the sized calls says which)."""
+    if sized is None:
+        sized = sized_calls_enabled()
+    return step_calls(tuple(tasks), parallel, gpu, forward) if sized else one_call_each(len(tasks))
 
 
 def calls_for(tasks: Sequence[BlockTask], parallel: int, x: torch.Tensor, forward: bool,

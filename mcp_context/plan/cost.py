@@ -40,7 +40,7 @@ from typing import Optional, Sequence
 
 from ..algorithms.results import (DQ_ARITY, FIRST, FOLD, HOLD, OUT_ARITY, OWN, Piece, ResultPlan, first_key_rows,
                                   most_blocks_per_key)
-from ..algorithms.calls import Call, one_call_each, planned_calls, stacked_by_copy, step_calls, task_share
+from ..algorithms.calls import Call, planned_calls, stacked_by_copy, task_share
 from ..schedule import BlockTask
 from .dryrun import RankShape, RankTraffic
 from .profiles import MachineProfile
@@ -341,20 +341,12 @@ def rank_step_compute(traffics: Sequence[RankTraffic], shape: RankShape, a2a_deg
             for forward in (True, False):
                 spent = sum(call_time(profile, tasks, call, per_pair, parallel, forward)
                             + call_bytes(tasks, call, shape, heads, kv_heads, forward) / bandwidth
-                            for call in _calls(tasks, parallel, profile, forward, planned))
+                            for call in planned_calls(tasks, parallel, profile.gpu, forward, planned))
                 f, b = (f + spent, b) if forward else (f, b + spent)
             fwd.append(f)
             bwd.append(b)
         ranks.append((fwd, bwd))
     return ranks
-
-
-def _calls(tasks: Sequence[BlockTask], parallel: int, profile: MachineProfile, forward: bool,
-           planned: Optional[bool]) -> tuple[Call, ...]:
-    """``rank_step_compute``'s calls of one step (its ``planned``)."""
-    if planned is None:
-        return planned_calls(tasks, parallel, profile.gpu, forward)
-    return step_calls(tuple(tasks), parallel, profile.gpu, forward) if planned else one_call_each(len(tasks))
 
 
 def step_compute(traffics: Sequence[RankTraffic], shape: RankShape, a2a_degree: int, profile: MachineProfile,
