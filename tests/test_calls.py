@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from mcp_context.algorithms.calls import Call, Gpu, assumed_gpu, calls_for, step_calls
+from mcp_context.algorithms.calls import Call, Gpu, assumed_gpu, calls_for, pass_gpu, step_calls
 from mcp_context.algorithms.executor import RingAttention, RingPlan, ring_backward, ring_forward
 from mcp_context.algorithms.rotation import LocalRotation
 from mcp_context.algorithms.schemes import gathered_tasks
@@ -55,9 +55,11 @@ def test_calls_that_fill_the_gpu_stay_one_per_task():
     assert step_calls(TASKS, 64, Gpu(16, 16), True) == step_calls(TASKS, 64, Gpu(16, 16), False) == (
         Call((0,)), Call((1,)), Call((2,)))
     x = torch.empty(0)
-    assert calls_for(TASKS, 2, x, True, False) == (Call((0,)), Call((1,)), Call((2,)))  # a CPU: no GPU to fill
+    # a CPU: no GPU to fill
+    assert calls_for(TASKS, 2, pass_gpu(x, False), True) == (Call((0,)), Call((1,)), Call((2,)))
     with assumed_gpu(Gpu(16, 16)):
-        assert calls_for(TASKS, 2, x, True, True) == (Call((0,)), Call((1,)), Call((2,)))  # dropout: each its own
+        # dropout: each its own
+        assert calls_for(TASKS, 2, pass_gpu(x, True), True) == (Call((0,)), Call((1,)), Call((2,)))
 
 
 def test_equal_tasks_are_stacked_only_as_many_as_fill_the_gpu_once():
@@ -72,14 +74,14 @@ def test_the_sized_calls_switch_is_read_and_checked(monkeypatch):
     x = torch.empty(0)
     with assumed_gpu(Gpu(16, 16)):
         monkeypatch.delenv("MCP_CONTEXT_SIZED_CALLS")  # unset: one call per task until a GPU has run them exact
-        assert calls_for(TASKS, 2, x, True, False) == (Call((0,)), Call((1,)), Call((2,)))
+        assert calls_for(TASKS, 2, pass_gpu(x, False), True) == (Call((0,)), Call((1,)), Call((2,)))
         monkeypatch.setenv("MCP_CONTEXT_SIZED_CALLS", "0")
-        assert calls_for(TASKS, 2, x, True, False) == (Call((0,)), Call((1,)), Call((2,)))
+        assert calls_for(TASKS, 2, pass_gpu(x, False), True) == (Call((0,)), Call((1,)), Call((2,)))
         monkeypatch.setenv("MCP_CONTEXT_SIZED_CALLS", "1")
-        assert calls_for(TASKS, 2, x, True, False) == (Call((0, 2)), Call((1,), 4))
+        assert calls_for(TASKS, 2, pass_gpu(x, False), True) == (Call((0, 2)), Call((1,), 4))
         monkeypatch.setenv("MCP_CONTEXT_SIZED_CALLS", "yes")
         with pytest.raises(ValueError, match=r"MCP_CONTEXT_SIZED_CALLS='yes' must be 0 .* or 1"):
-            calls_for(TASKS, 2, x, True, False)
+            calls_for(TASKS, 2, pass_gpu(x, False), True)
 
 
 def test_key_parts_cut_the_keys_evenly_and_no_shorter_than_a_tile():
@@ -182,8 +184,8 @@ def test_the_calls_rehearse_on_fake_cuda_through_cudnn_at_llama3_8b_32k_over_64_
         k, v = (torch.empty(32768, 1, 1, 128, device=cuda, dtype=torch.bfloat16) for _ in range(2))
         plan = RingPlan.build(tasks, LocalRotation(0, 1), kernel, 128 ** -0.5, 4096)
         with assumed_gpu(Gpu(132)):
-            assert calls_for(tasks[0], 4, q, True, False) == (Call((0, 2)), Call((1,), 2))
-            assert calls_for(tasks[0], 4, q, False, False) == (Call((0, 2)), Call((1,)))
+            assert calls_for(tasks[0], 4, pass_gpu(q, False), True) == (Call((0, 2)), Call((1,), 2))
+            assert calls_for(tasks[0], 4, pass_gpu(q, False), False) == (Call((0, 2)), Call((1,)))
             out, lse = ring_forward(q, k, v, plan)
             dq, dk, dv, _ = ring_backward(dout, q, k, v, out, lse, plan)
         for x, like in ((out, q), (dq, q), (dk, k), (dv, v)):
@@ -222,9 +224,10 @@ def test_on_cuda_the_sized_calls_give_what_one_call_per_task_gives():
     k, v = (torch.randn(32768, 1, 1, 128, device=cuda, generator=g).to(torch.bfloat16) for _ in range(2))
     plan = RingPlan.build(tasks, LocalRotation(0, 1), kernel, 128 ** -0.5, 4096)
     sms = torch.cuda.get_device_properties(cuda).multi_processor_count
-    assert calls_for(tasks[0], 4, q, True, False)[0] == Call((0, 2))  # 64 blocks each: short on any datacenter GPU
+    # 64 blocks each: short on any datacenter GPU
+    assert calls_for(tasks[0], 4, pass_gpu(q, False), True)[0] == Call((0, 2))
     if sms >= 128:
-        assert calls_for(tasks[0], 4, q, True, False)[1] == Call((1,), 2)
+        assert calls_for(tasks[0], 4, pass_gpu(q, False), True)[1] == Call((1,), 2)
     results = []
     for gpu in (None, Gpu(1)):
         with assumed_gpu(gpu):

@@ -135,3 +135,25 @@ def test_the_gpu_report_lists_each_cases_runtime_calls(tmp_path):
            "runtime_api": {"cudaMemcpyAsync": {"calls": 2.0, "host_us": 1500.0}}}
     (tmp_path / "host_costs.jsonl").write_text(json.dumps(row) + "\n")
     assert "| a2a 32K/8 | cudaMemcpyAsync 2x 1500 |" in report(str(tmp_path))
+
+
+def test_the_bookkeeping_mode_times_the_step_with_no_work_in_its_ops_and_regions(tmp_path):
+    """``--bookkeeping``: the ring step runs through its executor with attention ops that compute nothing (their
+    outputs are uninitialised) and regions that return at once, so a row's time is the host's own work; the
+    real regions are back afterwards. A GPU device is refused: the mode is for the CPU."""
+    from tools.host_costs import NO_WORK
+
+    out = tmp_path / "bookkeeping.jsonl"
+    eager = {name: region.eager for name, region in merge.FUSED_REGIONS.items()}
+    assert main(["--device", "cpu", "--bookkeeping", "--cases", "p2p:256:4", "a2a:64:4", "--heads", "4",
+                 "--kv-heads", "2", "--head-dim", "8", "--profile-steps", "3", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["comm"], r["variant"], r["attention_calls"]) for r in rows] == [("p2p", "bookkeeping", 4),
+                                                                            ("a2a", "bookkeeping", 1)]
+    assert all(0 < r["host_ms"] <= r["host_ms_median"] for r in rows)
+    assert {name: region.eager for name, region in merge.FUSED_REGIONS.items()} == eager
+    q = torch.randn(1, 16, 4, 8).transpose(1, 2)  # [b, h, s, d] of token-major storage, as the executor's
+    o, lse = NO_WORK.forward(q, q, q, True, 1.0)
+    assert o.shape == q.shape and o.stride() == q.stride() and lse.shape == (1, 4, 16)
+    with pytest.raises(SystemExit):
+        main(["--device", "cuda", "--bookkeeping", "--out", str(out)])

@@ -37,6 +37,21 @@ def test_the_ops_outside_attention_are_pinned_per_scheme(comm):
     assert count.ops <= 40  # the issue's bound at P = 8 (the H200 profile of the old step: ~100 kernels)
 
 
+# scheme: every op the host dispatches in one rank's fwd+bwd (views, allocations and calls included; a fused
+# region's call counts one), 2026-11-27: p2p 250 -> 167 (messages viewed with as_strided, K/V straight from them,
+# the query rows a pass reads viewed once a span)
+HOST_OPS = {"p2p": 167, "all_gather": 85, "a2a": 22, "a2a+p2p": 105, "a2a+all_gather": 85}
+
+
+@pytest.mark.parametrize("comm", list(HOST_OPS))
+def test_the_ops_the_host_dispatches_are_pinned_per_scheme(comm):
+    """A short step is the host's (the 32K/P8 ring took the H200's host 7.7 ms to issue beside 7.7 ms of GPU
+    work), and every view, allocation and call costs the host a few µs whatever its size: a change that adds
+    one to the hot path fails here; one that removes some updates the pin."""
+    count = count_step(comm, 32768, 8)
+    assert count.host_ops == HOST_OPS[comm], (count.forward.host_ops, count.backward.host_ops)
+
+
 def test_a_single_call_plan_adds_no_byte_around_the_fused_op():
     """a2a (a ring of one, one causal call): the fused op's out, dq, dk and dv are the results as they are
     (no fp32 round trip, no fill, no copy), bit for bit what the accumulators gave (tests/test_merge.py,

@@ -25,7 +25,18 @@ grouped: the fused regions' calls (``regions.Region.__call__``: the compiled cal
 the attention ops' host side, the autograd engine, and the rest (the executor's Python and view ops); and
 the CUDA runtime calls that take the host longest a step (``runtime_calls``: torch.profiler), where a call
 that blocks the host shows (the one-call step's 2.0 ms is unexplained).
-One JSON line per variant and per profile, written as measured. On CPU it is a smoke run: the regions
+One JSON line per variant and per profile, written as measured.
+
+``--bookkeeping`` (CPU): each case's step with its attention ops and fused regions doing no work (the ops
+return outputs of the shapes and layouts the fused ops give, the regions return at once): what is left is the
+host's own work around the calls (the executor's Python, views and allocations), the least of 7 runs of
+``--profile-steps`` steps. Tiny shapes give the plan's structure without its sizes; the copies and fills the
+step does for real (a message's packing) are small there.
+
+    python tools/host_costs.py --device cpu --bookkeeping --cases p2p:256:8 a2a+p2p:256:8 a2a:64:8 \
+        a2a+all_gather:1024:64:8 --heads 4 --kv-heads 2 --head-dim 8 --profile-steps 200 --out runs/bookkeeping.jsonl
+
+On CPU without ``--bookkeeping`` it is a smoke run: the regions
 run eagerly anyway, nothing is held busy, and the figures mean nothing; with ``--cpu-regions`` the regions
 compile for the CPU (Inductor's C++), and tiny shapes weigh the host's cost of the compiled call path
 (``shipped``, direct calls, against ``through_dynamo``), which is the same Python on any device.
@@ -53,6 +64,9 @@ import torch  # noqa: E402
 from mcp_context.algorithms import streams  # noqa: E402
 from mcp_context.algorithms.calls import gpu_of  # noqa: E402
 from mcp_context.kernels import Kernel, get_kernel  # noqa: E402
+from mcp_context.kernels.math import MathKernel  # noqa: E402
+from mcp_context.kernels.registry import FallbackKernel  # noqa: E402
+from mcp_context.kernels.torch_sdpa import FUSED_OPS, FusedOp, TorchKernel  # noqa: E402
 from mcp_context.masks import CAUSAL  # noqa: E402
 from mcp_context.merge import FUSED_REGIONS  # noqa: E402
 from mcp_context.regions import Region, through_dynamo  # noqa: E402
@@ -183,6 +197,63 @@ def case_rows(comm: str, seq_len: int, cp: int, inner: int, device: torch.device
     return rows
 
 
+def _token_major_like(x: torch.Tensor, dims: int) -> torch.Tensor:
+    """An uninitialised ``[b, h, s, dims]`` view of ``[b, s, h, dims]`` storage: how a fused op lays out what it
+    returns for the executor's token-major inputs."""
+    b, h, n, _ = x.shape
+    return torch.empty((b, n, h, dims), dtype=x.dtype, device=x.device).transpose(1, 2)
+
+
+def _no_work_forward(q, k, v, causal, scale):
+    return _token_major_like(q, v.shape[-1]), torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+
+
+def _no_work_backward(dout, q, k, v, out, lse, causal, scale):
+    return tuple(_token_major_like(x, x.shape[-1]) for x in (q, k, v))
+
+
+NO_WORK = FusedOp("no_work", FUSED_OPS["cpu_flash"].capabilities, _no_work_forward, _no_work_backward)
+"""An attention op that returns what the fused ops return and computes nothing (``--bookkeeping``)."""
+
+
+@contextlib.contextmanager
+def regions_doing_nothing():
+    """Every fused region returns at once while inside (``--bookkeeping``): its call's host side stays."""
+    saved = {region: region.eager for region in FUSED_REGIONS.values()}
+    for region in saved:
+        region.eager = lambda *args: None
+    try:
+        yield
+    finally:
+        for region, eager in saved.items():
+            region.eager = eager
+
+
+def bookkeeping_row(comm: str, seq_len: int, cp: int, inner: int, heads: int, kv_heads: int, head_dim: int,
+                    steps: int, runs: int = 7) -> dict:
+    """Host milliseconds a step of rank 0's fwd+bwd on the CPU with no work in the attention ops and the fused
+    regions (``NO_WORK``, ``regions_doing_nothing``), through the chain ``auto`` builds on a CPU (the op, then the
+    math kernel): the least of ``runs`` runs of ``steps`` steps."""
+    import time
+
+    kernel = FallbackKernel([TorchKernel(NO_WORK), MathKernel()])
+    step = rank_step(comm, cp, seq_len, CAUSAL, kernel, heads, kv_heads, head_dim, inner)
+    gen = torch.Generator().manual_seed(0)
+    run = walked_call(step, lambda *size: torch.randn(*size, generator=gen), head_dim)
+    times = []
+    with regions_doing_nothing():
+        for _ in range(3):
+            run()
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                run()
+            times.append((time.perf_counter() - t0) / steps)
+    return {"part": "host_costs", "device": "cpu", "comm": comm, "seq_len": seq_len, "cp": cp,
+            "sizes": list(step.sizes), "attention_calls": step.calls, "variant": "bookkeeping",
+            "host_ms": min(times) * 1e3, "host_ms_median": statistics.median(times) * 1e3, "steps": steps, "runs": runs}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", nargs="+", type=parse_case, default=[parse_case(c) for c in DEFAULT_CASES],
@@ -194,11 +265,16 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--profile-steps", type=int, default=10)
     ap.add_argument("--out", required=True, help="JSON lines, one per variant and profile, written as measured")
+    ap.add_argument("--bookkeeping", action="store_true",
+                    help="CPU only: time each case with no work in the attention ops and fused regions (the host's "
+                         "own work around the calls), instead of the variants")
     ap.add_argument("--cpu-regions", action="store_true",
                     help="compile the fused regions for the CPU too (Inductor's C++): the compiled call path's host "
                          "cost measured on a CPU")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
+    if args.bookkeeping and device.type != "cpu":
+        ap.error(f"--bookkeeping times the host's own work on the CPU; got --device {args.device} (use --device cpu)")
     if args.cpu_regions:
         for region in FUSED_REGIONS.values():
             region.devices = (*region.devices, "cpu")
@@ -212,6 +288,13 @@ def main(argv=None) -> int:
     open(args.out, "w").close()  # this run's rows only
     write = append_jsonl(args.out)
     for comm, seq_len, cp, inner in args.cases:
+        if args.bookkeeping:
+            row = bookkeeping_row(comm, seq_len, cp, inner, args.heads, args.kv_heads, args.head_dim,
+                                  args.profile_steps)
+            write(row)
+            print(f"  {comm} {seq_len}/{cp} bookkeeping {row['host_ms']:.3f} ms a step (least of {row['runs']}; median "
+                  f"{row['host_ms_median']:.3f}), {row['attention_calls']} calls a pass", flush=True)
+            continue
         for row in case_rows(comm, seq_len, cp, inner, device, kernel, rand, args.heads, args.kv_heads, args.head_dim,
                              args.reps, args.profile_steps):
             write(row)

@@ -14,6 +14,11 @@ op, and every aten op the executor dispatches is recorded by a ``TorchDispatchMo
 - every other op counts as one kernel; its bytes are the tensors it reads plus the tensors it writes
   (``copy_``/``fill_`` read only their source).
 
+Beside the kernels, ``host_ops`` counts what the host dispatches: every aten op outside the fused regions, views
+and allocations included, the attention calls too, and each fused region's call as one (on a GPU a direct call
+into its compiled code, ``regions``). Each costs the host a few µs whatever the tensors' sizes, and a short step
+is the host's (docs/performance.md), so the count is pinned too.
+
 What a GPU adds that this cannot see: the kernels inside the attention ops (cuDNN's dq conversion, for
 one) and the launches of the communication. The counts are the forward and the backward of
 ``ring_forward``/``ring_backward`` for one rank (``tools/rank_step.py``), as tests/test_step_ops.py pins
@@ -71,12 +76,13 @@ def _nbytes(x) -> int:
 
 @dataclass
 class Tally:
-    """Ops outside attention (``ops``, by name in ``by_op``), their bytes (by name in ``bytes_by_op``), and
-    attention calls."""
+    """Ops outside attention (``ops``, by name in ``by_op``), their bytes (by name in ``bytes_by_op``),
+    attention calls, and every op the host dispatches (``host_ops``: the module's docstring)."""
 
     ops: int = 0
     bytes: int = 0
     attention_calls: int = 0
+    host_ops: int = 0
     by_op: Counter = field(default_factory=Counter)
     bytes_by_op: Counter = field(default_factory=Counter)
 
@@ -101,6 +107,7 @@ class _Counter(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if func.namespace == "prim":  # metadata queries (a tensor's device, sizes): no kernel
             return out
+        self.tally.host_ops += 1
         if "scaled_dot_product" in name:
             self.tally.attention_calls += 1
         elif name not in NO_KERNEL and not (name == "view" or name.endswith("_view")):
@@ -121,6 +128,7 @@ def counting() -> Iterator[_Counter]:
         def run(*args):
             kernels, write_only = FUSED[name]  # every operand moved once; an accumulator read too
             counter.tally.add(name, sum(map(_nbytes, args)) + (0 if write_only else _nbytes(args[0])), kernels)
+            counter.tally.host_ops += 1
             counter.suspended += 1
             try:
                 region.eager(*args)
@@ -156,6 +164,10 @@ class StepCount:
     @property
     def bytes(self) -> int:
         return self.forward.bytes + self.backward.bytes
+
+    @property
+    def host_ops(self) -> int:
+        return self.forward.host_ops + self.backward.host_ops
 
 
 def count_step(comm: str, seq_len: int, cp: int, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
@@ -195,13 +207,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     print(f"S={args.seq_len} P={args.cp} h={args.heads}/{args.kv_heads} d={args.head_dim}, rank {args.rank}, "
           f"cuDNN, bf16 (fake CUDA tensors)")
-    print(f"{'scheme':16}{'calls':>6}{'ops fwd':>9}{'ops bwd':>9}{'ops':>6}{'MiB':>9}{'x outputs':>11}  ops by name")
+    print(f"{'scheme':16}{'calls':>6}{'ops fwd':>9}{'ops bwd':>9}{'ops':>6}{'MiB':>9}{'x outputs':>11}"
+          f"{'host ops':>10}  ops by name")
     for comm in SCHEMES:
         c = count_step(comm, args.seq_len, args.cp, args.heads, args.kv_heads, args.head_dim, inner=args.inner,
                        rank=args.rank)
         names = ", ".join(f"{n} {k}" for n, k in (c.forward.by_op + c.backward.by_op).most_common())
         print(f"{comm:16}{c.calls:>6}{c.forward.ops:>9}{c.backward.ops:>9}{c.ops:>6}{c.bytes / 2**20:>9.0f}"
-              f"{c.bytes / c.output_bytes:>11.1f}  {names}")
+              f"{c.bytes / c.output_bytes:>11.1f}{c.host_ops:>10}  {names}")
     return 0
 
 

@@ -230,11 +230,15 @@ def planned_calls(tasks: Sequence[BlockTask], parallel: int, gpu: Gpu, forward: 
     return step_calls(tuple(tasks), parallel, gpu, forward) if sized else one_call_each(len(tasks))
 
 
-def calls_for(tasks: Sequence[BlockTask], parallel: int, x: torch.Tensor, forward: bool,
-              dropout: bool) -> tuple[Call, ...]:
-    """The calls of a step the executor runs on tensors like ``x``: ``planned_calls`` on a GPU, one call per task
-    elsewhere and with dropout (each block replays its own mask)."""
-    gpu = None if dropout else gpu_of(x)
+def pass_gpu(x: torch.Tensor, dropout: bool) -> Optional[Gpu]:
+    """The GPU a pass over tensors like ``x`` sizes its calls for (``gpu_of``), none with dropout (each block
+    replays its own mask): found once a pass, not once a step."""
+    return None if dropout else gpu_of(x)
+
+
+def calls_for(tasks: Sequence[BlockTask], parallel: int, gpu: Optional[Gpu], forward: bool) -> tuple[Call, ...]:
+    """The calls of a step the executor runs: ``planned_calls`` on a GPU (``pass_gpu``), one call per task
+    elsewhere."""
     return one_call_each(len(tasks)) if gpu is None else planned_calls(tasks, parallel, gpu, forward)
 
 
@@ -242,10 +246,16 @@ DropoutOf = Callable[[int], Optional[Dropout]]
 """A step's dropout by task index (None without dropout)."""
 
 
+RowsOf = Callable[[torch.Tensor, tuple[int, int]], torch.Tensor]
+"""Rows ``[a, b)`` (dim 2) of a ``[b, h, n, ...]`` tensor as a view: ``rotation.rows_of``, or a pass's
+``rotation.HeldRows``."""
+
+
 def forward_call(kernel: Kernel, call: Call, tasks: Sequence[BlockTask], q: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor, scale: float, dropout: DropoutOf) -> list[tuple]:
+                 v: torch.Tensor, scale: float, dropout: DropoutOf, rows: RowsOf = rows_of) -> list[tuple]:
     """Run ``call``'s forward on ``q``, ``k``, ``v [b, h, s, d]``: ``(task, out, lse)`` for each of its tasks.
-    ``dropout(task)``: that task's dropout; only a call of one task has any (``calls_for``)."""
+    ``dropout(task)``: that task's dropout; only a call of one task has any (``calls_for``). ``rows``: how a
+    task's rows are viewed."""
     first = tasks[call.tasks[0]]
     if call.key_parts > 1:
         parts = parts_of(first, call.key_parts)
@@ -254,7 +264,7 @@ def forward_call(kernel: Kernel, call: Call, tasks: Sequence[BlockTask], q: torc
         return [(call.tasks[0], *merged_key_parts(o, l, len(parts)))]
     if len(call.tasks) == 1:
         i = call.tasks[0]
-        return [(i, *kernel.forward(rows_of(q, first.q), rows_of(k, first.kv), rows_of(v, first.kv), first.mask,
+        return [(i, *kernel.forward(rows(q, first.q), rows(k, first.kv), rows(v, first.kv), first.mask,
                                     scale, dropout(i)))]
     group = [tasks[i] for i in call.tasks]
     qs, kvs = [t.q for t in group], [t.kv for t in group]
@@ -264,14 +274,15 @@ def forward_call(kernel: Kernel, call: Call, tasks: Sequence[BlockTask], q: torc
 
 def backward_call(kernel: Kernel, call: Call, tasks: Sequence[BlockTask], dout: torch.Tensor, q: torch.Tensor,
                   k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  lse_rows: Callable[[tuple[int, int]], torch.Tensor], scale: float, dropout: DropoutOf) -> list[tuple]:
+                  lse_rows: Callable[[tuple[int, int]], torch.Tensor], scale: float, dropout: DropoutOf,
+                  rows: RowsOf = rows_of) -> list[tuple]:
     """Run ``call``'s backward: ``(task, dq, dk, dv)`` for each of its tasks. ``lse_rows(span)``: the final
-    ``lse`` rows a block's backward reads."""
+    ``lse`` rows a block's backward reads; ``rows``: how a task's rows are viewed."""
     first = tasks[call.tasks[0]]
     if len(call.tasks) == 1:
         i, qs, kvs = call.tasks[0], first.q, first.kv
-        return [(i, *kernel.backward(rows_of(dout, qs), rows_of(q, qs), rows_of(k, kvs), rows_of(v, kvs),
-                                     rows_of(out, qs), lse_rows(qs), first.mask, scale, dropout(i)))]
+        return [(i, *kernel.backward(rows(dout, qs), rows(q, qs), rows(k, kvs), rows(v, kvs),
+                                     rows(out, qs), lse_rows(qs), first.mask, scale, dropout(i)))]
     group = [tasks[i] for i in call.tasks]
     qs, kvs = [t.q for t in group], [t.kv for t in group]
     lse = torch.cat([lse_rows(span) for span in qs], dim=0)

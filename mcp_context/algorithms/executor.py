@@ -25,10 +25,10 @@ from ..kernels import Dropout, Kernel, accum_dtype, finite_lse_for_backward
 from ..merge import add_blocks_, add_sink_, merge_blocks_, sink_grad
 from ..schedule import BlockTask
 from .. import trace
-from .calls import Call, backward_call, calls_for, forward_call
+from .calls import Call, backward_call, calls_for, forward_call, pass_gpu
 from .packing import packed_columns, split_kv
 from .results import DQ_ARITY, FIRST, FOLD, FOLD_LAST, HOLD, OWN, Piece, ResultPlan, most_blocks_per_key
-from .rotation import Rotation, rows_of
+from .rotation import HeldRows, Rotation, rows_of
 from .streams import streams_for
 
 
@@ -320,12 +320,13 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RingPl
     sums = _Sums(results, qb, (b, h, sq, v.shape[-1]), acc if results.through else q.dtype, acc)
     lse: Optional[torch.Tensor] = None
     streams = streams_for(qb, plan.call_flops(b * h, qb.shape[-1], v.shape[-1]))
+    gpu, held = pass_gpu(qb, plan.dropout_p > 0), HeldRows(qb)
     for step, kb, vb in plan.rotation.blocks(_bhsd(k), _bhsd(v)):
         t0 = trace.now()
         tasks = plan.tasks[step]
         run = functools.partial(forward_call, plan.kernel, tasks=tasks, q=qb, k=kb, v=vb, scale=plan.scale,
-                                dropout=functools.partial(plan.dropout, step))
-        for i, o, l in _in_task_order(calls_for(tasks, b * h, qb, True, plan.dropout_p > 0), run):
+                                dropout=functools.partial(plan.dropout, step), rows=held)
+        for i, o, l in _in_task_order(calls_for(tasks, b * h, gpu, True), run):
             t = tasks[i]
             sums.offer(step, i, o)
             if lse is None:
@@ -366,13 +367,14 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     grads = plan.rotation.gradients(kb_all, vb_all, plan.kv_dtype(k.dtype))
     parallel = qb.shape[0] * qb.shape[1]
     streams = streams_for(qb, plan.call_flops(parallel, qb.shape[-1], v.shape[-1]))
+    gpu, held = pass_gpu(qb, plan.dropout_p > 0), HeldRows(dob, qb, ob)
     for step, kb, vb in grads.blocks(kb_all, vb_all):
         t0 = trace.now()
         tasks = plan.tasks[step]
         run = functools.partial(backward_call, plan.kernel, tasks=tasks, dout=dob, q=qb, k=kb, v=vb, out=ob,
                                 lse_rows=block_lse.rows, scale=plan.scale,
-                                dropout=functools.partial(plan.dropout, step))
-        for i, gq, gk, gv in _in_task_order(calls_for(tasks, parallel, qb, False, plan.dropout_p > 0), run):
+                                dropout=functools.partial(plan.dropout, step), rows=held)
+        for i, gq, gk, gv in _in_task_order(calls_for(tasks, parallel, gpu, False), run):
             t = tasks[i]
             sums.offer(step, i, gq)
             pieces = plan.dq_results.pieces[step][i]

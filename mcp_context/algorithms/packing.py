@@ -40,6 +40,19 @@ def split_kv(kv: torch.Tensor, dqk: int) -> tuple[torch.Tensor, torch.Tensor]:
     return kv.narrow(-1, 0, dqk), kv.narrow(-1, dqk, kv.shape[-1] - dqk)  # narrow: see executor._copy_
 
 
+def kv_blocks(kv: torch.Tensor, dqk: int, shape: Optional[tuple[int, ...]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """K ``[b, h_kv, n, dqk]`` and V ``[b, h_kv, n, dv]`` as the kernels read them, from a packed ``[n, b, h_kv,
+    dqk + dv]`` laid out contiguously in ``kv``'s storage from its offset (``kv`` itself, or a flat buffer holding
+    one of ``shape``): what ``split_kv(rotation.bhsd(kv), dqk)`` gives, in two view ops where that takes three (a
+    ring issues them every step)."""
+    if shape is None and not kv.is_contiguous():  # a view of it would read the wrong elements
+        raise ValueError(f"a packed K/V message must be contiguous [n, b, h_kv, dqk + dv]; got sizes {tuple(kv.shape)} "
+                         f"strides {kv.stride()}")
+    n, b, h, dims = kv.shape if shape is None else shape
+    strides, at = (h * dims, dims, b * h * dims, 1), kv.storage_offset()
+    return kv.as_strided((b, h, n, dqk), strides, at), kv.as_strided((b, h, n, dims - dqk), strides, at + dqk)
+
+
 class _Pack(torch.autograd.Function):
     """``k [s, b, h_kv, dqk]``, ``v [s, b, h_kv, dv]`` -> packed ``[s, b, h_kv, dqk + dv]`` (one copy);
     backward: the packed gradient's column views."""

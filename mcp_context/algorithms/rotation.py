@@ -28,7 +28,7 @@ import torch
 from ..comm.primitives import PendingExchange, RingExchange
 from .. import trace
 from ..merge import add_kv_, copy_kv_
-from .packing import pack_kv, split_kv
+from .packing import kv_blocks, pack_kv, split_kv
 from .results import runs_written, with_written
 
 
@@ -56,6 +56,24 @@ def rows_of(x: torch.Tensor, rows: tuple[int, int]) -> torch.Tensor:
     note), or ``x`` itself for all of them: a ``narrow`` costs the host about 1-2 µs, and a step takes some
     hundred."""
     return x if rows[0] == 0 and rows[1] == x.shape[2] else x.narrow(2, rows[0], rows[1] - rows[0])
+
+
+class HeldRows:
+    """``rows_of`` that makes each span's view once for the tensors a whole pass reads (``held``: its queries,
+    and in the backward ``dout`` and ``out``), since a ring's member reads the same query rows at most of its
+    steps; any other tensor's rows are ``rows_of``'s. Holding the tensors keeps their ids theirs for the pass."""
+
+    def __init__(self, *held: torch.Tensor):
+        self.views: dict[int, tuple[torch.Tensor, dict[tuple[int, int], torch.Tensor]]] = {id(x): (x, {}) for x in held}
+
+    def __call__(self, x: torch.Tensor, rows: tuple[int, int]) -> torch.Tensor:
+        entry = self.views.get(id(x))
+        if entry is None:
+            return rows_of(x, rows)
+        view = entry[1].get(rows)
+        if view is None:
+            view = entry[1][rows] = rows_of(x, rows)
+        return view
 
 
 class Rotation(Protocol):
@@ -125,7 +143,7 @@ class RingRotation:
         kv, dqk = pack_kv(k, v), k.shape[-1]  # one message per step
         for step in range(self.steps):
             pending = self.kv_exchange.start(kv, step) if step + 1 < self.steps else None
-            yield step, *split_kv(bhsd(kv), dqk)
+            yield step, *kv_blocks(kv, dqk)
             if pending is not None:
                 t0 = trace.now()
                 kv = pending.wait()
@@ -137,24 +155,46 @@ class RingRotation:
 
 class _Message:
     """One backward ring message: a shard's K/V (the inputs' dtype) and a dK/dV partial sum (fp32) in one
-    byte buffer, both ``[n, b, h_kv, dqk + dv]`` token-major. The dK/dV part is a suffix, so a step that
-    sends only dK/dV sends a contiguous piece of the same buffer."""
+    buffer, both ``[n, b, h_kv, dqk + dv]`` token-major. The dK/dV part is a suffix, so a step that sends only
+    dK/dV sends a contiguous piece of the same buffer.
+
+    The buffer's elements are the sum's dtype (``accum_dtype``: never narrower than K/V's), its views made
+    with ``as_strided`` from it: a message a step, so the host issues three view ops per message where a byte
+    buffer, its slices and their dtype and shape views were nine."""
 
     def __init__(self, like: torch.Tensor, dims: int, kv_dtype: torch.dtype, dkv_dtype: torch.dtype,
                  with_kv: bool = True):
         b, h, n = like.shape[:3]
-        shape = (n, b, h, dims)
-        self.kv_payload = n * b * h * dims * kv_dtype.itemsize if with_kv else 0
+        self.shape, self.strides = (n, b, h, dims), (b * h * dims, h * dims, dims, 1)
+        numel = n * b * h * dims
+        unit = dkv_dtype.itemsize
+        self.kv_payload = numel * kv_dtype.itemsize if with_kv else 0
         kv_bytes = -(-self.kv_payload // 16) * 16  # the dK/dV part starts aligned
-        dkv_bytes = n * b * h * dims * dkv_dtype.itemsize
-        self.buffer = torch.empty(kv_bytes + dkv_bytes, dtype=torch.uint8, device=like.device)
-        self.kv_bytes, self.dkv_bytes = kv_bytes, dkv_bytes
-        self.kv = self.buffer.narrow(0, 0, self.kv_payload).view(kv_dtype).view(shape) if with_kv else None
-        self.dkv = self.buffer.narrow(0, kv_bytes, dkv_bytes).view(dkv_dtype).view(shape)
+        self.kv_bytes, self.dkv_bytes = kv_bytes, numel * unit
+        self.buffer = torch.empty((kv_bytes + self.dkv_bytes) // unit, dtype=dkv_dtype, device=like.device)
+        self.dkv_at = kv_bytes // unit
+        bhsd_strides = (self.strides[1], self.strides[2], self.strides[0], 1)
+        self.dkv_blocks = self.buffer.as_strided((b, h, n, dims), bhsd_strides, self.dkv_at)  # as the adds index it
+        self._kv = None if not with_kv else self.buffer if kv_dtype == dkv_dtype else self.buffer.view(kv_dtype)
+
+    @property
+    def kv(self) -> torch.Tensor:
+        """The K/V part, ``[n, b, h_kv, dqk + dv]`` (a message made ``with_kv``)."""
+        return self._kv.as_strided(self.shape, self.strides, 0)
+
+    @property
+    def dkv(self) -> torch.Tensor:
+        """The dK/dV part, ``[n, b, h_kv, dqk + dv]`` (what goes home)."""
+        return self.buffer.as_strided(self.shape, self.strides, self.dkv_at)
+
+    def kv_blocks(self, dqk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as the kernels read them (``packing.kv_blocks``), straight from the buffer."""
+        return kv_blocks(self._kv, dqk, self.shape)
 
     def part(self, kv: bool) -> torch.Tensor:
-        """The bytes to send or receive: all of it, or only the dK/dV suffix."""
-        return self.buffer if kv else self.buffer.narrow(0, self.kv_bytes, self.dkv_bytes)
+        """What to send or receive: all of it, or only the dK/dV suffix."""
+        return self.buffer if kv else self.buffer.narrow(0, self.kv_bytes // self.buffer.element_size(),
+                                                         self.dkv_bytes // self.buffer.element_size())
 
 
 class RingGradients:
@@ -201,7 +241,7 @@ class RingGradients:
             last = step + 1 == self.steps  # the last step's message carries no K/V (no step follows)
             message = _Message(self.k, self.dims, k.dtype, self.dtype, with_kv=not last or step == 0)
             if step == 0:
-                self.first = KeySums(bhsd(message.dkv))  # this member's own blocks start the sum
+                self.first = KeySums(message.dkv_blocks)  # this member's own blocks start the sum
                 if self.steps == 1:
                     self.home = message
                 else:  # own K/V out, the previous member's in (K/V only: no partial sum exists yet)
@@ -214,7 +254,7 @@ class RingGradients:
             parts = {"ring_dkv": held.dkv_bytes} if last else {"ring_kv": held.kv_payload, "ring_dkv": held.dkv_bytes}
             self._post(step, held.part(kv=not last), message.part(kv=not last), parts)
             self.current = message  # held stays alive while it is sent and while its K/V is computed with
-            yield step, *split_kv(bhsd(held.kv), dqk)
+            yield step, *held.kv_blocks(dqk)
 
     def add(self, step: int, rows: tuple[int, int], dk: torch.Tensor, dv: torch.Tensor) -> None:
         if step > 0:
@@ -222,7 +262,7 @@ class RingGradients:
         if step == 0:
             self.first.add(rows, dk, dv)
         else:
-            add_kv_(rows_of(bhsd(self.current.dkv), rows), dk, dv)
+            add_kv_(rows_of(self.current.dkv_blocks, rows), dk, dv)
 
     def done(self, step: int) -> None:
         """After step 0: the rows of the sum no own block wrote are zeroed. Otherwise nothing: the step's
@@ -234,7 +274,7 @@ class RingGradients:
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.home is not None:
-            return split_kv(bhsd(self.home.dkv), self.dqk)
+            return split_kv(self.home.dkv_blocks, self.dqk)
         last = self.steps - 1
         self._wait(last, "dkv_wait")
         acc = self.current.dkv  # the shard held at the last step, complete: to its owner
@@ -268,7 +308,7 @@ class LocalRotation:
     def blocks(self, k: torch.Tensor, v: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         for step in range(self.ring_size):
             rows = self.rows(k.shape[2], step)
-            yield step, k.narrow(2, rows.start, rows.stop - rows.start), v.narrow(2, rows.start, rows.stop - rows.start)
+            yield step, rows_of(k, (rows.start, rows.stop)), rows_of(v, (rows.start, rows.stop))
 
     def gradients(self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> "LocalGradients":
         return LocalGradients(self, k, k.shape[-1] + v.shape[-1], k.shape[-1], dtype)

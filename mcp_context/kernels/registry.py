@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -118,15 +118,21 @@ class FallbackKernel:
     def __repr__(self) -> str:
         return f"FallbackKernel({' -> '.join(k.name for k in self.kernels)})"
 
-    def _call(self, key: tuple, run):
-        failed = self.failures.get(key, {})
-        chain = [k for k in self.kernels if k.name not in failed]
+    def _call(self, key_of: Callable[[], tuple], run):
+        """``run(kernel)`` on the first kernel that has not failed on this block's shape. The shape's key
+        (``key_of()``) is made only where some shape has failed or this call raises: most steps never pay for it."""
+        key = key_of() if self.failures else None
+        failed = self.failures.get(key, {}) if key is not None else {}
+        chain = [k for k in self.kernels if k.name not in failed] if failed else self.kernels
         for i, kernel in enumerate(chain):
-            if i == len(chain) - 1 or rehearsing():
+            if i == len(chain) - 1:
                 return run(kernel)
             try:
                 return run(kernel)
             except Exception as err:  # noqa: BLE001 - any exception: this op does not serve this shape
+                if rehearsing():  # an op's error is what a rehearsal is for: nothing absorbed
+                    raise
+                key = key_of() if key is None else key
                 reason = first_line(err, 300)
                 self.failures.setdefault(key, {})[kernel.name] = reason
                 warnings.warn(f"{kernel.name} failed on a {key[-1].kind} block q{list(key[0])} k{list(key[1])} "
@@ -135,10 +141,10 @@ class FallbackKernel:
         raise AssertionError("unreachable: the last kernel's call returns or raises")
 
     def forward(self, q, k, v, mask, scale, dropout=None):
-        return self._call(_block_key(q, k, v, mask), lambda kern: kern.forward(q, k, v, mask, scale, dropout))
+        return self._call(lambda: _block_key(q, k, v, mask), lambda kern: kern.forward(q, k, v, mask, scale, dropout))
 
     def backward(self, dout, q, k, v, out, lse, mask, scale, dropout=None):
-        return self._call(_block_key(q, k, v, mask),
+        return self._call(lambda: _block_key(q, k, v, mask),
                           lambda kern: kern.backward(dout, q, k, v, out, lse, mask, scale, dropout))
 
 

@@ -62,6 +62,11 @@ def _dense_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else _packed(x)
 
 
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype``: itself where it already is (``Tensor.to`` costs the host a dispatch even then)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def _bshd_packed(x: torch.Tensor) -> torch.Tensor:
     """``x [b, h, s, d]`` as a view of ``[b, s, h, d]``-contiguous storage (copied only if it is not)."""
     return _packed(x.transpose(1, 2)).transpose(1, 2)
@@ -194,39 +199,40 @@ class TorchKernel:
     def forward(self, q, k, v, mask, scale, dropout: Optional[Dropout] = None):
         if dropout is not None:
             raise ValueError(f"{self.name} cannot replay a per-block dropout mask; use the math kernel")
-        g = block_mask(mask).diagonal
-        if block_mask(mask).kind == "anticausal":  # key b >= a: causal on the rows reversed (a run of
+        m = block_mask(mask)
+        if m.kind == "anticausal":  # key b >= a: causal on the rows reversed (a run of
             # anticausal squares reversed is a run of causal squares, in reverse order: one flip each way)
-            out, lse = self.forward(q.flip(2), k.flip(2), v.flip(2), replace(CAUSAL_BLOCK, diagonal=g), scale)
+            out, lse = self.forward(q.flip(2), k.flip(2), v.flip(2), replace(CAUSAL_BLOCK, diagonal=m.diagonal), scale)
             return out.flip(2), lse.flip(-1)
-        if g > 1:  # g equal squares along the diagonal: one call with the squares as batch entries
-            out, lse = self.forward(*(fold_rows(x, g) for x in (q, k, v)), replace(block_mask(mask), diagonal=1),
-                                    scale)
+        if m.diagonal > 1:  # equal squares along the diagonal: one call with the squares as batch entries
+            g = m.diagonal
+            out, lse = self.forward(*(fold_rows(x, g) for x in (q, k, v)), replace(m, diagonal=1), scale)
             return _unfold(out, g), _unfold(lse, g)
-        causal = self._causal(mask, q, k)
-        h = q.shape[1]
+        causal = self._causal(m, q, k)
         if not self.capabilities.native_gqa:
+            h = q.shape[1]
             k, v = _repeat_kv(k, h), _repeat_kv(v, h)
         return self.op.forward(_dense_last(q), _dense_last(k), _dense_last(v), causal, scale)
 
     def backward(self, dout, q, k, v, out, lse, mask, scale, dropout: Optional[Dropout] = None):
         if dropout is not None:
             raise ValueError(f"{self.name} cannot replay a per-block dropout mask; use the math kernel")
-        g = block_mask(mask).diagonal
-        if block_mask(mask).kind == "anticausal":
+        m = block_mask(mask)
+        if m.kind == "anticausal":
             grads = self.backward(*(x.flip(2) for x in (dout, q, k, v, out)), lse.flip(-1),
-                                  replace(CAUSAL_BLOCK, diagonal=g), scale)
+                                  replace(CAUSAL_BLOCK, diagonal=m.diagonal), scale)
             return tuple(x.flip(2) for x in grads)
-        if g > 1:
-            grads = self.backward(*(fold_rows(x, g) for x in (dout, q, k, v, out, lse)),
-                                  replace(block_mask(mask), diagonal=1), scale)
+        if m.diagonal > 1:
+            g = m.diagonal
+            grads = self.backward(*(fold_rows(x, g) for x in (dout, q, k, v, out, lse)), replace(m, diagonal=1),
+                                  scale)
             return tuple(_unfold(x, g) for x in grads)
-        causal = self._causal(mask, q, k)
-        h, h_kv = q.shape[1], k.shape[1]
+        causal = self._causal(m, q, k)
+        h, h_kv, dtype = q.shape[1], k.shape[1], q.dtype
         if not self.capabilities.native_gqa:
             k, v = _repeat_kv(k, h), _repeat_kv(v, h)
-        dq, dk, dv = self.op.backward(_dense_last(dout.to(q.dtype)), _dense_last(q), _dense_last(k), _dense_last(v),
-                                      _dense_last(out.to(q.dtype)), lse.to(accum_dtype(q.dtype)), causal, scale)
+        dq, dk, dv = self.op.backward(_dense_last(_as(dout, dtype)), _dense_last(q), _dense_last(k), _dense_last(v),
+                                      _dense_last(_as(out, dtype)), _as(lse, accum_dtype(dtype)), causal, scale)
         return dq, _sum_kv_groups(dk, h_kv), _sum_kv_groups(dv, h_kv)
 
 
