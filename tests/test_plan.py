@@ -440,6 +440,22 @@ def test_a_cp_size_with_one_layout_that_fits_is_not_reported_as_not_fitting(h100
     assert any(r.startswith("CP sizes [1] do not fit") for r in reasons), reasons
 
 
+def test_a_pick_that_fits_nowhere_names_the_least_memory_where_it_is_not_that(h100):
+    """When no layout fits, the pick is the fastest within ``TIE`` of the least memory: the reasons say it "needs
+    the least" only when it does, and otherwise name the layout that does, with its figure."""
+    from mcp_context.plan.planner import TIE
+
+    req = _request(h100, seq=64, gpus=4)
+    a = dataclasses.replace(evaluate(req, Candidate(4, (4,), "p2p", "zigzag")), fits=False)
+    b = dataclasses.replace(evaluate(req, Candidate(4, (4,), "all_gather", "zigzag")), fits=False)
+    smaller = dataclasses.replace(b, activation_bytes=int(a.memory_bytes / (1 + TIE / 2)) - b.model_state_bytes)
+    (alone,) = [r for r in explain(req, a, [a]) if r.startswith("no layout fits")]
+    assert "cp4 p2p zigzag needs the least (" in alone, alone
+    (near,) = [r for r in explain(req, a, [a, smaller]) if r.startswith("no layout fits")]
+    assert (f"cp4 p2p zigzag is the fastest within 2% of the least (cp4 all_gather zigzag, "
+            f"{smaller.memory_bytes / 2**30:.1f} GiB) and needs ({a.memory_bytes / 2**30:.1f} GiB") in near, near
+
+
 def test_the_plan_names_a_layout_that_needs_fewer_bytes(h100):
     """With a window of S/(4P) zigzag reads from two neighbours and contiguous from one: recommending
     zigzag, the plan says contiguous needs fewer bytes; recommending contiguous, it says nothing."""

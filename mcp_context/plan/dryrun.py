@@ -9,7 +9,8 @@ bytes into intra- and inter-node traffic), and ``StorageBytes`` follows every st
 allocates (peak and what stays saved for backward: the figures of torch's ``MemTracker`` at a
 fraction of its cost per op). The kernel is
 the fused CPU attention op, whose meta function allocates what a fused kernel returns (no O(s^2)
-scores).
+scores); the fused regions (merges, sums) do nothing on meta tensors (``regions.Region``), as compiled on a
+GPU they allocate nothing.
 
 This module owns the fake world and the per-rank dry run; it does not
 decide which layouts are valid (``candidates.py``) or what they cost (``cost.py``).

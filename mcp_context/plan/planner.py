@@ -287,7 +287,11 @@ def explain(req: PlanRequest, best: PlanRow, rows: list[PlanRow]) -> list[str]:
     reasons = []
     fitting = [r for r in rows if r.fits]
     if not best.fits:
-        reasons.append(f"no layout fits in {mem:.0f} GiB per GPU; {c.label()} needs the least "
+        least = min(rows, key=lambda r: (r.memory_bytes, r.seconds_per_sequence))
+        need = "needs the least" if least.memory_bytes == best.memory_bytes else (
+            f"is the fastest within {TIE:.0%} of the least ({least.candidate.label()}, "
+            f"{least.memory_bytes / GIB:.1f} GiB) and needs")
+        reasons.append(f"no layout fits in {mem:.0f} GiB per GPU; {c.label()} {need} "
                        f"({best.memory_bytes / GIB:.1f} GiB: {best.model_state_bytes / GIB:.1f} model state + "
                        f"{best.activation_bytes / GIB:.1f} activations); use more GPUs for a larger CP size, "
                        f"GPUs with more memory, or a shorter sequence (a larger pipeline_model_parallel_size "
