@@ -187,8 +187,8 @@ def _gpu_branch_row(monkeypatch, capture) -> tuple[dict, list]:
 
 
 def test_the_gpu_branch_of_a_rank_step_row_runs_and_feeds_the_report(monkeypatch, tmp_path):
-    """What the benchmark runs only on a GPU (the in-order timing, the step with the host ahead and replayed
-    from a graph, the sync count, peak memory), rehearsed on CPU tensors (``_gpu_branch_row``, the capture by
+    """What the benchmark runs only on a GPU (the other stream choice's timing, the step with the host ahead and
+    replayed from a graph, the sync count, peak memory), rehearsed on CPU tensors (``_gpu_branch_row``, the capture by
     ``test_graphs.rerun``), so an error in that branch shows here and not on a lent GPU. The figures mean
     nothing; checked: the row has every field ``tools/gpu_report.py`` reads, the report renders it, and a
     synchronising call is counted."""
@@ -202,6 +202,9 @@ def test_the_gpu_branch_of_a_rank_step_row_runs_and_feeds_the_report(monkeypatch
             "in_order_peak_bytes", "memory_ratio", "graphed_s", "graphed_efficiency", "graphed_peak_bytes"} <= set(fb), \
         sorted(fb)
     assert fb["graphs_in_training"] is False  # a p2p ring: the engine does not capture its transfers
+    # calls this short ship their work in order, so the step timed beside them is the side stream's: the gain
+    # compares the two choices whichever ships (it was the shipped step against itself at short calls)
+    assert fb["side_stream_ships"] is False and fb["in_order_s"] == fb["ours_s"] != fb["side_stream_s"]
     assert len(fb["queued_s"]) == len(fb["host_issue_s"]) == 2 and fb["host_syncs"] == [] and mode[0] == 0
     (tmp_path / "bench").mkdir()
     (tmp_path / "bench" / "bench_attention_p8_x.jsonl").write_text(json.dumps(row) + "\n")

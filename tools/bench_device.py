@@ -1,7 +1,9 @@
 """Device part of ``tools/bench_attention.py``: block kernels side by side, and one rank's step of each
 scheme on one device (a ring walked as its member walks it, the other kinds over the K/V their collectives
-deliver, laid out locally: ``tools/rank_step.py``; on a GPU also in order, with no side stream:
-``side_stream_gain`` is the in-order time over the step's; and with the host ahead of the GPU, as in training,
+deliver, laid out locally: ``tools/rank_step.py``; on a GPU also with the other choice of where the work after
+each call runs (on the side stream where the step ships it in order, ``streams.SIDE_STREAM_MIN_FLOPS``, in order
+where it ships it there): ``side_stream_gain`` is the in-order time over the side stream's, whichever ships
+(``side_stream_ships``); and with the host ahead of the GPU, as in training,
 where the layers before it keep the GPU's queue full: ``queued_efficiency``, the side stream's gain there
 (``queued_side_stream_gain``), the host's issue time and the host-device synchronisations one step makes;
 and replayed from CUDA graphs, ``graphed_efficiency``: ``algorithms/graphs.py``, which the engine uses in
@@ -296,9 +298,15 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
         baselines[name] = (rand(b, h, n, d).requires_grad_(), rand(b, hk, n, d).requires_grad_(),
                            rand(b, hk, n, d).requires_grad_(), rand(b, h, n, d), n)
 
-    def in_order(backward):  # the same step with the work after each call on the calls' own stream
-        with streams.inline():
+    side = streams.side_stream_pays(step.plan.call_flops(b * step.heads, d, d))  # what the step ships
+
+    def other_streams(backward):  # the same step with the other choice: in order where the side stream ships
+        with streams.inline() if side else streams.everywhere():
             rank_step_call(backward)
+
+    def by_stream(ours, other):
+        """``(in order, side stream)`` of the step's two stream choices (their times, or their calls)."""
+        return (other, ours) if side else (ours, other)
 
     def fused(name, backward):
         qe, ke, ve, doe, _ = baselines[name]
@@ -313,23 +321,26 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
                  "fused": lambda backward=backward: fused("fused", backward),
                  "fused_per_rank": lambda backward=backward: fused("fused_per_rank", backward)}
         if device.type == "cuda":  # elsewhere the step runs in order anyway, and nothing replays a graph
-            calls["in_order"] = lambda backward=backward: in_order(backward)
+            calls["other_streams"] = lambda backward=backward: other_streams(backward)
             if "graphed_error" not in row:
                 calls["graphed"] = lambda backward=backward: graphed_call(backward)
         t = _interleaved_seconds(calls, device, reps)
         base_flops = {name: 4 * b * h * d * n * (n + 1) // 2 * factor for name, (*_, n) in baselines.items()}
         res = {"ours_s": t["ours"], "ours_tflops": flops / statistics.median(t["ours"]) / 1e12}
-        if "in_order" in t:
-            res.update(in_order_s=t["in_order"],
-                       side_stream_gain=statistics.median(o / a for o, a in zip(t["in_order"], t["ours"])))
+        if "other_streams" in t:
+            in_order_t, side_t = by_stream(t["ours"], t["other_streams"])
+            res.update(side_stream_ships=side, in_order_s=in_order_t, side_stream_s=side_t,
+                       side_stream_gain=statistics.median(i / a for i, a in zip(in_order_t, side_t)))
             # the same step with the host ahead of the GPU, as in training (host_ahead False where the host
-            # still fell behind); in order too, to tell whether the side stream pays where the host is not the limit
-            queued = _queued_seconds({name: calls[name] for name in ("ours", "fused", "in_order")}, device, reps,
-                                     statistics.median(t["ours"]))
-            qa, qf, qi = ([g for g, _, _ in queued[name]] for name in ("ours", "fused", "in_order"))
-            res.update(queued_s=qa, queued_fused_s=qf, queued_in_order_s=qi,
+            # still fell behind); the other choice too, to tell whether the side stream pays where the host is not
+            # the limit
+            queued = _queued_seconds({name: calls[name] for name in ("ours", "fused", "other_streams")}, device,
+                                     reps, statistics.median(t["ours"]))
+            qa, qf, qo = ([g for g, _, _ in queued[name]] for name in ("ours", "fused", "other_streams"))
+            qi, qs = by_stream(qa, qo)
+            res.update(queued_s=qa, queued_fused_s=qf, queued_in_order_s=qi, queued_side_stream_s=qs,
                        queued_efficiency=statistics.median(flops / a / (base_flops["fused"] / f) for a, f in zip(qa, qf)),
-                       queued_side_stream_gain=statistics.median(i / a for i, a in zip(qi, qa)),
+                       queued_side_stream_gain=statistics.median(i / a for i, a in zip(qi, qs)),
                        host_issue_s=[h for _, h, _ in queued["ours"]],
                        host_ahead=all(ok for _, _, ok in queued["ours"] + queued["fused"]),
                        host_syncs=_host_syncs(calls["ours"]))
@@ -349,8 +360,9 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
         res["modelled_transfer_s"] = {link: nbytes / (rate * 1e9) for link, rate in LINKS_GBPS.items()}
         res["ours_peak_bytes"] = _peak_bytes(calls["ours"], device)
         res["fused_peak_bytes"] = _peak_bytes(calls["fused"], device)
-        if "in_order" in calls:  # what holding a call's output until the side stream has read it costs
-            res["in_order_peak_bytes"] = _peak_bytes(calls["in_order"], device)
+        if "other_streams" in calls:  # what holding a call's output until the side stream has read it costs
+            in_order_call, _ = by_stream(calls["ours"], calls["other_streams"])
+            res["in_order_peak_bytes"] = _peak_bytes(in_order_call, device)
         if res["fused_peak_bytes"]:
             res["memory_ratio"] = res["ours_peak_bytes"] / res["fused_peak_bytes"]
         row[label] = res
