@@ -71,7 +71,7 @@ from mcp_context.masks import CAUSAL  # noqa: E402
 from mcp_context.merge import FUSED_REGIONS  # noqa: E402
 from mcp_context.regions import Region, through_dynamo  # noqa: E402
 from tools.bench_device import _interleaved_seconds, _queued_seconds, append_jsonl  # noqa: E402
-from tools.rank_step import captured_call, rank_step, walked_call  # noqa: E402
+from tools.rank_step import captured_call, rank_step, regions_doing_nothing, walked_call  # noqa: E402
 
 DEFAULT_CASES = ("p2p:32768:8", "a2a+all_gather:32768:64:8", "a2a:32768:8")
 """The two host-bound steps of the H200 runs, and the one-call step whose 2.0 ms of host issue is unexplained."""
@@ -214,19 +214,6 @@ def _no_work_backward(dout, q, k, v, out, lse, causal, scale):
 
 NO_WORK = FusedOp("no_work", FUSED_OPS["cpu_flash"].capabilities, _no_work_forward, _no_work_backward)
 """An attention op that returns what the fused ops return and computes nothing (``--bookkeeping``)."""
-
-
-@contextlib.contextmanager
-def regions_doing_nothing():
-    """Every fused region returns at once while inside (``--bookkeeping``): its call's host side stays."""
-    saved = {region: region.eager for region in FUSED_REGIONS.values()}
-    for region in saved:
-        region.eager = lambda *args: None
-    try:
-        yield
-    finally:
-        for region, eager in saved.items():
-            region.eager = eager
 
 
 def bookkeeping_row(comm: str, seq_len: int, cp: int, inner: int, heads: int, kv_heads: int, head_dim: int,

@@ -27,11 +27,12 @@ packed tensor, as ``Scheme.run`` does (``kv_inputs``). ``harness()`` names this 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -44,6 +45,7 @@ from mcp_context.algorithms.rotation import LocalRotation, RingRotation  # noqa:
 from mcp_context.cp_rules import a2a_degree, comm_rule  # noqa: E402
 from mcp_context.kernels import Kernel  # noqa: E402
 from mcp_context.masks import Mask  # noqa: E402
+from mcp_context.merge import FUSED_REGIONS  # noqa: E402
 from mcp_context.schedule import gathered_tasks, layout_schedule, position_pieces  # noqa: E402
 
 SCHEMES = ("p2p", "all_gather", "a2a", "a2a+p2p", "a2a+all_gather")
@@ -211,6 +213,21 @@ def captured_call(step: RankStep, rand: Callable[..., torch.Tensor], head_dim: i
     except Exception as err:  # noqa: BLE001 - every failure is reported as it is
         return None, first_line(err)
     return call, None
+
+
+@contextlib.contextmanager
+def regions_doing_nothing() -> Iterator[None]:
+    """Every fused region returns at once while inside: its call's host side stays (``tools/host_costs.py
+    --bookkeeping``), and it allocates nothing, as compiled on a GPU (``tools/rehearse_memory.py
+    --idle-regions``)."""
+    saved = {region: region.eager for region in FUSED_REGIONS.values()}
+    for region in saved:
+        region.eager = lambda *args: None
+    try:
+        yield
+    finally:
+        for region, eager in saved.items():
+            region.eager = eager
 
 
 def transfer_bytes(comm: str, cp: int, seq_len: int, heads: int, kv_heads: int, head_dim: int,

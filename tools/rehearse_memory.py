@@ -11,13 +11,17 @@ forward and backward.
 
 What the estimate leaves out: kernel workspaces (cuDNN's, flash's), NCCL buffers, the caching
 allocator's rounding and fragmentation, and the compiled merge (a rehearsal merges eagerly, whose
-temporaries are counted). It has not been checked against a GPU yet.
+temporaries are counted; ``--idle-regions``: the regions do nothing and allocate nothing, as compiled on a GPU,
+and the peaks are the same). Against an H200 (run 5,
+``docs/performance.md``): rank 0's step at 32K and 128K over 8 ranks measured 0.63 of the fused call where
+this gives 0.81, so it errs high.
 
     python tools/rehearse_memory.py --seq-len 32768 131072 --cp 8 --backend torch:cudnn
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -34,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mcp_context.algorithms.executor import ring_backward, ring_forward  # noqa: E402
 from mcp_context.kernels import get_kernel  # noqa: E402
 from mcp_context.masks import CAUSAL, CAUSAL_BLOCK  # noqa: E402
-from tools.rank_step import rank_step  # noqa: E402
+from tools.rank_step import rank_step, regions_doing_nothing  # noqa: E402
 
 CUDA = torch.device("cuda")
 MIB = 2 ** 20
@@ -86,11 +90,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--backend", default="torch:cudnn", help="torch:cudnn or torch:flash (default torch:cudnn)")
+    ap.add_argument("--idle-regions", action="store_true",
+                    help="the fused regions do nothing, so allocate nothing, as compiled on a GPU (default: their "
+                         "eager form runs and its temporaries count)")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore", category=UserWarning)
     for seq_len in args.seq_len:
-        print(json.dumps(rank_step_peak(seq_len, args.cp, args.rank, args.heads, args.kv_heads, args.head_dim,
-                                        args.backend)), flush=True)
+        with regions_doing_nothing() if args.idle_regions else contextlib.nullcontext():
+            row = rank_step_peak(seq_len, args.cp, args.rank, args.heads, args.kv_heads, args.head_dim, args.backend)
+        print(json.dumps(dict(row, idle_regions=args.idle_regions)), flush=True)
     return 0
 
 
