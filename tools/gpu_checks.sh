@@ -31,10 +31,11 @@
 # --target) stays importable. Each step writes its log to RESULTS_DIR/<step>.log as it runs and one
 # line to RESULTS_DIR/summary.jsonl when it ends (rc 124: it hit its timeout), and one archive of them all but
 # the pretrain's checkpoints is rewritten after every step: $GPU_BUNDLE, else RESULTS_DIR.tgz. A device loan
-# may end mid-run and brings back few files: GPU_BUNDLE=$OUT/g.tgz make test-gpu ... GPU_RESULTS=/tmp/g. The timeouts of steps 0, 1, 4, 2 and 5 add up to 595 s, inside 10 minutes; step 6 has 600 s of
-# its own. On an H200 (2026-11-27, main dd6c460) the steps took: kernel report 14 s, benchmark 127 s, profile
-# 27 s, host costs 35 s, picks over 85 s (6 of the grid's 14 timed cells), the tests of test_results.py 77 s
-# with their compiles. The refit, after it:
+# may end mid-run and brings back few files: GPU_BUNDLE=$OUT/g.tgz make test-gpu ... GPU_RESULTS=/tmp/g.
+# The timeouts of steps 0, 1, 4, 2 and 5 add up to 595 s, inside 10 minutes; step 6 has 600 s of its own.
+# On an H200 (2026-11-27, main dd6c460) the steps took: kernel report 14 s, benchmark 127 s, profile 27 s,
+# host costs 35 s, picks over 85 s (6 of the grid's 14 timed cells), the tests of test_results.py 77 s with
+# their compiles. The refit, after it:
 #   python tools/calibrate_profile.py --profile h200_nvlink_ib --rates RESULTS_DIR/profile.jsonl \
 #       --bench RESULTS_DIR/bench/bench_attention_p8_gpu_checks.json
 # The merges' and sums' kernels, compiled per shape against the shipped ones (docs/gpu/h200_run5_regions.log):

@@ -40,6 +40,14 @@ def split_kv(kv: torch.Tensor, dqk: int) -> tuple[torch.Tensor, torch.Tensor]:
     return kv.narrow(-1, 0, dqk), kv.narrow(-1, dqk, kv.shape[-1] - dqk)  # narrow: see executor._copy_
 
 
+def column_view(storage: torch.Tensor, shape: tuple[int, ...], at: int, first: int, width: int) -> torch.Tensor:
+    """Columns ``[first, first + width)`` of a packed token-major ``[n, b, h_kv, dims]`` laid out contiguously in
+    ``storage``'s storage from element ``at``, as the kernels and adds index them: ``[b, h_kv, n, width]``, one
+    view op."""
+    n, b, h, dims = shape
+    return storage.as_strided((b, h, n, width), (h * dims, dims, b * h * dims, 1), at + first)
+
+
 def kv_blocks(kv: torch.Tensor, dqk: int, shape: Optional[tuple[int, ...]] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """K ``[b, h_kv, n, dqk]`` and V ``[b, h_kv, n, dv]`` as the kernels read them, from a packed ``[n, b, h_kv,
     dqk + dv]`` laid out contiguously in ``kv``'s storage from its offset (``kv`` itself, or a flat buffer holding
@@ -48,9 +56,8 @@ def kv_blocks(kv: torch.Tensor, dqk: int, shape: Optional[tuple[int, ...]] = Non
     if shape is None and not kv.is_contiguous():  # a view of it would read the wrong elements
         raise ValueError(f"a packed K/V message must be contiguous [n, b, h_kv, dqk + dv]; got sizes {tuple(kv.shape)} "
                          f"strides {kv.stride()}")
-    n, b, h, dims = kv.shape if shape is None else shape
-    strides, at = (h * dims, dims, b * h * dims, 1), kv.storage_offset()
-    return kv.as_strided((b, h, n, dqk), strides, at), kv.as_strided((b, h, n, dims - dqk), strides, at + dqk)
+    shape, at = tuple(kv.shape) if shape is None else shape, kv.storage_offset()
+    return column_view(kv, shape, at, 0, dqk), column_view(kv, shape, at, dqk, shape[-1] - dqk)
 
 
 class _Pack(torch.autograd.Function):

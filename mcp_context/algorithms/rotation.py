@@ -28,7 +28,7 @@ import torch
 from ..comm.primitives import PendingExchange, RingExchange
 from .. import trace
 from ..merge import add_kv_, copy_kv_
-from .packing import kv_blocks, pack_kv, split_kv
+from .packing import column_view, kv_blocks, pack_kv, split_kv
 from .results import runs_written, with_written
 
 
@@ -170,11 +170,10 @@ class _Message:
         unit = dkv_dtype.itemsize
         self.kv_payload = numel * kv_dtype.itemsize if with_kv else 0
         kv_bytes = -(-self.kv_payload // 16) * 16  # the dK/dV part starts aligned
-        self.kv_bytes, self.dkv_bytes = kv_bytes, numel * unit
+        self.dkv_bytes = numel * unit
         self.buffer = torch.empty((kv_bytes + self.dkv_bytes) // unit, dtype=dkv_dtype, device=like.device)
         self.dkv_at = kv_bytes // unit
-        bhsd_strides = (self.strides[1], self.strides[2], self.strides[0], 1)
-        self.dkv_blocks = self.buffer.as_strided((b, h, n, dims), bhsd_strides, self.dkv_at)  # as the adds index it
+        self.dkv_blocks = column_view(self.buffer, self.shape, self.dkv_at, 0, dims)  # as the adds index it
         self._kv = None if not with_kv else self.buffer if kv_dtype == dkv_dtype else self.buffer.view(kv_dtype)
 
     @property
@@ -193,8 +192,7 @@ class _Message:
 
     def part(self, kv: bool) -> torch.Tensor:
         """What to send or receive: all of it, or only the dK/dV suffix."""
-        return self.buffer if kv else self.buffer.narrow(0, self.kv_bytes // self.buffer.element_size(),
-                                                         self.dkv_bytes // self.buffer.element_size())
+        return self.buffer if kv else self.buffer.narrow(0, self.dkv_at, self.buffer.numel() - self.dkv_at)
 
 
 class RingGradients:
