@@ -80,7 +80,8 @@ def test_the_sized_calls_switch_is_read_and_checked(monkeypatch):
         monkeypatch.setenv("MCP_CONTEXT_SIZED_CALLS", "1")
         assert calls_for(TASKS, 2, pass_gpu(x, False), True) == (Call((0, 2)), Call((1,), 4))
         monkeypatch.setenv("MCP_CONTEXT_SIZED_CALLS", "yes")
-        with pytest.raises(ValueError, match=r"MCP_CONTEXT_SIZED_CALLS='yes' must be 0 .* or 1"):
+        with pytest.raises(ValueError, match=r"MCP_CONTEXT_SIZED_CALLS='yes' must be 0 .* or 1 .*; unset it for "
+                           r"the default, 0 \(one attention call per block task\)"):
             calls_for(TASKS, 2, pass_gpu(x, False), True)
 
 

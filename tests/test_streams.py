@@ -309,8 +309,12 @@ def test_the_side_stream_switch_is_read_and_checked(monkeypatch):
     monkeypatch.setenv(streams.SIDE_STREAM_ENV, "0")
     assert not streams.side_stream_enabled()
     monkeypatch.setenv(streams.SIDE_STREAM_ENV, "off")
-    with pytest.raises(ValueError, match="MCP_CONTEXT_SIDE_STREAM='off' must be 0 .* or 1"):
+    with pytest.raises(ValueError, match="MCP_CONTEXT_SIDE_STREAM='off' must be 0 .* or 1") as refused:
         streams.side_stream_enabled()
+    # unset is neither 0 nor 1 here: the calls' size decides, and the refusal says so
+    assert "unset it for a second stream where the calls average 1e+12 forward FLOPs" in str(refused.value)
+    with pytest.raises(ValueError, match="MCP_CONTEXT_SIDE_STREAM='off'"):
+        streams.side_stream_pays(0.0)
 
 
 def test_the_race_checker_finds_a_message_touched_in_flight():

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
-from typing import ContextManager, Iterator, Union
+from typing import ContextManager, Iterator, Optional, Union
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from ..switches import switch
+from ..switches import setting
 
 _enabled = True
 _everywhere = False
@@ -43,11 +42,17 @@ the side stream made the step slower, timed cold, in every scheme with merges at
 way: 32K over 16, a2a+p2p, 0.27 TFLOP a call, x1.04."""
 
 
+def _side_stream_setting() -> Optional[bool]:
+    """``MCP_CONTEXT_SIDE_STREAM``: True (``1``), False (``0``), None where it is unset."""
+    return setting(SIDE_STREAM_ENV, "the work after each attention call in order",
+                   "on a second CUDA stream after every call",
+                   f"a second stream where the calls average {SIDE_STREAM_MIN_FLOPS:.0e} forward FLOPs or more")
+
+
 def side_stream_enabled() -> bool:
     """``MCP_CONTEXT_SIDE_STREAM`` is not ``0`` (unset: ``side_stream_pays`` decides by the calls' size) and no
     ``inline()`` is in effect."""
-    return _enabled and switch(SIDE_STREAM_ENV, "the work after each attention call in order",
-                               "on a second CUDA stream")
+    return _enabled and _side_stream_setting() is not False
 
 
 @contextlib.contextmanager
@@ -115,9 +120,10 @@ def side_stream_pays(call_flops: float) -> bool:
     """Whether calls of ``call_flops`` forward FLOPs on average put their work on the side stream: never with
     ``MCP_CONTEXT_SIDE_STREAM=0`` or inside ``inline()``, always with ``1`` or inside ``everywhere()``, else from
     ``SIDE_STREAM_MIN_FLOPS``."""
-    if not side_stream_enabled():
+    if not _enabled:
         return False
-    return _everywhere or os.environ.get(SIDE_STREAM_ENV) == "1" or call_flops >= SIDE_STREAM_MIN_FLOPS
+    chosen = _side_stream_setting()
+    return chosen if chosen is not None else _everywhere or call_flops >= SIDE_STREAM_MIN_FLOPS
 
 
 def streams_for(x: torch.Tensor, call_flops: float) -> Union[Inline, SideStream]:
