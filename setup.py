@@ -27,7 +27,7 @@ setup(
         "te": ["transformer-engine[pytorch]"],
         "hf": ["transformers>=4.40", "safetensors"],
         "bench": ["matplotlib"],
-        "test": ["pytest", "transformers>=4.40", "safetensors", "matplotlib"],
+        "test": ["pytest", "pytest-xdist", "transformers>=4.40", "safetensors", "matplotlib"],
     },
     entry_points={"console_scripts": ["mcp-context-pretrain=mcp_context.pretrain:main"]},
 )

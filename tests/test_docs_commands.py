@@ -37,6 +37,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import TORCHRUN_PORT_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
@@ -290,6 +292,8 @@ def _set_up_shell(command: str, timeout: float) -> subprocess.CompletedProcess:
     if venv != ROOT / ".venv":
         set_up = [line.replace(".venv/", f"{venv}/") for line in set_up]
     env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), "PYTHONPATH": str(ROOT)}
+    if TORCHRUN_PORT_ENV in os.environ:  # this pytest worker's rendezvous port (tests/conftest.py)
+        env[TORCHRUN_PORT_ENV] = os.environ[TORCHRUN_PORT_ENV]
     return subprocess.run(["bash", "-c", " && ".join([f"cd {shlex.quote(str(ROOT))}", *set_up, command])], env=env,
                           capture_output=True, text=True, timeout=timeout)
 
