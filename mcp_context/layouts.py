@@ -27,9 +27,11 @@ With documents, ``shard_positions`` gives RoPE positions that restart at 0 in ev
 """
 from __future__ import annotations
 
+import bisect
+import functools
 import heapq
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -76,6 +78,16 @@ def layout_spans(layout: str, cp_size: int, cp_rank: int, seq_len: int, document
     return [Span(cp_rank, seq_len // cp_size, cp_size)]
 
 
+PACKINGS_KEPT = 8
+"""Packings whose spans ``_packed_spans`` keeps (a batch's documents are asked for by every rank of its scheme
+and for every tensor sharded; a few batches may be in flight, as with dynamic CP's sub-samples)."""
+
+
+def forget_kept_packings() -> None:
+    """Drop the packings' spans ``_packed_spans`` keeps (``schedule.forget_kept_schedules`` calls it)."""
+    _packed_spans.cache_clear()
+
+
 def _split_zigzag(start: int, length: int, cp_size: int) -> tuple[list[tuple[int, int]], tuple[int, int]]:
     """Rank r's two chunks ``r`` and ``2P-1-r`` of ``length // 2P`` rows of a document at ``start`` (equal
     causal work on every rank), and the middle rows left over (fewer than ``2P``)."""
@@ -85,9 +97,11 @@ def _split_zigzag(start: int, length: int, cp_size: int) -> tuple[list[tuple[int
         (start + cp_size * c, length - 2 * cp_size * c)
 
 
+@functools.lru_cache(maxsize=PACKINGS_KEPT)
 def _packed_spans(layout: str, cp_size: int, starts: tuple[int, ...], lengths: tuple[int, ...]
                   ) -> tuple[tuple[Span, ...], ...]:
-    """Every rank's spans for the documents at ``starts`` (``lengths`` valid rows each), all ranks at once.
+    """Every rank's spans for the documents at ``starts`` (``lengths`` valid rows each), all ranks at once, kept
+    for the last ``PACKINGS_KEPT`` packings: a batch's scheme asks once per rank, and its data once per tensor.
     Only the offsets decide (not the mask inside documents): ``shard_sequence`` needs nothing else."""
     padded = [starts[d + 1] - starts[d] for d in range(len(starts) - 1)]
     if layout == "zigzag":
@@ -134,15 +148,12 @@ def _balanced_ranges(cp_size: int, starts: tuple[int, ...], lengths: tuple[int, 
     cut) and doubles until the balance is within 1 %: whole documents stay on one rank (no transfer
     for them) as long as they can, and cutting every document of at least ``2P`` rows is per-document
     zigzag without padding."""
-    seq_len, capacity = starts[-1], starts[-1] // cp_size
-    per_row = torch.zeros(seq_len, dtype=torch.int64)
-    for start, n in zip(starts, lengths):  # causal work: row o of a document sees o + 1 keys; padding none
-        per_row[start:start + n] = torch.arange(1, n + 1)
-    prefix = [0] + torch.cumsum(per_row, 0).tolist()
-    total = prefix[-1]
+    capacity = starts[-1] // cp_size
+    prefix = work_prefix(starts, lengths)
+    total = prefix(starts[-1])
 
     def cost(start: int, count: int) -> int:
-        return prefix[start + count] - prefix[start]
+        return prefix(start + count) - prefix(start)
 
     best = None
     factor = 1
@@ -175,16 +186,37 @@ def _place(cp_size: int, capacity: int, starts: tuple[int, ...], cost, threshold
             items.append((start, n))
     queue = [(-cost(*it), it[0], it[1]) for it in items if it[1]]
     heapq.heapify(queue)  # heaviest first
+    open_ranks = [(loads[r], r) for r in range(cp_size) if room[r] > 0]
+    heapq.heapify(open_ranks)  # the least work first, then the lowest rank
     while queue:
         _, start, n = heapq.heappop(queue)
-        r = min((r for r in range(cp_size) if room[r] > 0), key=lambda r: (loads[r], r))
+        _, r = heapq.heappop(open_ranks)
         take = min(n, room[r])
         ranks[r].append((start, take))
         loads[r] += cost(start, take)
         room[r] -= take
+        if room[r] > 0:
+            heapq.heappush(open_ranks, (loads[r], r))
         if take < n:  # the rank is full: the rest goes back in line, by its own work
             heapq.heappush(queue, (-cost(start + take, n - take), start + take, n - take))
     return ranks, loads
+
+
+def work_prefix(starts: Sequence[int], lengths: Sequence[int]) -> Callable[[int], int]:
+    """``prefix(row)``: the causal work of the packed rows before ``row`` (row ``o`` of a document sees ``o + 1``
+    keys; padding rows none), in O(log documents) a call with no per-row table (a 1M-row packing's table and its
+    list took tens of milliseconds per batch)."""
+    before = [0]
+    for n in lengths:
+        before.append(before[-1] + n * (n + 1) // 2)
+
+    def prefix(row: int) -> int:
+        d = bisect.bisect_right(starts, row) - 1
+        if d >= len(lengths):  # the end of the sequence
+            return before[-1]
+        o = min(row - starts[d], lengths[d])
+        return before[d] + o * (o + 1) // 2
+    return prefix
 
 
 def spans_positions(spans: Sequence[Span]) -> torch.Tensor:

@@ -24,7 +24,7 @@ import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from .layouts import Span, canonical_member_spans, layout_spans
+from .layouts import Span, canonical_member_spans, forget_kept_packings, layout_spans
 from .masks import (BLOCK_MASK_KINDS, CAUSAL, CAUSAL_BLOCK, FULL, FULL_BLOCK, BlockMask, Documents, Mask, as_mask,
                     block_mask, documents_mask)
 
@@ -263,9 +263,10 @@ def layout_schedule(layout: str, cp_size: int, seq_len: int, mask: Mask, inner_s
 
 
 def forget_kept_schedules() -> None:
-    """Drop the kept schedules (``layout_schedule``): for code that changes how layouts resolve at run time,
-    the self-test's planted faults."""
+    """Drop the kept schedules (``layout_schedule``) and packings' spans (``layouts.forget_kept_packings``): for code that
+    changes how layouts resolve at run time, the self-test's planted faults."""
     _kept_schedule.cache_clear()
+    forget_kept_packings()
 
 
 def _build_layout_schedule(layout: str, cp_size: int, seq_len: int, mask: Mask, inner_size: int,

@@ -44,3 +44,42 @@ def test_indivisible_sequence_names_the_padded_length():
         shard_sequence(torch.zeros(10), 4, 0, "striped")
     with pytest.raises(ValueError, match=r"layout='ring' is not known; choose one of contiguous, zigzag, striped"):
         shard_sequence(torch.zeros(8), 2, 0, "ring")
+
+
+def test_the_packed_work_prefix_is_the_sum_of_every_rows_keys():
+    """``layouts.work_prefix`` (the balanced layout's causal work, computed per document) against the row-by-row
+    sum: row ``o`` of a document sees ``o + 1`` keys, padding rows none; empty documents included."""
+    import random
+
+    from mcp_context.layouts import work_prefix
+
+    rng = random.Random(0)
+    for _ in range(50):
+        padded = [rng.choice([0, 1, 2, 7, 16, 33]) for _ in range(rng.randint(1, 12))]
+        lengths = tuple(rng.randint(0, n) for n in padded)
+        starts = tuple([0] + torch.tensor(padded).cumsum(0).tolist())
+        per_row = [0] * starts[-1]
+        for start, n in zip(starts, lengths):
+            per_row[start:start + n] = range(1, n + 1)
+        prefix = work_prefix(starts, lengths)
+        assert [prefix(row) for row in range(starts[-1] + 1)] == [sum(per_row[:row]) for row in range(starts[-1] + 1)]
+
+
+def test_a_packings_balanced_spans_are_placed_once_for_all_ranks_and_calls(monkeypatch):
+    """A packed batch's spans are asked for by every rank of its scheme and for every tensor sharded: the placement
+    runs once per packing (``layouts.PACKINGS_KEPT`` kept), and a new packing is placed afresh."""
+    from mcp_context import layouts
+    from mcp_context.schedule import forget_kept_schedules
+
+    forget_kept_schedules()
+    placed = []
+    place = layouts._balanced_ranges
+    monkeypatch.setattr(layouts, "_balanced_ranges", lambda *args: placed.append(args) or place(*args))
+    cu = torch.tensor([0, 40, 41, 100, 128])
+    shards = [shard_sequence(torch.arange(128), 4, r, "balanced", cu_seqlens=cu) for r in range(4)]
+    shards += [shard_positions(128, 4, r, "balanced", cu_seqlens=cu) for r in range(4)]
+    assert len(placed) == 1
+    assert torch.equal(torch.cat(shards[:4]).sort().values, torch.arange(128))
+    shard_sequence(torch.arange(128), 4, 0, "balanced", cu_seqlens=torch.tensor([0, 64, 128]))
+    assert len(placed) == 2
+    forget_kept_schedules()

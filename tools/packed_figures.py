@@ -7,6 +7,13 @@ prints a markdown table of load balance, padding overhead and K/V rows read from
 rank (``schedule.packed_figures``), and with ``--plot PATH`` draws the balance and padding.
 
     python tools/packed_figures.py --plot docs/img/packed.png [--cpu-time]
+
+``--host-time`` instead times the host's work on a packed batch before its first attention call, at S/P and
+document counts up to 1M rows: the balanced layout's schedule for every rank (``schedule.layout_schedule``, which
+places the documents) and one rank's four data shards (tokens, labels, loss mask, positions: ``shard_index``),
+the best of 3 random packings each.
+
+    python tools/packed_figures.py --host-time
 """
 from __future__ import annotations
 
@@ -101,6 +108,37 @@ def distributions(sequences: int) -> dict[str, list[list[int]]]:
     return {"corpus scenes": pack(corpus_lengths())[:sequences], "long tail": pack(long_tail_lengths())[:sequences]}
 
 
+HOST_CASES = ((4096, 8, 30), (131072, 8, 64), (131072, 8, 2000), (1 << 20, 16, 500))
+"""(S, P, documents) of ``--host-time``."""
+
+
+def host_time(reps: int = 3) -> None:
+    """Print, per ``HOST_CASES`` row, the best of ``reps`` random packings' schedule and data-shard host time."""
+    import time
+
+    import torch
+
+    from mcp_context.layouts import shard_index
+    from mcp_context.masks import documents_mask
+    from mcp_context.schedule import layout_schedule
+
+    print("| S / P, documents | schedule ms | a rank's 4 data shards ms |")
+    print("|---|---|---|")
+    for seq, cp, documents in HOST_CASES:
+        best = [math.inf, math.inf]
+        for rep in range(reps):
+            rng = random.Random(rep)
+            cu = torch.tensor([0, *sorted(rng.sample(range(1, seq), documents - 1)), seq])
+            t0 = time.perf_counter()
+            layout_schedule("balanced", cp, seq, documents_mask(cu, None, seq_len=seq))
+            t1 = time.perf_counter()
+            for _ in range(4):
+                shard_index(seq, cp, 0, "balanced", cu)
+            t2 = time.perf_counter()
+            best = [min(best[0], t1 - t0), min(best[1], t2 - t1)]
+        print(f"| {seq // 1024}K / {cp}, {documents} | {best[0] * 1e3:.1f} | {best[1] * 1e3:.1f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sequences", type=int, default=8, help="32K sequences per distribution (default 8)")
@@ -108,7 +146,12 @@ def main() -> None:
     parser.add_argument("--cpu-time", action="store_true",
                         help="also time the busiest member's forward+backward (one CPU thread) for the first "
                              "sequence of each distribution at P = 8, and print balanced / zigzag")
+    parser.add_argument("--host-time", action="store_true",
+                        help="only time a packed batch's schedule and data shards on the host (see above)")
     args = parser.parse_args()
+    if args.host_time:
+        host_time()
+        return
     if args.cpu_time:
         for name, sequences in distributions(1).items():
             times = {layout: cpu_seconds(sequences[0], 8, layout) for layout in LAYOUTS}
