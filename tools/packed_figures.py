@@ -22,6 +22,7 @@ import math
 import random
 import sys
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -139,7 +140,7 @@ def host_time(reps: int = 3) -> None:
         print(f"| {seq // 1024}K / {cp}, {documents} | {best[0] * 1e3:.1f} | {best[1] * 1e3:.1f} |")
 
 
-def main() -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sequences", type=int, default=8, help="32K sequences per distribution (default 8)")
     parser.add_argument("--plot", type=Path, help="write a PNG of balance and padding here")
@@ -148,7 +149,7 @@ def main() -> None:
                              "sequence of each distribution at P = 8, and print balanced / zigzag")
     parser.add_argument("--host-time", action="store_true",
                         help="only time a packed batch's schedule and data shards on the host (see above)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.host_time:
         host_time()
         return
