@@ -25,6 +25,8 @@ Nothing here imports the rest of the package (kernels import it).
 """
 from __future__ import annotations
 
+import functools
+
 import zlib
 from bisect import bisect_right
 from dataclasses import dataclass, field
@@ -282,10 +284,27 @@ class Documents:
     def hides_future(self) -> bool:
         return self.within.hides_future
 
-    def _pieces(self, spans: Sequence[SpanLike]) -> dict[int, list[tuple[int, _SubSpan]]]:
-        """Per document, ``(local row offset, sub-span)`` of the rows of ``spans`` that are valid rows of it."""
+    @functools.cached_property
+    def _intervals_and_ends(self) -> tuple[list[tuple[int, int]], list[int]]:
         intervals = self.intervals()
-        ends = [b for _, b in intervals]
+        return intervals, [b for _, b in intervals]
+
+    @functools.cached_property
+    def _pieces_kept(self) -> dict[tuple, dict[int, list[tuple[int, _SubSpan]]]]:
+        """``_pieces`` by spans: a ring's schedule asks for each member's spans at every step (2 P^2 asks, P spans)."""
+        return {}
+
+    def _pieces(self, spans: Sequence[SpanLike]) -> dict[int, list[tuple[int, _SubSpan]]]:
+        """Per document, ``(local row offset, sub-span)`` of the rows of ``spans`` that are valid rows of it (kept
+        per spans for this packing's life; the caller does not change them)."""
+        key = tuple(spans)
+        kept = self._pieces_kept.get(key)
+        if kept is None:
+            kept = self._pieces_kept[key] = self._derive_pieces(spans)
+        return kept
+
+    def _derive_pieces(self, spans: Sequence[SpanLike]) -> dict[int, list[tuple[int, _SubSpan]]]:
+        intervals, ends = self._intervals_and_ends
         out: dict[int, list[tuple[int, _SubSpan]]] = {}
         offset = 0
         for s in spans:

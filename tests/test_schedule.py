@@ -137,3 +137,21 @@ def test_a_schedule_is_built_once_per_arguments_and_shared():
     assert _kept_schedule.cache_info().currsize == 2
     forget_kept_schedules()
     assert _kept_schedule.cache_info().currsize == 0 and layout_schedule("zigzag", 8, 256, CAUSAL, 2) == first
+
+
+def test_a_packings_rows_per_document_are_derived_once_per_members_spans(monkeypatch):
+    """A packed ring's schedule asks a ``Documents`` for each member's rows per document at every step, as queries
+    and as keys (2 P^2 asks): they are derived once per member's spans, and the schedule is the one derived afresh
+    at every ask (a new ``Documents`` of the same offsets keeps nothing of the first's)."""
+    from mcp_context.masks import Documents, documents_mask
+
+    derived = []
+    derive = Documents._derive_pieces
+    docs = documents_mask([0, 40, 41, 100, 200, 256])
+    schedule = layout_schedule("balanced", 4, 256, docs)
+    monkeypatch.setattr(Documents, "_derive_pieces", lambda self, spans: derived.append(spans) or derive(self, spans))
+    fresh = documents_mask([0, 40, 41, 100, 200, 256])
+    assert layout_schedule("balanced", 4, 256, fresh) == schedule
+    assert len(derived) == 4  # one per member, of 2 * 4 * 4 asks
+    for spans in schedule.member_spans:  # what is kept is what a fresh derivation gives
+        assert fresh._pieces(spans) == derive(fresh, spans) and fresh._pieces(spans)
