@@ -26,7 +26,6 @@ Nothing here imports the rest of the package (kernels import it).
 from __future__ import annotations
 
 import functools
-
 import zlib
 from bisect import bisect_right
 from dataclasses import dataclass, field

@@ -300,17 +300,19 @@ def test_on_cuda_the_side_stream_gives_the_in_order_results(monkeypatch, rank):
 
 def test_the_side_stream_switch_is_read_and_checked(monkeypatch):
     """MCP_CONTEXT_SIDE_STREAM: unset or 1 keeps the overlap on, 0 turns it off (so does streams.inline()),
-    anything else is refused, naming the variable and the values it takes."""
+    anything else is refused, naming the variable and the values it takes (asked for calls long enough for the
+    side stream where the variable is unset)."""
+    long = streams.SIDE_STREAM_MIN_FLOPS
     monkeypatch.delenv(streams.SIDE_STREAM_ENV, raising=False)
-    assert streams.side_stream_enabled()
+    assert streams.side_stream_pays(long)
     with streams.inline():
-        assert not streams.side_stream_enabled()
-    assert streams.side_stream_enabled()
+        assert not streams.side_stream_pays(long)
+    assert streams.side_stream_pays(long)
     monkeypatch.setenv(streams.SIDE_STREAM_ENV, "0")
-    assert not streams.side_stream_enabled()
+    assert not streams.side_stream_pays(long)
     monkeypatch.setenv(streams.SIDE_STREAM_ENV, "off")
     with pytest.raises(ValueError, match="MCP_CONTEXT_SIDE_STREAM='off' must be 0 .* or 1") as refused:
-        streams.side_stream_enabled()
+        streams.side_stream_pays(long)
     # unset is neither 0 nor 1 here: the calls' size decides, and the refusal says so
     assert "unset it for a second stream where the calls average 1e+12 forward FLOPs" in str(refused.value)
     with pytest.raises(ValueError, match="MCP_CONTEXT_SIDE_STREAM='off'"):

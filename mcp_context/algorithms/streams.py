@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import ContextManager, Iterator, Optional, Union
+from typing import ContextManager, Iterator, Union
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -40,19 +40,6 @@ the side stream made the step slower, timed cold, in every scheme with merges at
 0.14-0.37 TFLOP a call) and at 128K over 64 (x0.97, 0.27 TFLOP), and faster at 128K over 8 and 16 (x1.02-1.08,
 1.1-5.9 TFLOP a call); with the host ahead of the GPU it was within 1 % either way. One cell went the other
 way: 32K over 16, a2a+p2p, 0.27 TFLOP a call, x1.04."""
-
-
-def _side_stream_setting() -> Optional[bool]:
-    """``MCP_CONTEXT_SIDE_STREAM``: True (``1``), False (``0``), None where it is unset."""
-    return setting(SIDE_STREAM_ENV, "the work after each attention call in order",
-                   "on a second CUDA stream after every call",
-                   f"a second stream where the calls average {SIDE_STREAM_MIN_FLOPS:.0e} forward FLOPs or more")
-
-
-def side_stream_enabled() -> bool:
-    """``MCP_CONTEXT_SIDE_STREAM`` is not ``0`` (unset: ``side_stream_pays`` decides by the calls' size) and no
-    ``inline()`` is in effect."""
-    return _enabled and _side_stream_setting() is not False
 
 
 @contextlib.contextmanager
@@ -122,7 +109,9 @@ def side_stream_pays(call_flops: float) -> bool:
     ``SIDE_STREAM_MIN_FLOPS``."""
     if not _enabled:
         return False
-    chosen = _side_stream_setting()
+    chosen = setting(SIDE_STREAM_ENV, "the work after each attention call in order",
+                     "on a second CUDA stream after every call",
+                     f"a second stream where the calls average {SIDE_STREAM_MIN_FLOPS:.0e} forward FLOPs or more")
     return chosen if chosen is not None else _everywhere or call_flops >= SIDE_STREAM_MIN_FLOPS
 
 
