@@ -10,8 +10,8 @@ rank (``schedule.packed_figures``), and with ``--plot PATH`` draws the balance a
 
 ``--host-time`` instead times the host's work on a packed batch before its first attention call, at S/P and
 document counts up to 1M rows: the balanced layout's schedule for every rank (``schedule.layout_schedule``, which
-places the documents) and one rank's four data shards (tokens, labels, loss mask, positions: ``shard_index``),
-the best of 3 random packings each.
+places the documents) and then one rank's four data shards (tokens, labels, loss mask, positions: ``shard_index``;
+the packing is placed by then), the best of 3 random packings each.
 
     python tools/packed_figures.py --host-time
 """
