@@ -189,11 +189,11 @@ def _place(cp_size: int, capacity: int, starts: tuple[int, ...], cost, threshold
     open_ranks = [(loads[r], r) for r in range(cp_size) if room[r] > 0]
     heapq.heapify(open_ranks)  # the least work first, then the lowest rank
     while queue:
-        _, start, n = heapq.heappop(queue)
+        minus_work, start, n = heapq.heappop(queue)
         _, r = heapq.heappop(open_ranks)
         take = min(n, room[r])
         ranks[r].append((start, take))
-        loads[r] += cost(start, take)
+        loads[r] += -minus_work if take == n else cost(start, take)
         room[r] -= take
         if room[r] > 0:
             heapq.heappush(open_ranks, (loads[r], r))

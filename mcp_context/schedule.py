@@ -67,11 +67,37 @@ class BlockTask:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Per ring member and ring step, the tasks that member computes (``tasks[member][step]``)."""
+    """Per ring member and ring step, the tasks that member computes (``tasks[member][step]``).
+
+    Built lazily: a rank runs one member's row (``member_tasks``) and needs of the others only which rows
+    they read (``kv_rows``, which does not cut the rectangles into tasks), so a packed batch's schedule,
+    new at every step, costs a rank its own row, not the ring's ``P x P`` steps. ``tasks`` builds every row
+    (the planner's figures, the self-test)."""
 
     member_spans: tuple[tuple[Span, ...], ...]
     mask: Mask
-    tasks: tuple[tuple[tuple[BlockTask, ...], ...], ...]
+    kernel_masks: frozenset = ALL_BLOCK_MASKS
+
+    @functools.cached_property
+    def _rows(self) -> dict[int, tuple[tuple[BlockTask, ...], ...]]:
+        return {}  # member -> its tasks per step, as asked
+
+    @functools.cached_property
+    def _kv_rows(self) -> dict[tuple[int, int], tuple[tuple[int, int], ...]]:
+        return {}  # (member, step) -> the rows it reads, as asked
+
+    def member_tasks(self, member: int) -> tuple[tuple[BlockTask, ...], ...]:
+        """``member``'s tasks at each ring step (built on the first ask, then kept)."""
+        row = self._rows.get(member)
+        if row is None:
+            spans, size = self.member_spans, self.ring_size
+            row = self._rows[member] = tuple(step_tasks(spans[member], spans[(member - t) % size], self.mask,
+                                                        self.kernel_masks) for t in range(size))
+        return row
+
+    @functools.cached_property
+    def tasks(self) -> tuple[tuple[tuple[BlockTask, ...], ...], ...]:
+        return tuple(self.member_tasks(m) for m in range(self.ring_size))
 
     @property
     def causal(self) -> bool:
@@ -88,14 +114,29 @@ class Schedule:
 
     def kv_rows(self, member: int, step: int) -> tuple[tuple[int, int], ...]:
         """Rows of the arriving shard that ``member``'s tasks at ``step`` read, as sorted disjoint
-        ``[start, stop)`` ranges: all a transfer must bring (nothing for a step without tasks)."""
+        ``[start, stop)`` ranges: all a transfer must bring (nothing for a step without tasks). From the
+        member's tasks where they are built, else from the mask's rectangles (the same rows); kept."""
+        kept = self._kv_rows.get((member, step))
+        if kept is not None:
+            return kept
+        row = self._rows.get(member)
+        if row is not None:
+            ranges = [t.kv for t in row[step]]
+        else:
+            spans = self.member_spans
+            ranges = step_kv_ranges(spans[member], spans[(member - step) % self.ring_size], self.mask)
         merged: list[list[int]] = []
-        for a, b in sorted(t.kv for t in self.tasks[member][step]):
+        for a, b in sorted(ranges):
             if merged and a <= merged[-1][1]:
                 merged[-1][1] = max(merged[-1][1], b)
             else:
                 merged.append([a, b])
-        return tuple((a, b) for a, b in merged)
+        kept = self._kv_rows[(member, step)] = tuple((a, b) for a, b in merged)
+        return kept
+
+    def busy_steps(self) -> list[int]:
+        """Ring steps at which some member has a task (a ring walks up to the last of them)."""
+        return [t for t in range(self.ring_size) if any(self.kv_rows(m, t) for m in range(self.ring_size))]
 
     def useful_pairs(self) -> list[int]:
         """Visible (query, key) pairs each member computes, summed over steps."""
@@ -105,15 +146,25 @@ class Schedule:
         return [sum(t.computed_pairs(tile) for step in member for t in step) for member in self.tasks]
 
 
+def _visible(n: int, m: int, lo: Optional[int], hi: Optional[int]) -> Optional[tuple[int, int, int, int]]:
+    """``(r0, r1, c0, c1)``: the rows of an ``n x m`` rectangle with band ``lo <= b - a <= hi`` that see a key,
+    and the keys some row sees (each a contiguous range); None when no pair is visible."""
+    r0, r1 = (0 if hi is None else max(0, -hi)), (n if lo is None else min(n, m - lo))
+    c0, c1 = (0 if lo is None else max(0, lo)), (m if hi is None else min(m, n + hi))
+    if r0 >= r1 or c0 >= c1 or (lo is not None and hi is not None and lo > hi):
+        return None
+    return r0, r1, c0, c1
+
+
 def _pieces(q0: int, q1: int, k0: int, k1: int, lo: Optional[int], hi: Optional[int],
             native: frozenset) -> list[BlockTask]:
     """Tasks covering exactly the pairs of query rows ``[q0, q1)`` and key rows ``[k0, k1)`` with
     ``lo <= (b - k0) - (a - q0) <= hi``, each with a block mask whose kind is in ``native``."""
     n, m = q1 - q0, k1 - k0
-    r0, r1 = (0 if hi is None else max(0, -hi)), (n if lo is None else min(n, m - lo))  # rows that see a key
-    c0, c1 = (0 if lo is None else max(0, lo)), (m if hi is None else min(m, n + hi))  # keys some row sees
-    if r0 >= r1 or c0 >= c1 or (lo is not None and hi is not None and lo > hi):
+    visible = _visible(n, m, lo, hi)
+    if visible is None:
         return []
+    r0, r1, c0, c1 = visible
     shift = c0 - r0
     q0, k0, n, m = q0 + r0, k0 + c0, r1 - r0, c1 - c0
     lo = None if lo is None or lo - shift <= -(n - 1) else lo - shift
@@ -231,15 +282,27 @@ def step_tasks(q_spans: Sequence[Span], kv_spans: Sequence[Span], mask: Mask,
     return tuple(sorted(tasks, key=lambda t: (t.q, t.kv)))
 
 
+def step_kv_ranges(q_spans: Sequence[Span], kv_spans: Sequence[Span], mask: Mask) -> list[tuple[int, int]]:
+    """The key row ranges ``step_tasks`` would read for these spans (overlapping, unsorted), without cutting
+    the rectangles into tasks: per rectangle, the keys some row sees."""
+    mask = as_mask(mask)
+    nq, nk = sum(s.count for s in q_spans), sum(s.count for s in kv_spans)
+    if mask == FULL or (mask == CAUSAL and _is_one_causal_block(q_spans, kv_spans)):
+        return [(0, nk)] if nq and nk else []
+    ranges = []
+    for group in mask.blocks(q_spans, kv_spans):
+        for a0, a1, b0, b1, block in group:
+            visible = _visible(a1 - a0, b1 - b0, block.lo, block.hi)
+            if visible is not None:
+                ranges.append((b0 + visible[2], b0 + visible[3]))
+    return ranges
+
+
 def build_schedule(member_spans: Sequence[Sequence[Span]], mask: Mask,
                    kernel_masks: frozenset = ALL_BLOCK_MASKS) -> Schedule:
-    """The ring schedule for members holding ``member_spans`` (member m receives from m-1)."""
-    mask, size = as_mask(mask), len(member_spans)
-    tasks = tuple(
-        tuple(step_tasks(member_spans[m], member_spans[(m - t) % size], mask, kernel_masks) for t in range(size))
-        for m in range(size)
-    )
-    return Schedule(tuple(tuple(s) for s in member_spans), mask, tasks)
+    """The ring schedule for members holding ``member_spans`` (member m receives from m-1); its tasks are
+    built as they are asked for."""
+    return Schedule(tuple(tuple(s) for s in member_spans), as_mask(mask), kernel_masks)
 
 
 def layout_schedule(layout: str, cp_size: int, seq_len: int, mask: Mask, inner_size: int = 1,
@@ -252,10 +315,10 @@ def layout_schedule(layout: str, cp_size: int, seq_len: int, mask: Mask, inner_s
     With ``inner_size > 1`` a member is a level-0 all-to-all group whose tokens were gathered and
     put in position order (``canonical_member_spans``); ``inner_size == cp_size`` is plain Ulysses.
 
-    The schedules of masks without documents are kept (``_kept_schedule``): every rank of a planner's dry run
-    builds the whole ring's schedule (a 64-rank p2p candidate: 4.4 s without keeping them, 3.2-3.8 s with).
-    A packed batch's documents are new at every step, and their schedule holds megabytes (1.8 MiB for 57
-    documents in 128K over 8 ranks), so it is built each time and not kept.
+    The schedules of masks without documents are kept (``_kept_schedule``): a planner's dry run asks for one per
+    rank it runs, and each member's tasks are cut once. A packed batch's documents are new at every step, so
+    its schedule is built each time and not kept, and a rank cuts from it only its own member's tasks
+    (``Schedule``: at 4K over 8 ranks with 30 documents, 2492 tasks for the ring, 318 for one member).
     """
     if isinstance(mask, Documents):
         return _build_layout_schedule(layout, cp_size, seq_len, mask, inner_size, kernel_masks)
@@ -263,8 +326,8 @@ def layout_schedule(layout: str, cp_size: int, seq_len: int, mask: Mask, inner_s
 
 
 def forget_kept_schedules() -> None:
-    """Drop the kept schedules (``layout_schedule``) and packings' spans (``layouts.forget_kept_packings``): for code that
-    changes how layouts resolve at run time, the self-test's planted faults."""
+    """Drop the kept schedules (``layout_schedule``) and packings' spans (``layouts.forget_kept_packings``): for
+    code that changes how layouts resolve at run time, the self-test's planted faults."""
     _kept_schedule.cache_clear()
     forget_kept_packings()
 

@@ -149,9 +149,94 @@ def test_a_packings_rows_per_document_are_derived_once_per_members_spans(monkeyp
     derive = Documents._derive_pieces
     docs = documents_mask([0, 40, 41, 100, 200, 256])
     schedule = layout_schedule("balanced", 4, 256, docs)
+    expected = schedule.tasks
     monkeypatch.setattr(Documents, "_derive_pieces", lambda self, spans: derived.append(spans) or derive(self, spans))
     fresh = documents_mask([0, 40, 41, 100, 200, 256])
-    assert layout_schedule("balanced", 4, 256, fresh) == schedule
+    assert layout_schedule("balanced", 4, 256, fresh).tasks == expected
     assert len(derived) == 4  # one per member, of 2 * 4 * 4 asks
     for spans in schedule.member_spans:  # what is kept is what a fresh derivation gives
         assert fresh._pieces(spans) == derive(fresh, spans) and fresh._pieces(spans)
+
+
+def _random_mask(rng, seq: int, cp: int):
+    """A causal/full mask, a window, or random documents (padded to ``2 cp`` for zigzag) with one inside."""
+    from mcp_context.masks import attention_mask, documents_mask
+
+    window = rng.choice([None, (rng.randint(0, seq), 0), (rng.randint(0, 40), rng.randint(0, 40))])
+    within = attention_mask(rng.random() < 0.8, window)
+    if rng.random() < 0.5:
+        return within, seq
+    cu = [0, *sorted(rng.sample(range(1, seq), rng.randint(1, min(30, seq - 1)) - 1)), seq]
+    padded = [0]
+    for a, b in zip(cu, cu[1:]):
+        padded.append(padded[-1] + (b - a) + (-(b - a) % (2 * cp)))
+    return documents_mask(torch.tensor(cu), torch.tensor(padded), within=within, seq_len=padded[-1]), padded[-1]
+
+
+def test_the_rows_a_step_reads_are_the_same_whether_or_not_its_tasks_were_cut():
+    """``Schedule.kv_rows`` of a member whose tasks were never built (what a rank asks of the other members: the
+    halo's sends, the ring's busy steps) comes from the mask's rectangles; it equals the union of the key ranges
+    of the tasks themselves, over layouts, ring sizes, all-to-all degrees, masks and kernels' block-mask kinds."""
+    import random
+
+    from mcp_context.masks import Documents
+    from mcp_context.schedule import ALL_BLOCK_MASKS
+
+    rng = random.Random(0)
+    kinds = [ALL_BLOCK_MASKS, frozenset({"full", "causal"}), frozenset({"full"})]
+    cases = 0
+    for _ in range(150):
+        cp = rng.choice([2, 4, 8])
+        inner = rng.choice([i for i in (1, 2, 4) if i <= cp])
+        mask, seq = _random_mask(rng, 2 * cp * rng.randint(1, 24), cp)
+        layout = rng.choice(["zigzag", "balanced"] if isinstance(mask, Documents) else ["zigzag", "contiguous"])
+        lazy = layout_schedule(layout, cp, seq, mask, inner, rng.choice(kinds))
+        lazy = dataclasses.replace(lazy)  # nothing built yet (a kept schedule may have rows)
+        cut = dataclasses.replace(lazy)
+        for m in range(lazy.ring_size):
+            for t in range(lazy.ring_size):
+                union = _union([task.kv for task in cut.tasks[m][t]])
+                assert lazy.kv_rows(m, t) == union, (layout, cp, inner, mask, m, t)
+                cases += bool(union)
+        size = cut.ring_size
+        assert lazy.busy_steps() == [t for t in range(size) if any(cut.tasks[m][t] for m in range(size))]
+        assert not lazy._rows  # answered without cutting a task
+    assert cases > 500
+
+
+def _union(ranges):
+    merged = []
+    for a, b in sorted(ranges):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return tuple((a, b) for a, b in merged)
+
+
+@pytest.mark.parametrize("comm,steps_cut", [("p2p", 8), ("all_gather", 1)])
+def test_a_rank_cuts_only_its_own_members_tasks_from_a_packed_batchs_schedule(monkeypatch, comm, steps_cut):
+    """A packed batch's schedule is new at every step: resolving a rank's scheme cuts the tasks of its own ring
+    member's steps (8 at P = 8 for the ring; one gathered step for all_gather), not the ring's 64, and the plan
+    runs the tasks the whole schedule gives that member."""
+    import warnings
+
+    import mcp_context.schedule as schedule_module
+    from mcp_context.algorithms.schemes import resolve_scheme
+    from mcp_context.comm import build_hcp_groups
+    from mcp_context.kernels.registry import get_kernel
+    from mcp_context.masks import documents_mask
+    from mcp_context.plan.dryrun import fake_world
+    from mcp_context.schedule import gathered_tasks
+
+    cut, step_tasks = [], schedule_module.step_tasks
+    monkeypatch.setattr(schedule_module, "step_tasks", lambda *a, **k: cut.append(a) or step_tasks(*a, **k))
+    docs = documents_mask([0, 300, 301, 1000, 1800, 2048])
+    kernel = get_kernel("math", torch.device("cpu"), torch.float32)
+    with warnings.catch_warnings(), fake_world(8, 3):
+        warnings.simplefilter("ignore")
+        scheme = resolve_scheme(build_hcp_groups([8]), comm, "balanced", docs, 256, 2, kernel, 0.125)
+    assert len(cut) == steps_cut
+    whole = layout_schedule("balanced", 8, 2048, docs)
+    expected = whole.tasks[3] if comm == "p2p" else gathered_tasks(whole, 3)
+    assert tuple(tuple(step) for step in scheme.plan.tasks) == expected

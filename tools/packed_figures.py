@@ -9,9 +9,10 @@ rank (``schedule.packed_figures``), and with ``--plot PATH`` draws the balance a
     python tools/packed_figures.py --plot docs/img/packed.png [--cpu-time]
 
 ``--host-time`` instead times the host's work on a packed batch before its first attention call, at S/P and
-document counts up to 1M rows: the balanced layout's schedule for every rank (``schedule.layout_schedule``, which
-places the documents) and then one rank's four data shards (tokens, labels, loss mask, positions: ``shard_index``;
-the packing is placed by then), the best of 3 random packings each.
+document counts up to 1M rows: resolving one rank's scheme for p2p, all_gather and a2a+p2p (``resolve_scheme``
+in a fake process group: the layout placing the documents, the rank's tasks, its rotation and plan) and then its
+four data shards (tokens, labels, loss mask, positions: ``shard_index``; the packing is placed by then), the best
+of 3 random packings each.
 
     python tools/packed_figures.py --host-time
 """
@@ -109,35 +110,55 @@ def distributions(sequences: int) -> dict[str, list[list[int]]]:
     return {"corpus scenes": pack(corpus_lengths())[:sequences], "long tail": pack(long_tail_lengths())[:sequences]}
 
 
-HOST_CASES = ((4096, 8, 30), (131072, 8, 64), (131072, 8, 2000), (1 << 20, 16, 500))
+HOST_CASES = ((4096, 8, 30), (32768, 8, 50), (131072, 8, 64), (131072, 8, 2000), (1 << 20, 16, 500))
 """(S, P, documents) of ``--host-time``."""
+
+HOST_SCHEMES = (("p2p", 1), ("all_gather", 1), ("a2a+p2p", 2))
+"""(comm, all-to-all degree) of ``--host-time``: the ring, K/V gathered, and a two-level hierarchy (2 x P/2)."""
 
 
 def host_time(reps: int = 3) -> None:
-    """Print, per ``HOST_CASES`` row, the best of ``reps`` random packings' schedule and data-shard host time."""
+    """Print, per ``HOST_CASES`` row, the best of ``reps`` random packings' host time to resolve rank 0's scheme
+    (``resolve_scheme`` in a fake process group: the layout placing the documents, the member's tasks, the
+    rotation and the plan; math kernel, 8 K/V heads) per ``HOST_SCHEMES`` comm, then its four data shards."""
     import time
+    import warnings
 
     import torch
 
+    from mcp_context.algorithms.schemes import resolve_scheme
+    from mcp_context.comm import build_hcp_groups
+    from mcp_context.kernels.registry import get_kernel
     from mcp_context.layouts import shard_index
     from mcp_context.masks import documents_mask
-    from mcp_context.schedule import layout_schedule
+    from mcp_context.plan.dryrun import fake_world
+    from mcp_context.schedule import forget_kept_schedules
 
-    print("| S / P, documents | schedule ms | a rank's 4 data shards ms |")
-    print("|---|---|---|")
+    kernel = get_kernel("math", torch.device("cpu"), torch.float32)
+    names = [comm if inner == 1 else f"{comm} {inner} x P/{inner}" for comm, inner in HOST_SCHEMES]
+    print(f"| S / P, documents | {' ms | '.join(names)} ms | a rank's 4 data shards ms |")
+    print("|---|" + "---|" * (len(names) + 1))
     for seq, cp, documents in HOST_CASES:
-        best = [math.inf, math.inf]
+        packings = []
         for rep in range(reps):
             rng = random.Random(rep)
             cu = torch.tensor([0, *sorted(rng.sample(range(1, seq), documents - 1)), seq])
-            t0 = time.perf_counter()
-            layout_schedule("balanced", cp, seq, documents_mask(cu, None, seq_len=seq))
-            t1 = time.perf_counter()
-            for _ in range(4):
-                shard_index(seq, cp, 0, "balanced", cu)
-            t2 = time.perf_counter()
-            best = [min(best[0], t1 - t0), min(best[1], t2 - t1)]
-        print(f"| {seq // 1024}K / {cp}, {documents} | {best[0] * 1e3:.1f} | {best[1] * 1e3:.1f} |")
+            packings.append((cu, documents_mask(cu, None, seq_len=seq)))
+        best = [math.inf] * (len(HOST_SCHEMES) + 1)
+        for i, (comm, inner) in enumerate(HOST_SCHEMES):
+            with warnings.catch_warnings(), fake_world(cp, 0):
+                warnings.simplefilter("ignore")
+                groups = build_hcp_groups([cp] if inner == 1 else [inner, cp // inner])
+                for cu, mask in packings:
+                    forget_kept_schedules()  # each packing placed afresh, as a new batch's is
+                    t0 = time.perf_counter()
+                    resolve_scheme(groups, comm, "balanced", mask, seq // cp, 8, kernel, 0.125)
+                    best[i] = min(best[i], time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    for _ in range(4):  # the packing is placed by now
+                        shard_index(seq, cp, 0, "balanced", cu)
+                    best[-1] = min(best[-1], time.perf_counter() - t0)
+        print(f"| {seq // 1024}K / {cp}, {documents} | " + " | ".join(f"{b * 1e3:.1f}" for b in best) + " |")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -148,7 +169,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                         help="also time the busiest member's forward+backward (one CPU thread) for the first "
                              "sequence of each distribution at P = 8, and print balanced / zigzag")
     parser.add_argument("--host-time", action="store_true",
-                        help="only time a packed batch's schedule and data shards on the host (see above)")
+                        help="only time a packed batch's schemes and data shards on the host (see above)")
     args = parser.parse_args(argv)
     if args.host_time:
         host_time()

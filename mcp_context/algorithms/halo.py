@@ -32,11 +32,17 @@ Connect = Callable[..., PeerExchange]
 
 
 def halo_fits(schedule: Schedule) -> bool:
-    """True when every member's received rows (all steps but its own) fit in two shards."""
+    """True when every member's received rows (all steps but its own) fit in two shards (asked member by member,
+    step by step, until one does not: each ask derives a step's rows from the mask)."""
     size = schedule.ring_size
-    shard = sum(s.count for s in schedule.member_spans[0])
-    received = [sum(b - a for t in range(1, size) for a, b in schedule.kv_rows(m, t)) for m in range(size)]
-    return max(received) <= 2 * shard
+    room = 2 * sum(s.count for s in schedule.member_spans[0])
+    for m in range(size):
+        received = 0
+        for t in range(1, size):
+            received += sum(b - a for a, b in schedule.kv_rows(m, t))
+            if received > room:
+                return False
+    return True
 
 
 def _take(x: torch.Tensor, rows: Rows) -> torch.Tensor:

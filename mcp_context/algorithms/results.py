@@ -25,6 +25,7 @@ side is ``rotation.KeySums``): a key row's first block writes it, later ones add
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -113,8 +114,9 @@ class ResultPlan:
         held whole for the second chunk's later merge)."""
         order = [(s, i, t.q) for s, step in enumerate(tasks) for i, t in enumerate(step) if t.q[0] < t.q[1]]
         cuts = sorted({0, rows} | {r for *_, q in order for r in q})
-        segments = [(a, b) for a, b in zip(cuts, cuts[1:]) if a < b]
-        spans = {(s, i): [seg for seg in segments if q[0] <= seg[0] and seg[1] <= q[1]] for s, i, q in order}
+        segments = list(zip(cuts, cuts[1:]))
+        at = bisect.bisect_left
+        spans = {(s, i): segments[at(cuts, q[0]):at(cuts, q[1])] for s, i, q in order}
         writers: dict[tuple[int, int], list[tuple[int, int]]] = {seg: [] for seg in segments}
         for call, mine in spans.items():
             for seg in mine:

@@ -29,6 +29,7 @@ schedule row, ring peers, all-to-all pieces, the plan); ``Scheme.run`` is the pe
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -58,11 +59,9 @@ def _member_pieces(layout: str, cp_size: int, seq_len: int, inner: int, member: 
     _, order = canonical_member_spans(ranks)
     if order == sorted(order):
         return None
-    starts = [sum(s.count for s in flat[:i]) for i in range(len(flat))]
+    starts = list(itertools.accumulate((s.count for s in flat), initial=0))
     forward = [(starts[i], flat[i].count) for i in order]
-    new_starts = {i: sum(flat[j].count for j in order[:n]) for n, i in enumerate(order)}
-    backward = [(new_starts[i], flat[i].count) for i in range(len(flat))]
-    return forward, backward
+    return forward, list(_inverse(forward))
 
 
 def _cat_rows(x: torch.Tensor, pieces) -> torch.Tensor:
@@ -155,17 +154,16 @@ def _ring_kv(groups: HCPGroups, schedule: Schedule, member: int, peers: list[int
              ) -> tuple[Rotation, Optional[Callable], Tasks]:
     """K/V passed point-to-point step by step (only the rows read, from their owner, when a window's or
     the documents' halo fits: ``HaloRotation``)."""
-    tasks = schedule.tasks[member]
+    tasks = schedule.member_tasks(member)
     if schedule.ring_size == 1:
         return LocalRotation(0, 1), None, tasks
     if schedule.mask not in (FULL, CAUSAL) and halo_fits(schedule):  # a window, documents: only rows read
         connect = functools.partial(PeerExchange, group=groups.cp_group)
         return HaloRotation(schedule, member, peers, connect), None, tasks
     size = schedule.ring_size
-    busy = [t for t in range(size) if any(schedule.tasks[m][t] for m in range(size))]
     return RingRotation(RingExchange(peers, member, groups.cp_group, "ring_kv"),
                         RingExchange(peers, member, groups.cp_group, "ring_dkv"), size,
-                        steps=max(busy, default=0) + 1), None, tasks  # no member reads after the last busy step
+                        steps=max(schedule.busy_steps(), default=0) + 1), None, tasks  # none reads after the last
 
 
 def _gathered_kv(groups: HCPGroups, schedule: Schedule, member: int, peers: list[int], kernel_masks: frozenset
@@ -175,14 +173,14 @@ def _gathered_kv(groups: HCPGroups, schedule: Schedule, member: int, peers: list
     its visible keys in one call (``schedule.gathered_tasks``); a strided layout keeps member order and
     walks the gathered shards step by step."""
     if schedule.ring_size == 1:
-        return LocalRotation(0, 1), None, schedule.tasks[member]
+        return LocalRotation(0, 1), None, schedule.member_tasks(member)
     if len(peers) == groups.cp_size:
         gather = functools.partial(gather_seq, group=groups.cp_group)
     else:
         gather = functools.partial(gather_seq_among, peers=peers, me=member, group=groups.cp_group)
     order = position_pieces(schedule)
     if order is None:
-        return LocalRotation(member, len(peers)), gather, schedule.tasks[member]
+        return LocalRotation(member, len(peers)), gather, schedule.member_tasks(member)
     return (LocalRotation(0, 1), lambda x: take_rows(gather(x), order),
             gathered_tasks(schedule, member, kernel_masks))
 
