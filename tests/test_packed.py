@@ -241,6 +241,18 @@ def test_balanced_reaches_1_05_at_p8_on_both_distributions_with_no_padding():
         assert zigzag["padding"] > 0.0, (name, zigzag)
 
 
+
+def test_packed_figures_host_time_prints_a_rank_s_scheme_per_comm_and_its_data_shards(monkeypatch, capsys):
+    """``tools/packed_figures.py --host-time`` (docs/performance.md's packed host table): one row per case, a
+    positive time per comm (each resolved in a fake process group) and for the data shards."""
+    import tools.packed_figures as tool
+
+    monkeypatch.setattr(tool, "HOST_CASES", ((2048, 4, 6),))
+    tool.main(["--host-time"])
+    header, rule, row = capsys.readouterr().out.strip().splitlines()
+    assert header.count("|") == rule.count("|") == row.count("|") == len(tool.HOST_SCHEMES) + 3
+    assert row.startswith("| 2K / 4, 6 |") and all(float(c) > 0 for c in row.strip("|").split("|")[1:])
+
 # ---- bad input ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("cu,padded,layout,match", [
