@@ -217,8 +217,9 @@ def test_the_gpu_branch_of_a_rank_step_row_runs_and_feeds_the_report(monkeypatch
 
 
 def test_a_graph_capture_that_fails_is_the_rows_note_and_the_rest_is_timed(monkeypatch, tmp_path):
-    """The graphed step has not yet run on a GPU: a capture that raises leaves the row's other figures
-    measured, names the failure in the row (``graphed_error``) and in the report's graphed column."""
+    """A capture can fail on a GPU (a2a+p2p's at 16 and 64 ranks did on an H200, run 5): one that raises leaves
+    the row's other figures measured, names the failure in the row (``graphed_error``) and in the report's graphed
+    column."""
     from tools.gpu_report import report
     from tests.test_graphs import failing_capture
 

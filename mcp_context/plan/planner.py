@@ -327,7 +327,8 @@ def explain(req: PlanRequest, best: PlanRow, rows: list[PlanRow]) -> list[str]:
                    f"({p.compute_s * 1e3:.2f} ms of it compute); {comm}")
     if p.host_s > p.total_s:
         replay = ("; or replay the step from CUDA graphs (K/V are local to it: step_graphs=True, recipe "
-                  "model.cp_step_graphs=true; not yet run on a GPU)" if best.replayable else "")
+                  "model.cp_step_graphs=true; timed on an H200, its bit-for-bit test not yet run whole on a GPU)"
+                  if best.replayable else "")
         reasons.append(f"host-bound: issuing the layer takes the host {p.host_s * 1e3:.2f} ms, longer than the GPU "
                        f"runs it ({p.total_s * 1e3:.2f} ms); the GPU waits unless the layers before attention give the "
                        f"host a lead: fewer CP ranks for this length, or a larger micro batch, gives each call more "
