@@ -125,3 +125,21 @@ def test_the_cost_model_prices_the_bytes_the_executor_moves(rank):
         assert forward == fwd.bytes - fwd.bytes_by_op["cat"], (comm, forward, fwd.bytes_by_op)
         assert forward + backward + layer == count.bytes - bwd.bytes_by_op["nan_to_num"], (
             comm, forward + backward + layer, fwd.bytes_by_op, bwd.bytes_by_op)
+
+
+# scheme: (attention calls per pass, host ops) of rank 0's fwd+bwd over a packed sequence of 20 documents at
+# S = 8K, P = 8 (balanced layout), 2026-11-27: one call per document piece a step, and per call its copies, lse
+# and dK/dV writes; an unpacked step at this S/P makes 8 calls and 167 host ops (p2p), 1 and 22 (a2a)
+PACKED = {"p2p": (101, 1491), "a2a": (20, 466)}
+
+
+@pytest.mark.parametrize("comm", list(PACKED))
+def test_a_packed_steps_calls_and_host_ops_are_pinned(comm):
+    """A packed batch's step makes one attention call per document piece it meets a step (``schedule``: a
+    task per document's rectangle), each with the host ops around it: the ring's 101 calls a pass here against
+    8 unpacked. Pinned so that a change that adds to them fails, and one that collapses them (a step's pieces
+    in one variable-length call) updates the pin."""
+    from tools.step_ops import random_documents
+
+    count = count_step(comm, 8192, 8, mask=random_documents(8192, 20), layout="balanced")
+    assert (count.calls, count.host_ops) == PACKED[comm], (count.calls, count.host_ops)

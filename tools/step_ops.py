@@ -25,6 +25,7 @@ one) and the launches of the communication. The counts are the forward and the b
 them per scheme, so a change that adds work to the hot path fails a test.
 
     python tools/step_ops.py --seq-len 32768 --cp 8            # every scheme, Llama-3-8B heads
+    python tools/step_ops.py --seq-len 32768 --cp 8 --documents 50   # a packed batch of 50 documents
 """
 from __future__ import annotations
 
@@ -171,12 +172,13 @@ class StepCount:
 
 
 def count_step(comm: str, seq_len: int, cp: int, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
-               mask: Mask = CAUSAL, inner: int = 2, rank: int = 0, op: str = "cudnn") -> StepCount:
+               mask: Mask = CAUSAL, inner: int = 2, rank: int = 0, op: str = "cudnn", layout: str = "zigzag"
+               ) -> StepCount:
     """Count rank ``rank``'s forward and backward of ``comm`` on fake CUDA bf16 tensors (batch 1): a ring as the
     member walks it (``RankStep.walked``: its own shard's K/V, packed into messages), the other kinds over
     the K/V they hold after their collectives."""
     kernel = TorchKernel(FUSED_OPS[op])
-    step = rank_step(comm, cp, seq_len, mask, kernel, heads, kv_heads, head_dim, inner, rank=rank)
+    step = rank_step(comm, cp, seq_len, mask, kernel, heads, kv_heads, head_dim, inner, layout, rank)
     dtype = torch.bfloat16
     with FakeTensorMode():
         def empty(*shape):
@@ -195,6 +197,16 @@ def count_step(comm: str, seq_len: int, cp: int, heads: int = 32, kv_heads: int 
     return StepCount(comm, step.calls, fwd.tally, bwd.tally, outputs)
 
 
+def random_documents(seq_len: int, count: int, seed: int = 0) -> Mask:
+    """A causal packed sequence of ``count`` documents at seeded random offsets (``--documents``)."""
+    import random
+
+    from mcp_context.masks import documents_mask
+
+    rng = random.Random(seed)
+    return documents_mask([0, *sorted(rng.sample(range(1, seq_len), count - 1)), seq_len], seq_len=seq_len)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seq-len", type=int, default=32768)
@@ -204,14 +216,20 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--inner", type=int, default=2, help="all-to-all degree of the hierarchical schemes")
     ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--documents", type=int, default=0,
+                    help="a packed sequence of this many documents at seeded random offsets, balanced layout "
+                         "(default 0: one causal sequence, zigzag)")
     args = ap.parse_args(argv)
+    mask, layout = CAUSAL, "zigzag"
+    if args.documents:
+        mask, layout = random_documents(args.seq_len, args.documents), "balanced"
     print(f"S={args.seq_len} P={args.cp} h={args.heads}/{args.kv_heads} d={args.head_dim}, rank {args.rank}, "
-          f"cuDNN, bf16 (fake CUDA tensors)")
+          f"cuDNN, bf16 (fake CUDA tensors)" + (f", {args.documents} packed documents" if args.documents else ""))
     print(f"{'scheme':16}{'calls':>6}{'ops fwd':>9}{'ops bwd':>9}{'ops':>6}{'MiB':>9}{'x outputs':>11}"
           f"{'host ops':>10}  ops by name")
     for comm in SCHEMES:
-        c = count_step(comm, args.seq_len, args.cp, args.heads, args.kv_heads, args.head_dim, inner=args.inner,
-                       rank=args.rank)
+        c = count_step(comm, args.seq_len, args.cp, args.heads, args.kv_heads, args.head_dim, mask, args.inner,
+                       args.rank, layout=layout)
         names = ", ".join(f"{n} {k}" for n, k in (c.forward.by_op + c.backward.by_op).most_common())
         print(f"{comm:16}{c.calls:>6}{c.forward.ops:>9}{c.backward.ops:>9}{c.ops:>6}{c.bytes / 2**20:>9.0f}"
               f"{c.bytes / c.output_bytes:>11.1f}{c.host_ops:>10}  {names}")
