@@ -31,7 +31,6 @@ import warnings
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
-from torch._dynamo.exc import FailOnRecompileLimitHit
 from torch._subclasses.fake_tensor import is_fake
 
 from .errors import first_line
@@ -221,7 +220,10 @@ class Region:
     def run_compiled(self, *args: torch.Tensor) -> None:
         """The region through dynamo; a variant past torch's recompile limit is compiled under
         ``RECOMPILE_LIMIT`` (the limit is read only when a call compiles, so calls of known variants pay
-        nothing for it)."""
+        nothing for it). Dynamo is imported here, with the first compiled call, not with this module: a process
+        that never compiles (the CPU, a planner) does not load it (2-3 s of a 2-core CPU's time a process)."""
+        from torch._dynamo.exc import FailOnRecompileLimitHit
+
         try:
             self.compile()(*args)
         except FailOnRecompileLimitHit:  # raised before the variant ran: nothing is written yet

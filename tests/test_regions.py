@@ -356,3 +356,15 @@ def test_every_role_through_direct_calls_gives_exact_attention(monkeypatch):
         if name == "lse":
             got, want = got[finite], want[finite]
         assert relative_error(got, want) <= tol, name
+
+
+def test_the_engine_loads_without_dynamo():
+    """Dynamo loads with the first compiled region call (``Region.run_compiled``), not with the engine's modules:
+    a process that never compiles (a CPU run; each rank of the README's ``use.py`` under torchrun) does not pay
+    for it (about 3 s of this project's 2-core CPU a process)."""
+    import subprocess
+    import sys
+
+    probe = "import sys, mcp_context.engine, mcp_context.api; print('torch._dynamo' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "False", (done.stdout, done.stderr[-2000:])
