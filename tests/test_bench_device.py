@@ -293,3 +293,21 @@ def test_the_gpu_report_sets_the_measured_busy_share_beside_the_occupancy_model(
     assert "## Calls too small to fill the GPU" in text, text
     assert "| full 2048x30720 | 4 | 0.48 | 0.48 | 1.00 | 1.00 |" in text, text
     assert "| full 2048x30720 | 32 | 1.00 | 1.00 | 1.00 | 1.00 |" in text, text
+
+
+def test_the_report_tables_the_varlen_rows_of_the_profile(tmp_path):
+    """``kernel_rates.py --parts varlen`` rows in profile.jsonl become the report's table of a packed step's ways
+    (per task, per task with flash, one variable-length call per mask kind); a profile without them adds none."""
+    from tools.gpu_report import varlen_table
+
+    rows = [{"part": "varlen", "step": 0, "tasks": 42, "way": way, "calls": calls, "cold_ms": cold,
+             "host_ahead_ms": 0.5, "host_issue_ms": issue, "host_ahead": ahead, "max_diff_from_per_task": diff}
+            for way, calls, cold, issue, ahead, diff in (("per_task", 42, 4.1, 4.0, False, 0.0),
+                                                         ("varlen_flash", 2, 0.9, 0.3, True, 7.8e-3))]
+    path = tmp_path / "profile.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [{"part": "profile"}] + rows))
+    table = varlen_table(str(path))
+    assert table[2] == "| 0 (42) | per_task | 42 | 4.10 | 0.50* | 4.00 | 0.0e+00 |"
+    assert table[3] == "| 0 (42) | varlen_flash | 2 | 0.90 | 0.50 | 0.30 | 7.8e-03 |" and len(table) == 4
+    path.write_text(json.dumps({"part": "profile"}) + "\n")
+    assert varlen_table(str(path)) == []

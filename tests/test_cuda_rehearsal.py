@@ -102,3 +102,36 @@ def test_a_megatron_layer_with_our_spec_rehearses_its_forward_on_fake_cuda():
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "aten._scaled_dot_product_cudnn_attention.default" in run.stdout.strip().splitlines()[-1]
+
+
+def test_the_varlen_measurements_calls_rehearse_on_fake_cuda():
+    """``tools/kernel_rates.py --parts varlen`` (a packed step's pieces per call against one variable-length flash
+    call per mask kind; for the next GPU run): its calls rehearse on fake CUDA bf16 tensors, each way giving every
+    task's output in the task's shape; ``varlen_groups`` puts full pieces and causal squares in one call each, in
+    task order, and refuses another mask."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mcp_context.masks import BlockMask
+    from mcp_context.schedule import BlockTask, layout_schedule
+    from tools.kernel_rates import packed_step_calls, varlen_groups
+    from tools.step_ops import random_documents
+
+    schedule = layout_schedule("balanced", 4, 2048, random_documents(2048, 9),
+                               kernel_masks=frozenset({"full", "causal"}))
+    for step in (0, 1):
+        tasks = schedule.member_tasks(0)[step]
+        groups = varlen_groups(tasks)
+        assert sorted(i for _, g in groups for i in g) == list(range(len(tasks))) and len(groups) <= 2
+        assert all(tasks[i].mask.kind == ("causal" if causal else "full") for causal, g in groups for i in g)
+        with FakeTensorMode():
+            q, dout = (torch.empty(512, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            k, v = (torch.empty(512, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            ways = packed_step_calls(tasks, TorchKernel(FUSED_OPS["cudnn"]), TorchKernel(FUSED_OPS["flash"]),
+                                     q, k, v, dout, 0.125)
+            for name, run in ways.items():
+                outs = run()
+                assert [tuple(o.shape) for o in outs] == [(t.q[1] - t.q[0], 8, 64) for t in tasks], name
+                assert all(o.device.type == "cuda" and o.dtype == torch.bfloat16 for o in outs), name
+    band = BlockTask((0, 8), (0, 8), BlockMask(-3, 0))
+    with pytest.raises(ValueError, match="full pieces and causal squares, not a band mask"):
+        varlen_groups([band])

@@ -176,6 +176,22 @@ def regions_table(path: str) -> list[str]:
     return out
 
 
+def varlen_table(path: str) -> list[str]:
+    """``tools/kernel_rates.py``'s ``varlen`` rows: a packed step's pieces one call each (as shipped, and with
+    flash) against one variable-length flash call per mask kind: fwd+bwd cold, with the host ahead, the host's
+    issue time and the largest difference of the outputs from the shipped calls'."""
+    rows = [r for r in _lines(path) if r.get("part") == "varlen"]
+    if not rows:
+        return []
+    out = ["| step (tasks) | way | calls | cold ms | host ahead ms | host issue ms | max diff from shipped |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['step']} ({r['tasks']}) | {r['way']} | {r['calls']} | {r['cold_ms']:.2f} | "
+                   f"{_held(r['host_ahead_ms'], r['host_ahead'])} | {r['host_issue_ms']:.2f} | "
+                   f"{r['max_diff_from_per_task']:.1e} |")
+    return out
+
+
 def occupancy_table(path: str, profile: str) -> list[str]:
     """The short picks' calls at 4 to 32 heads (``tools/kernel_rates.py``'s ``occupancy`` rows): the busy share
     measured beside the planner's model (``tools/calibrate_profile.occupancy_rows`` with ``profile``)."""
@@ -234,6 +250,13 @@ def report(results: str) -> str:
                       "The share of the GPU each call keeps busy, measured as its FLOP rate per head over the same "
                       "block's at 32 heads (GPU time with the host ahead), beside the planner's occupancy model "
                       "(plan/cost.occupancy, the h200_nvlink_ib profile: 132 SMs, 128-row tiles).", ""] + table + [""]
+        table = varlen_table(profile_path)
+        if table:
+            lines += ["## A packed step's pieces in one variable-length call (tools/kernel_rates.py --parts varlen)",
+                      "", "Rank 0's first two ring steps of a packed 32K sequence over 8 ranks (50 documents, balanced "
+                      "layout): one call per document piece as shipped, one flash call per piece, and one "
+                      "variable-length flash call per mask kind (rows gathered); '*': the host fell behind the "
+                      "hold.", ""] + table + [""]
     host_path = os.path.join(results, "host_costs.jsonl")
     if os.path.exists(host_path):
         lines += ["## Where the host's time goes (tools/host_costs.py)", "",

@@ -18,11 +18,20 @@ rank's step spends its GPU time.
    2026-11-27), eagerly. On an H200 (run 5, ``docs/gpu/h200_run5_regions.log``) every size symbolic ran the
    merges at a fifth to half of the memory bandwidth, only the rows symbolic at 0.8-1.0 of the per-shape
    kernels: the shipped form since.
+5. ``varlen``: a packed batch's ring steps (rank 0 of ``--cp``, ``--varlen-documents`` documents at seeded random
+   offsets in 32K rows, balanced layout: one task per document piece, ``tools/step_ops.py --documents``), fwd+bwd
+   cold and with the host ahead, three ways: one call per task as shipped (the ``auto`` kernel), one flash call
+   per task, and a step's pieces in one variable-length flash call per mask kind (``aten._flash_attention_forward``
+   with ``cum_seq_q/k``: full pieces in one, causal squares in another; rows gathered along the tokens, as an
+   executor would), with its largest difference from the shipped calls' outputs. What decides whether a packed
+   step should run its pieces in variable-length calls (``docs/performance.md``, "A packed batch's calls"); not
+   yet run on a GPU (rehearsed on fake CUDA tensors by ``tests/test_kernels.py``).
 
 Writes one JSON line per result to ``--out`` (flushed as measured). Needs CUDA.
 
     python tools/kernel_rates.py --out runs/rates.jsonl
     python tools/kernel_rates.py --parts regions --out runs/regions.jsonl
+    python tools/kernel_rates.py --parts varlen --out runs/varlen.jsonl
 """
 from __future__ import annotations
 
@@ -31,6 +40,7 @@ import json
 import os
 import statistics
 import sys
+from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -231,6 +241,119 @@ def time_regions(sink, heads: int, kv_heads: int, d: int, reps: int, rows: int =
             print(f"  {case:28} {variant:15} {shown}", flush=True)
 
 
+VARLEN_SEQ = 32768
+VARLEN_STEPS = (0, 1)
+"""The packed steps ``varlen`` times: the member against itself (causal squares and full pieces) and the next
+(full pieces only)."""
+
+
+def varlen_groups(tasks) -> list[tuple[bool, tuple[int, ...]]]:
+    """``(causal, task indices)`` per variable-length call of a step: full pieces in one, causal squares in another
+    (a kind with no task has no call); ValueError for a task of another mask (a window's bands, anticausal runs)."""
+    full = tuple(i for i, t in enumerate(tasks) if t.mask == FULL_BLOCK)
+    causal = tuple(i for i, t in enumerate(tasks) if t.mask == CAUSAL_BLOCK)
+    if len(full) + len(causal) != len(tasks):
+        other = next(t for t in tasks if t.mask not in (FULL_BLOCK, CAUSAL_BLOCK))
+        raise ValueError(f"a variable-length call takes full pieces and causal squares, not a {other.mask.kind} mask")
+    return [(kind, group) for kind, group in ((False, full), (True, causal)) if group]
+
+
+def gathered(x: torch.Tensor, ranges) -> torch.Tensor:
+    """Rows ``ranges`` of token-major ``x [s, h, d]`` stacked along the tokens: ``[sum of lengths, h, d]``."""
+    return torch.cat([x.narrow(0, a, b - a) for a, b in ranges])
+
+
+def offsets(ranges, device) -> tuple[torch.Tensor, int]:
+    """``cu_seqlens`` (int32, on ``device``) of ``ranges`` stacked in order, and the longest range."""
+    cu = [0]
+    for a, b in ranges:
+        cu.append(cu[-1] + b - a)
+    return torch.tensor(cu, dtype=torch.int32, device=device), max(b - a for a, b in ranges)
+
+
+def varlen_call(tasks, group: tuple[int, ...], causal: bool, q, k, v, dout, scale: float) -> Callable:
+    """fwd+bwd of ``tasks[group]`` in one variable-length flash call over token-major ``q, k, v, dout [s, h, d]``
+    (the gathers included); returns the forward's ``out`` per task, for the comparison."""
+    q_ranges, kv_ranges = [tasks[i].q for i in group], [tasks[i].kv for i in group]
+    cu_q, max_q = offsets(q_ranges, q.device)
+    cu_k, max_k = offsets(kv_ranges, q.device)
+
+    def run() -> list[torch.Tensor]:
+        qs, dos = gathered(q, q_ranges), gathered(dout, q_ranges)
+        ks, vs = gathered(k, kv_ranges), gathered(v, kv_ranges)
+        out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(qs, ks, vs, cu_q, cu_k, max_q, max_k, 0.0,
+                                                                          causal, False, scale=scale)
+        torch.ops.aten._flash_attention_backward(dos, qs, ks, vs, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal,
+                                                 rng, unused, scale=scale)
+        return list(out.split([b - a for a, b in q_ranges]))
+    return run
+
+
+def per_task_call(kernel, tasks, q, k, v, dout, scale: float) -> Callable:
+    """fwd+bwd of every task in its own call of ``kernel`` on ``[1, h, n, d]`` views of token-major rows; returns
+    each task's ``out`` token-major ``[n, h, d]``."""
+    def view(x, a, b):
+        return x.narrow(0, a, b - a).transpose(0, 1).unsqueeze(0)
+
+    def run() -> list[torch.Tensor]:
+        outs = []
+        for t in tasks:
+            qs, ks, vs, dos = view(q, *t.q), view(k, *t.kv), view(v, *t.kv), view(dout, *t.q)
+            out, lse = kernel.forward(qs, ks, vs, t.mask, scale)
+            kernel.backward(dos, qs, ks, vs, out, lse, t.mask, scale)
+            outs.append(out.squeeze(0).transpose(0, 1))
+        return outs
+    return run
+
+
+def packed_step_calls(tasks, shipped, flash, q, k, v, dout, scale: float) -> dict[str, Callable]:
+    """The three ways ``varlen`` times one step's ``tasks``: ``per_task`` (``shipped``, the ``auto`` kernel),
+    ``per_task_flash`` and ``varlen_flash`` (``varlen_groups``), each a fwd+bwd returning its outputs."""
+    calls = [varlen_call(tasks, group, causal, q, k, v, dout, scale) for causal, group in varlen_groups(tasks)]
+    order = [i for _, group in varlen_groups(tasks) for i in group]
+
+    def varlen() -> list[torch.Tensor]:
+        outs = [o for call in calls for o in call()]
+        return [outs[order.index(i)] for i in range(len(tasks))]
+    return {"per_task": per_task_call(shipped, tasks, q, k, v, dout, scale),
+            "per_task_flash": per_task_call(flash, tasks, q, k, v, dout, scale), "varlen_flash": varlen}
+
+
+def time_varlen(sink, kernel, heads: int, kv_heads: int, d: int, reps: int, cp: int, documents: int) -> None:
+    """Each of ``VARLEN_STEPS`` of rank 0's packed ring (``documents`` in ``VARLEN_SEQ`` rows over ``cp`` ranks),
+    its tasks the three ways of ``packed_step_calls``: cold and with the host ahead, and the largest difference of
+    each way's outputs from the shipped calls'."""
+    from mcp_context.kernels.torch_sdpa import FUSED_OPS, TorchKernel
+    from mcp_context.schedule import layout_schedule
+    from tools.step_ops import random_documents
+
+    dev = torch.device("cuda")
+    schedule = layout_schedule("balanced", cp, VARLEN_SEQ, random_documents(VARLEN_SEQ, documents),
+                               kernel_masks=frozenset({"full", "causal"}))
+    rows = VARLEN_SEQ // cp
+    q, dout = (_cuda_randn(rows, heads, d) for _ in range(2))
+    k, v = (_cuda_randn(rows, kv_heads, d) for _ in range(2))
+    for step in VARLEN_STEPS:
+        tasks = schedule.member_tasks(0)[step]
+        calls = packed_step_calls(tasks, kernel, TorchKernel(FUSED_OPS["flash"]), q, k, v, dout, d ** -0.5)
+        shipped = calls["per_task"]()
+        diff = {name: max(float((a.float() - b.float()).abs().max()) for a, b in zip(fn(), shipped))
+                for name, fn in calls.items()}
+        cold = _interleaved_seconds(calls, dev, reps)
+        held = _queued_seconds(calls, dev, reps, max(statistics.median(t) for t in cold.values()))
+        for name in calls:
+            row = {"part": "varlen", "cp": cp, "documents": documents, "step": step, "tasks": len(tasks),
+                   "way": name, "calls": len(varlen_groups(tasks)) if name == "varlen_flash" else len(tasks),
+                   "cold_ms": statistics.median(cold[name]) * 1e3,
+                   "host_ahead_ms": statistics.median(g for g, _, _ in held[name]) * 1e3,
+                   "host_issue_ms": statistics.median(h for _, h, _ in held[name]) * 1e3,
+                   "host_ahead": all(ok for _, _, ok in held[name]), "max_diff_from_per_task": diff[name]}
+            sink(row)
+            print(f"  step {step} ({len(tasks)} tasks) {name:15} {row['calls']:>3} calls: cold "
+                  f"{row['cold_ms']:.2f} ms, host ahead {row['host_ahead_ms']:.2f} ms, host issue "
+                  f"{row['host_issue_ms']:.2f} ms; max diff {row['max_diff_from_per_task']:.2e}", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="JSON lines file")
@@ -241,7 +364,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-seq-lens", type=int, nargs="+", default=[32768, 131072])
     ap.add_argument("--cp", type=int, default=8)
     ap.add_argument("--parts", nargs="+", default=["rates", "occupancy", "profile"],
-                    choices=["rates", "occupancy", "profile", "regions"])
+                    choices=["rates", "occupancy", "profile", "regions", "varlen"])
+    ap.add_argument("--varlen-documents", type=int, default=50,
+                    help="documents of the packed sequence the varlen part times (default 50)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
@@ -259,6 +384,8 @@ def main(argv=None) -> int:
             _profile(sink, kernel, s, args.cp, args.heads, args.kv_heads, args.head_dim)
     if "regions" in args.parts:
         time_regions(sink, args.heads, args.kv_heads, args.head_dim, args.reps)
+    if "varlen" in args.parts:
+        time_varlen(sink, kernel, args.heads, args.kv_heads, args.head_dim, args.reps, args.cp, args.varlen_documents)
     print(json.dumps({"wrote": args.out}))
     return 0
 
