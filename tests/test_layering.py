@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "mcp_context"
 
 LAYERS = [
-    ["cp_rules", "trace", "atomic", "safe_pickle", "masks", "lazy", "errors", "switches"],
+    ["cp_rules", "trace", "atomic", "safe_pickle", "masks", "lazy", "errors", "switches", "megatron_import"],
     ["kernels"],
     ["regions"],
     ["merge"],

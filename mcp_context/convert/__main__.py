@@ -17,6 +17,8 @@ import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
+from mcp_context.megatron_import import import_megatron_core
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
 
@@ -156,6 +158,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _error(exc)
     warnings.filterwarnings("ignore", message=".*(Transformer Engine and Apex|Apex) (are|is) not installed.*")
     warnings.filterwarnings("ignore", category=FutureWarning)
+    import_megatron_core()  # before anything of megatron-core: its fusions compile at first call
     from mcp_context.convert.hf_io import MissingTensorError
 
     start = time.perf_counter()

@@ -18,6 +18,7 @@ import warnings
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).* not installed")
 
 from mcp_context.data.corpus import CorpusError  # noqa: E402
+from mcp_context.megatron_import import import_megatron_core  # noqa: E402
 from mcp_context.recipes import RecipeError, load_recipe, validate_recipe  # noqa: E402
 
 
@@ -30,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_recipe(None if args.recipe == "-" else args.recipe, args.overrides)
         validate_recipe(cfg)
+        import_megatron_core()  # before anything of megatron-core: its fusions compile at first call
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
         from mcp_context.data import prepare_data

@@ -32,6 +32,7 @@ warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).* not in
 warnings.filterwarnings("ignore", message="full scope is deprecated")
 warnings.filterwarnings("ignore", category=FutureWarning, module=r"(torch|megatron)\.")
 
+from mcp_context.megatron_import import import_megatron_core  # noqa: E402
 from mcp_context.pretrain.launch import check_recipe_for_training, launched_world_size, resolve_run_dir  # noqa: E402
 from mcp_context.recipes import RecipeError, load_recipe  # noqa: E402
 
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check_launch is not None:
         return _check_resume(cfg, args.resume_from, args.restart)
 
+    import_megatron_core()  # before anything of megatron-core: its fusions compile at first call
     from mcp_context.data import CorpusError
     from mcp_context.pretrain.checkpoint import CheckpointError
     from mcp_context.pretrain.loop import TrainingDiverged, train

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..cp_rules import COMM_TYPES, LAYOUTS, PACKED_LAYOUTS, a2a_degree, check_heads, check_layout, check_levels, normalize_comm
+from ..megatron_import import import_megatron_core
 from .faults import FAULTS, check_fault
 from .setup import DEFAULT_SEQ_LEN, SOFTMAX_TYPES, Setup, model_kinds, valid_seq_len, with_documents
 
@@ -236,6 +237,7 @@ def describe(setup: Setup, simulate: bool) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    import_megatron_core()  # before anything of megatron-core: its fusions compile at first call
     from . import report
     from .checks import Ranks, run_checks
 
