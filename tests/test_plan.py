@@ -908,3 +908,20 @@ def test_the_grid_tool_lists_each_cells_pick_with_its_busy_share_and_replayabili
     assert row["best_per_scheme"][row["comm"]]["candidate"] == row["pick"]
     assert row["busy"] == 1.0 and row["replayable"] == (row["comm"] in ("a2a", "all_gather", "a2a+all_gather"))
     assert row["efficiency"] == pytest.approx(row["fused_equal_flops_ms"] / row["predicted_ms"])
+
+
+def test_candidates_that_run_alike_are_dry_run_once_with_the_figures_each_would_get(h100, monkeypatch):
+    """a2a+p2p and a2a+all_gather at [2, 2, 2] and [2, 4] run the same step (the ring spans the outer levels
+    flattened): the planner dry-runs one of each kind and gives both rows the figures evaluating each gives."""
+    import mcp_context.plan.planner as planner
+
+    req = dataclasses.replace(_request(h100, seq=128, gpus=8), cp_sizes=(8,))
+    calls = []
+    evaluate_ = planner.evaluate
+    monkeypatch.setattr(planner, "evaluate", lambda r, cand, *a: calls.append(cand) or evaluate_(r, cand, *a))
+    rows = plan(req).rows
+    labels = {r.candidate.label() for r in rows}
+    assert {"cp2x2x2 a2a+p2p zigzag", "cp2x4 a2a+p2p zigzag"} <= labels
+    assert len(calls) < len(rows) and len({planner.runs_alike(c) for c in calls}) == len(calls)
+    shared = [row for row in rows if row.candidate not in calls]
+    assert shared and all(row == evaluate_(req, row.candidate) for row in shared)

@@ -250,24 +250,45 @@ def usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def runs_alike(cand: Candidate) -> tuple:
+    """What a candidate's dry run and figures depend on besides the request: its engine scheme, CP size, all-to-all
+    degree and layout. Hierarchies that differ only past level 0 (``[2, 2, 2]`` and ``[2, 4]`` for a2a+p2p) run the
+    same step: the engine's ring spans the outer levels flattened (``algorithms/schemes``)."""
+    return cand.engine_comm, cand.cp_size, cand.a2a_degree, cand.layout
+
+
 def _evaluate_all(req: PlanRequest, candidates: list[Candidate], jobs: int, done: Callable[[], object]
                   ) -> list[PlanRow]:
     """``evaluate`` each candidate, in this process or in ``jobs`` fresh ones (spawned: a dry run needs a
-    process without a torch.distributed default group); ``done()`` after each."""
-    if jobs <= 1 or len(candidates) <= 1:
-        rows = []
-        for cand in candidates:
-            rows.append(evaluate(req, cand))
+    process without a torch.distributed default group); ``done()`` after each. Candidates that run alike
+    (``runs_alike``) are evaluated once and share the figures, each row under its own candidate."""
+    kinds: dict[tuple, Candidate] = {}
+    for cand in candidates:
+        kinds.setdefault(runs_alike(cand), cand)  # the first candidate of each kind is dry-run
+    ones = list(kinds.values())
+    if jobs <= 1 or len(ones) <= 1:
+        evaluated = []
+        for cand in ones:
+            evaluated.append(evaluate(req, cand))
             done()
-        return rows
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    with ProcessPoolExecutor(min(jobs, len(candidates)), mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(evaluate, req, cand) for cand in candidates]
-        for _ in as_completed(futures):
+        with ProcessPoolExecutor(min(jobs, len(ones)), mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(evaluate, req, cand) for cand in ones]
+            for _ in as_completed(futures):
+                done()
+            evaluated = [f.result() for f in futures]
+    by_kind = {runs_alike(row.candidate): row for row in evaluated}
+    rows = []
+    for cand in candidates:
+        row = by_kind[runs_alike(cand)]
+        if row.candidate != cand:
+            row = dataclasses.replace(row, candidate=cand)
             done()
-        return [f.result() for f in futures]
+        rows.append(row)
+    return rows
 
 
 def _cp_sizes(req: PlanRequest) -> list[int]:
