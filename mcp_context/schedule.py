@@ -114,24 +114,13 @@ class Schedule:
 
     def kv_rows(self, member: int, step: int) -> tuple[tuple[int, int], ...]:
         """Rows of the arriving shard that ``member``'s tasks at ``step`` read, as sorted disjoint
-        ``[start, stop)`` ranges: all a transfer must bring (nothing for a step without tasks). From the
-        member's tasks where they are built, else from the mask's rectangles (the same rows); kept."""
+        ``[start, stop)`` ranges: all a transfer must bring (nothing for a step without tasks). Derived from the
+        mask's rectangles (``step_kv_ranges``: the rows the tasks read, without cutting them), kept."""
         kept = self._kv_rows.get((member, step))
-        if kept is not None:
-            return kept
-        row = self._rows.get(member)
-        if row is not None:
-            ranges = [t.kv for t in row[step]]
-        else:
+        if kept is None:
             spans = self.member_spans
             ranges = step_kv_ranges(spans[member], spans[(member - step) % self.ring_size], self.mask)
-        merged: list[list[int]] = []
-        for a, b in sorted(ranges):
-            if merged and a <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], b)
-            else:
-                merged.append([a, b])
-        kept = self._kv_rows[(member, step)] = tuple((a, b) for a, b in merged)
+            kept = self._kv_rows[(member, step)] = tuple(merged_ranges(ranges))
         return kept
 
     def busy_steps(self) -> list[int]:
@@ -144,6 +133,17 @@ class Schedule:
 
     def computed_pairs(self, tile: int = 128) -> list[int]:
         return [sum(t.computed_pairs(tile) for step in member for t in step) for member in self.tasks]
+
+
+def merged_ranges(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``[start, stop)`` ranges sorted, with those that overlap or touch merged into one."""
+    merged: list[tuple[int, int]] = []
+    for a, b in sorted(ranges):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
 
 
 def _visible(n: int, m: int, lo: Optional[int], hi: Optional[int]) -> Optional[tuple[int, int, int, int]]:

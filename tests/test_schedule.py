@@ -174,13 +174,13 @@ def _random_mask(rng, seq: int, cp: int):
 
 
 def test_the_rows_a_step_reads_are_the_same_whether_or_not_its_tasks_were_cut():
-    """``Schedule.kv_rows`` of a member whose tasks were never built (what a rank asks of the other members: the
-    halo's sends, the ring's busy steps) comes from the mask's rectangles; it equals the union of the key ranges
-    of the tasks themselves, over layouts, ring sizes, all-to-all degrees, masks and kernels' block-mask kinds."""
+    """``Schedule.kv_rows`` (what a rank asks of the other members: the halo's sends, the ring's busy steps) comes
+    from the mask's rectangles without cutting a task; it equals the union of the key ranges of the tasks
+    themselves, over layouts, ring sizes, all-to-all degrees, masks and kernels' block-mask kinds."""
     import random
 
     from mcp_context.masks import Documents
-    from mcp_context.schedule import ALL_BLOCK_MASKS
+    from mcp_context.schedule import ALL_BLOCK_MASKS, merged_ranges
 
     rng = random.Random(0)
     kinds = [ALL_BLOCK_MASKS, frozenset({"full", "causal"}), frozenset({"full"})]
@@ -195,23 +195,13 @@ def test_the_rows_a_step_reads_are_the_same_whether_or_not_its_tasks_were_cut():
         cut = dataclasses.replace(lazy)
         for m in range(lazy.ring_size):
             for t in range(lazy.ring_size):
-                union = _union([task.kv for task in cut.tasks[m][t]])
+                union = tuple(merged_ranges([task.kv for task in cut.tasks[m][t]]))
                 assert lazy.kv_rows(m, t) == union, (layout, cp, inner, mask, m, t)
                 cases += bool(union)
         size = cut.ring_size
         assert lazy.busy_steps() == [t for t in range(size) if any(cut.tasks[m][t] for m in range(size))]
         assert not lazy._rows  # answered without cutting a task
     assert cases > 500
-
-
-def _union(ranges):
-    merged = []
-    for a, b in sorted(ranges):
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    return tuple((a, b) for a, b in merged)
 
 
 @pytest.mark.parametrize("comm,steps_cut", [("p2p", 8), ("all_gather", 1)])

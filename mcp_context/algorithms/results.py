@@ -30,7 +30,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..schedule import BlockTask
+from ..schedule import BlockTask, merged_ranges
 
 OWN, HOLD, FOLD, FOLD_LAST, FIRST = "own", "hold", "fold", "fold_last", "first"
 
@@ -203,13 +203,7 @@ def runs_written(rows: tuple[int, int], written: Sequence[tuple[int, int]]) -> l
 
 def with_written(written: Sequence[tuple[int, int]], rows: tuple[int, int]) -> list[tuple[int, int]]:
     """``written`` with ``rows`` added, sorted, disjoint and merged."""
-    merged: list[tuple[int, int]] = []
-    for a, b in sorted([*written, rows]):
-        if merged and a <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
-        else:
-            merged.append((a, b))
-    return merged
+    return merged_ranges([*written, rows])
 
 
 def first_key_rows(tasks: Sequence[Sequence[BlockTask]], kv_rows: int) -> tuple[list[list[int]], int]:
