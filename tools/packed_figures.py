@@ -130,30 +130,27 @@ def host_time(reps: int = 3) -> None:
     from mcp_context.comm import build_hcp_groups
     from mcp_context.kernels.registry import get_kernel
     from mcp_context.layouts import shard_index
-    from mcp_context.masks import documents_mask
     from mcp_context.plan.dryrun import fake_world
     from mcp_context.schedule import forget_kept_schedules
+    from tools.step_ops import random_documents
 
     kernel = get_kernel("math", torch.device("cpu"), torch.float32)
     names = [comm if inner == 1 else f"{comm} {inner} x P/{inner}" for comm, inner in HOST_SCHEMES]
     print(f"| S / P, documents | {' ms | '.join(names)} ms | a rank's 4 data shards ms |")
     print("|---|" + "---|" * (len(names) + 1))
     for seq, cp, documents in HOST_CASES:
-        packings = []
-        for rep in range(reps):
-            rng = random.Random(rep)
-            cu = torch.tensor([0, *sorted(rng.sample(range(1, seq), documents - 1)), seq])
-            packings.append((cu, documents_mask(cu, None, seq_len=seq)))
+        packings = [random_documents(seq, documents, seed=rep) for rep in range(reps)]
         best = [math.inf] * (len(HOST_SCHEMES) + 1)
         for i, (comm, inner) in enumerate(HOST_SCHEMES):
             with warnings.catch_warnings(), fake_world(cp, 0):
                 warnings.simplefilter("ignore")
                 groups = build_hcp_groups([cp] if inner == 1 else [inner, cp // inner])
-                for cu, mask in packings:
+                for mask in packings:
                     forget_kept_schedules()  # each packing placed afresh, as a new batch's is
                     t0 = time.perf_counter()
                     resolve_scheme(groups, comm, "balanced", mask, seq // cp, 8, kernel, 0.125)
                     best[i] = min(best[i], time.perf_counter() - t0)
+                    cu = torch.tensor(mask.cu_seqlens)
                     t0 = time.perf_counter()
                     for _ in range(4):  # the packing is placed by now
                         shard_index(seq, cp, 0, "balanced", cu)

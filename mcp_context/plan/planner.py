@@ -280,7 +280,7 @@ def _evaluate_all(req: PlanRequest, candidates: list[Candidate], jobs: int, done
             for _ in as_completed(futures):
                 done()
             evaluated = [f.result() for f in futures]
-    by_kind = {runs_alike(row.candidate): row for row in evaluated}
+    by_kind = dict(zip(kinds, evaluated))
     rows = []
     for cand in candidates:
         row = by_kind[runs_alike(cand)]
