@@ -198,14 +198,14 @@ def test_the_gpu_branch_of_a_rank_step_row_runs_and_feeds_the_report(monkeypatch
 
     row, mode = _gpu_branch_row(monkeypatch, rerun)
     fb = row["fwd_bwd"]
-    assert {"queued_efficiency", "queued_side_stream_gain", "host_issue_s", "host_ahead", "host_syncs", "side_stream_gain",
+    assert {"queued_efficiency", "queued_side_stream_gain", "host_issue_s", "fused_host_issue_s", "host_ahead", "host_syncs", "side_stream_gain",
             "in_order_peak_bytes", "memory_ratio", "graphed_s", "graphed_efficiency", "graphed_peak_bytes"} <= set(fb), \
         sorted(fb)
     assert fb["graphs_in_training"] is False  # a p2p ring: the engine does not capture its transfers
     # calls this short ship their work in order, so the step timed beside them is the side stream's: the gain
     # compares the two choices whichever ships (it was the shipped step against itself at short calls)
     assert fb["side_stream_ships"] is False and fb["in_order_s"] == fb["ours_s"] != fb["side_stream_s"]
-    assert len(fb["queued_s"]) == len(fb["host_issue_s"]) == 2 and fb["host_syncs"] == [] and mode[0] == 0
+    assert len(fb["queued_s"]) == len(fb["host_issue_s"]) == len(fb["fused_host_issue_s"]) == 2 and fb["host_syncs"] == [] and mode[0] == 0
     (tmp_path / "bench").mkdir()
     (tmp_path / "bench" / "bench_attention_p8_x.jsonl").write_text(json.dumps(row) + "\n")
     text = report(str(tmp_path))

@@ -23,7 +23,7 @@ def test_each_variant_is_timed_and_the_profile_groups_add_up(tmp_path):
     for comm, sizes in (("p2p", [4]), ("a2a+all_gather", [2, 2])):
         mine = [r for r in rows if r["comm"] == comm]
         timed = [r for r in mine if "profile" not in r]
-        assert [r["variant"] for r in timed] == names and all(r["cold_ms"] > 0 for r in timed)
+        assert [r["variant"] for r in timed] == names + ["fused"] and all(r["cold_ms"] > 0 for r in timed)
         assert all(r["sizes"] == sizes and "host_issue_ms" not in r for r in mine)  # no GPU: nothing held busy
         (prof,) = [r["profile"] for r in mine if "profile" in r]
         assert [r["runtime_api"] for r in mine if "profile" in r] == [{}]  # no CUDA calls on the CPU
@@ -98,7 +98,7 @@ def test_the_gpu_branch_runs_on_cpu_tensors_with_cudas_timing_calls_answered_on_
     finally:
         bench_device._sleep_cycles_per_second.cache_clear()  # the rate the host answered is not a GPU's
     timed = [r for r in rows if "profile" not in r and "error" not in r]
-    assert [r["variant"] for r in timed] == [*variants()] + ([] if broken else ["graphed"])
+    assert [r["variant"] for r in timed] == [*variants(), "fused"] + ([] if broken else ["graphed"])
     assert all({"host_ahead_ms", "host_issue_ms", "host_ahead", "cold_ms"} <= set(r) and r["device"] == "cuda"
                for r in timed)
     errors = [r for r in rows if "error" in r]

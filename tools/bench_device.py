@@ -342,6 +342,7 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
                        queued_efficiency=statistics.median(flops / a / (base_flops["fused"] / f) for a, f in zip(qa, qf)),
                        queued_side_stream_gain=statistics.median(i / a for i, a in zip(qi, qs)),
                        host_issue_s=[h for _, h, _ in queued["ours"]],
+                       fused_host_issue_s=[h for _, h, _ in queued["fused"]],  # the floor: one call and its backward
                        host_ahead=all(ok for _, _, ok in queued["ours"] + queued["fused"]),
                        host_syncs=_host_syncs(calls["ours"]))
         if "graphed" in t:  # in training only where no transfer runs inside the step (graphs_in_training)
@@ -371,7 +372,8 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
               f"({res['fused_per_rank_tflops']:.0f}); "
               + (f"side stream x{res['side_stream_gain']:.3f} (host ahead x{res['queued_side_stream_gain']:.3f}); "
                  f"host ahead {res['queued_efficiency']:.2f} of fused "
-                 f"(issue {statistics.median(res['host_issue_s']) * 1e3:.2f} ms, "
+                 f"(issue {statistics.median(res['host_issue_s']) * 1e3:.2f} ms, fused "
+                 f"{statistics.median(res['fused_host_issue_s']) * 1e3:.2f} ms, "
                  f"{len(res['host_syncs'])} syncs); " if "side_stream_gain" in res else "")
               + (f"graphed {res['graphed_efficiency']:.2f} of fused; " if "graphed_efficiency" in res else "")
               + f"{row['attention_calls']:g} calls; transfers "

@@ -58,7 +58,7 @@ def steps_table(summary: str) -> list[str]:
 
 def bench_table(paths: list[str]) -> tuple[list[str], dict]:
     """The rank-step rows as a table, and the figures the targets read."""
-    out = ["| S / P | scheme | calls | fwd | fwd+bwd | host ahead | graphed | host issue ms | syncs | vs fused at S/P | "
+    out = ["| S / P | scheme | calls | fwd | fwd+bwd | host ahead | graphed | host issue ms (fused) | syncs | vs fused at S/P | "
            "side stream gain | peak memory | in order |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     seen = {}
@@ -81,7 +81,8 @@ def bench_table(paths: list[str]) -> tuple[list[str], dict]:
             graphed = _graphed(fb, r.get("graphed_error", ""))
             if "queued_efficiency" in fb:
                 ahead = _held(fb["queued_efficiency"], fb["host_ahead"])
-                issue = f"{statistics.median(fb['host_issue_s']) * 1e3:.2f}"
+                issue = f"{statistics.median(fb['host_issue_s']) * 1e3:.2f}" + (
+                    f" ({statistics.median(fb['fused_host_issue_s']) * 1e3:.2f})" if "fused_host_issue_s" in fb else "")
                 syncs = str(len(fb["host_syncs"]))
             out.append(f"| {_k(r['seq_len'])} / {r['world_size']} | {scheme} | {r['attention_calls']:g} | "
                        f"{f['efficiency']:.2f} | **{fb['efficiency']:.2f}** | {ahead} | {graphed} | {issue} | {syncs} | "

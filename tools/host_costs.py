@@ -19,6 +19,9 @@ host ahead (the GPU held busy while the host issues the step), with the host's i
   shipped step runs in order since run 5, and this is what it weighs that against;
 - ``graphed`` (CUDA only): replayed from CUDA graphs (``algorithms/graphs.py``, ``step_graphs``), one launch
   to issue;
+- ``fused``: not our step but the floor under it, one fused SDPA call of equal useful FLOPs and its backward
+  through autograd, as the benchmark's baseline (run 5's graphed one-call step still took 1.86 ms to issue: what
+  of that any fwd+bwd through autograd pays, this row says);
 
 and profiles the shipped step's host side (cProfile over ``--profile-steps`` steps), its time per step
 grouped: the fused regions' calls (``regions.Region.__call__``: the compiled call path and its launches),
@@ -70,7 +73,7 @@ from mcp_context.kernels.torch_sdpa import FUSED_OPS, FusedOp, TorchKernel  # no
 from mcp_context.masks import CAUSAL  # noqa: E402
 from mcp_context.merge import FUSED_REGIONS  # noqa: E402
 from mcp_context.regions import Region, through_dynamo  # noqa: E402
-from tools.bench_device import _interleaved_seconds, _queued_seconds, append_jsonl  # noqa: E402
+from tools.bench_device import _equal_len, _interleaved_seconds, _queued_seconds, append_jsonl  # noqa: E402
 from tools.rank_step import captured_call, rank_step, regions_doing_nothing, walked_call  # noqa: E402
 
 DEFAULT_CASES = ("p2p:32768:8", "a2a+all_gather:32768:64:8", "a2a:32768:8")
@@ -159,6 +162,20 @@ def runtime_calls(fn: Callable[[], None], steps: int, device: torch.device) -> d
     return runtime_rows(((e.key, e.count, e.cpu_time_total) for e in prof.key_averages()), steps)
 
 
+def fused_call(n: int, rand: Callable[..., torch.Tensor], heads: int, kv_heads: int, head_dim: int
+               ) -> Callable[[], None]:
+    """One causal SDPA call over ``n`` rows and its backward through autograd, gradients accumulating into its
+    leaves as the step's do (``tools/bench_device.py``'s ``fused`` baseline)."""
+    import torch.nn.functional as F
+
+    q, k, v = (rand(1, h, n, head_dim).requires_grad_() for h in (heads, kv_heads, kv_heads))
+    dout = rand(1, heads, n, head_dim)
+
+    def call() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=heads != kv_heads).backward(dout)
+    return call
+
+
 def case_rows(comm: str, seq_len: int, cp: int, inner: int, device: torch.device, kernel: Kernel,
               rand: Callable[..., torch.Tensor], heads: int, kv_heads: int, head_dim: int, reps: int,
               profile_steps: int) -> list[dict]:
@@ -175,6 +192,7 @@ def case_rows(comm: str, seq_len: int, cp: int, inner: int, device: torch.device
             with context():
                 run()
         calls[name] = call
+    calls["fused"] = fused_call(_equal_len(step.useful_pairs * step.heads // heads), rand, heads, kv_heads, head_dim)
     rows = []
     if device.type == "cuda":  # the step replayed from CUDA graphs: what is left of the host's issue time
         graphed, error = captured_call(step, rand, head_dim)
