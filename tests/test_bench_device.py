@@ -216,15 +216,17 @@ def test_the_gpu_branch_of_a_rank_step_row_runs_and_feeds_the_report(monkeypatch
     assert bench_device._host_syncs(syncing) == ["called a synchronizing CUDA operation"] and mode[0] == 0
 
 
-def test_a_graph_capture_that_fails_is_the_rows_note_and_the_rest_is_timed(monkeypatch, tmp_path):
+def test_a_graph_capture_that_fails_is_the_rows_note_and_the_rest_is_timed(monkeypatch, tmp_path, capsys):
     """A capture can fail on a GPU (a2a+p2p's at 16 and 64 ranks did on an H200, run 5): one that raises leaves
     the row's other figures measured, names the failure in the row (``graphed_error``) and in the report's graphed
-    column."""
+    column, and prints its whole traceback (a capture invalidated by an earlier op fails at a later one)."""
     from tools.gpu_report import report
     from tests.test_graphs import failing_capture
 
     row, _ = _gpu_branch_row(monkeypatch, failing_capture)
     assert row["graphed_error"] == "RuntimeError: operation not permitted when stream is capturing"
+    err = capsys.readouterr().err
+    assert "the graphed step's capture failed (p2p, sizes [8]); its traceback:" in err and "Traceback" in err, err
     assert "queued_efficiency" in row["fwd_bwd"] and "graphed_s" not in row["fwd_bwd"]
     (tmp_path / "bench").mkdir()
     (tmp_path / "bench" / "bench_attention_p8_x.jsonl").write_text(json.dumps(row) + "\n")

@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import os
 import sys
+import traceback
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
@@ -211,6 +212,12 @@ def captured_call(step: RankStep, rand: Callable[..., torch.Tensor], head_dim: i
     try:
         call(True)
     except Exception as err:  # noqa: BLE001 - every failure is reported as it is
+        # the whole chain on stderr: a capture invalidated by an earlier op fails at a later one ("operation failed
+        # due to a previous error during capture", run 5's a2a+p2p at 16 and 64 ranks), and the earlier op's
+        # error, where something caught it, is the chain's first
+        print(f"the graphed step's capture failed ({step.comm}, sizes {list(step.sizes)}); its traceback:",
+              file=sys.stderr, flush=True)
+        traceback.print_exc(file=sys.stderr)
         return None, first_line(err)
     return call, None
 
