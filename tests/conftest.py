@@ -1,6 +1,5 @@
 """The suite runs in two pytest-xdist workers (``make test``: ``-n 2``): in one process it left a core of the
-2-core machine idle about a third of the time, waiting on the processes it launched. A module's tests run in
-one worker, in file order (``--dist loadscope --no-loadscope-reorder``): a module fixture is made once.
+2-core machine idle about a third of the time, waiting on the processes it launched.
 
 Under xdist, each worker
 
