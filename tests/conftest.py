@@ -1,5 +1,6 @@
 """The suite runs in two pytest-xdist workers (``make test``: ``-n 2``): in one process it left a core of the
-2-core machine idle about a third of the time, waiting on the processes it launched.
+2-core machine idle about a third of the time, waiting on the processes it launched. A module's tests run in
+one worker (``--dist loadscope``), so a module fixture is made once.
 
 Under xdist, each worker
 
