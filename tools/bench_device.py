@@ -265,6 +265,21 @@ def _equal_len(pairs: int) -> int:
     return round((math.sqrt(8 * pairs + 1) - 1) / 2)
 
 
+def fused_call(n: int, rand: Callable[..., torch.Tensor], heads: int, kv_heads: int, head_dim: int, batch: int = 1
+               ) -> Callable[[bool], None]:
+    """``call(backward=True)``: one causal SDPA call over ``n`` rows (``[batch, heads, n, head_dim]`` queries drawn by
+    ``rand``, then keys, values and the output gradient) and its backward through autograd, gradients accumulating
+    into its leaves as the rank step's do: the fused baseline of the benchmark and of ``tools/host_costs.py``."""
+    q, k, v = (rand(batch, hh, n, head_dim).requires_grad_() for hh in (heads, kv_heads, kv_heads))
+    dout = rand(batch, heads, n, head_dim)
+
+    def call(backward: bool = True) -> None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=heads != kv_heads)
+        if backward:
+            out.backward(dout)
+    return call
+
+
 def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner: Optional[int] = None) -> None:
     """Fill ``row`` with rank 0's step of ``row["comm"]`` against two fused baselines: one SDPA call of
     equal useful FLOPs (ours) and one at the per-rank length ``S / P`` (ring-flash-attention's). ``inner``:
@@ -293,10 +308,8 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
         def graphed_from_scratch():  # its peak memory: a fresh runner's capture and first replay, the leaves'
             fresh, _ = captured_call(step, rand, d, b)  # gradients made too (an upper bound)
             fresh()
-    baselines = {}
-    for name, n in (("fused", s_eq), ("fused_per_rank", s_rank)):
-        baselines[name] = (rand(b, h, n, d).requires_grad_(), rand(b, hk, n, d).requires_grad_(),
-                           rand(b, hk, n, d).requires_grad_(), rand(b, h, n, d), n)
+    lengths = {"fused": s_eq, "fused_per_rank": s_rank}
+    baselines = {name: fused_call(n, rand, h, hk, d, b) for name, n in lengths.items()}
 
     side = streams.side_stream_pays(step.plan.call_flops(b * step.heads, d, d))  # what the step ships
 
@@ -308,24 +321,18 @@ def schedule_row(row: dict, device, kernel, rand, shape: Shape, reps: int, inner
         """``(in order, side stream)`` of the step's two stream choices (their times, or their calls)."""
         return (other, ours) if side else (ours, other)
 
-    def fused(name, backward):
-        qe, ke, ve, doe, _ = baselines[name]
-        out = F.scaled_dot_product_attention(qe, ke, ve, is_causal=True, enable_gqa=h != hk)
-        if backward:
-            out.backward(doe)
-
     sent = transfer_bytes(comm, world, shape.seq_len, h, hk, d, inner)
     for label, backward, factor in (("fwd", False, 1.0), ("fwd_bwd", True, FWD_BWD_FLOP_FACTOR)):
         flops = 4 * b * step.heads * d * pairs * factor
         calls = {"ours": lambda backward=backward: rank_step_call(backward),
-                 "fused": lambda backward=backward: fused("fused", backward),
-                 "fused_per_rank": lambda backward=backward: fused("fused_per_rank", backward)}
+                 "fused": lambda backward=backward: baselines["fused"](backward),
+                 "fused_per_rank": lambda backward=backward: baselines["fused_per_rank"](backward)}
         if device.type == "cuda":  # elsewhere the step runs in order anyway, and nothing replays a graph
             calls["other_streams"] = lambda backward=backward: other_streams(backward)
             if "graphed_error" not in row:
                 calls["graphed"] = lambda backward=backward: graphed_call(backward)
         t = _interleaved_seconds(calls, device, reps)
-        base_flops = {name: 4 * b * h * d * n * (n + 1) // 2 * factor for name, (*_, n) in baselines.items()}
+        base_flops = {name: 4 * b * h * d * n * (n + 1) // 2 * factor for name, n in lengths.items()}
         res = {"ours_s": t["ours"], "ours_tflops": flops / statistics.median(t["ours"]) / 1e12}
         if "other_streams" in t:
             in_order_t, side_t = by_stream(t["ours"], t["other_streams"])

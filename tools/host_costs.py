@@ -73,7 +73,8 @@ from mcp_context.kernels.torch_sdpa import FUSED_OPS, FusedOp, TorchKernel  # no
 from mcp_context.masks import CAUSAL  # noqa: E402
 from mcp_context.merge import FUSED_REGIONS  # noqa: E402
 from mcp_context.regions import Region, through_dynamo  # noqa: E402
-from tools.bench_device import _equal_len, _interleaved_seconds, _queued_seconds, append_jsonl  # noqa: E402
+from tools.bench_device import (_equal_len, _interleaved_seconds, _queued_seconds, append_jsonl,  # noqa: E402
+                                fused_call)
 from tools.rank_step import captured_call, rank_step, regions_doing_nothing, walked_call  # noqa: E402
 
 DEFAULT_CASES = ("p2p:32768:8", "a2a+all_gather:32768:64:8", "a2a:32768:8")
@@ -160,20 +161,6 @@ def runtime_calls(fn: Callable[[], None], steps: int, device: torch.device) -> d
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     return runtime_rows(((e.key, e.count, e.cpu_time_total) for e in prof.key_averages()), steps)
-
-
-def fused_call(n: int, rand: Callable[..., torch.Tensor], heads: int, kv_heads: int, head_dim: int
-               ) -> Callable[[], None]:
-    """One causal SDPA call over ``n`` rows and its backward through autograd, gradients accumulating into its
-    leaves as the step's do (``tools/bench_device.py``'s ``fused`` baseline)."""
-    import torch.nn.functional as F
-
-    q, k, v = (rand(1, h, n, head_dim).requires_grad_() for h in (heads, kv_heads, kv_heads))
-    dout = rand(1, heads, n, head_dim)
-
-    def call() -> None:
-        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=heads != kv_heads).backward(dout)
-    return call
 
 
 def case_rows(comm: str, seq_len: int, cp: int, inner: int, device: torch.device, kernel: Kernel,
