@@ -121,7 +121,7 @@ def h100():
 
 
 def test_plan_balance_equals_the_schedule_and_a_brute_force_count(h100):
-    result = plan(_request(h100, seq=96, gpus=4))
+    result = plan(_request(h100, seq=96, gpus=4), dry_run_all=True)
     assert {r.candidate.layout for r in result.rows} == {"contiguous", "zigzag", "striped"}
     for row in result.rows:
         c = row.candidate
@@ -345,8 +345,8 @@ def test_cli_refuses_bad_combinations_before_planning(tmp_path, capsys):
 
 
 def test_cp_sizes_restrict_the_candidates_and_progress_counts_them(h100, capsys):
-    full = plan(_request(h100, seq=64, gpus=4))
-    only = plan(dataclasses.replace(_request(h100, seq=64, gpus=4), cp_sizes=(2,)), progress=True)
+    full = plan(_request(h100, seq=64, gpus=4), dry_run_all=True)
+    only = plan(dataclasses.replace(_request(h100, seq=64, gpus=4), cp_sizes=(2,)), progress=True, dry_run_all=True)
     assert {r.candidate.cp_size for r in only.rows} == {2}
     assert {r.candidate for r in only.rows} == {
         r.candidate for r in full.rows if r.candidate.cp_size == 2}
@@ -355,11 +355,12 @@ def test_cp_sizes_restrict_the_candidates_and_progress_counts_them(h100, capsys)
 
 
 def test_worker_processes_give_the_same_plan(h100):
-    """--jobs 2: the candidates' dry runs in two spawned processes give the same rows and reasons."""
-    req = dataclasses.replace(_request(h100, seq=64, gpus=4), cp_sizes=(1, 2))
+    """--jobs 2: the candidates' dry runs in two spawned processes give the same rows, reasons and candidates not
+    dry-run (a window over 4 ranks: the striped layouts' host time alone rules them out)."""
+    req = dataclasses.replace(_request(h100, seq=128, gpus=4), cp_sizes=(2, 4), window_size=(3, 0))
     here, workers = plan(req), plan(req, jobs=2)
     assert [r.__dict__ for r in workers.rows] == [r.__dict__ for r in here.rows] and len(here.rows) > 2
-    assert workers.reasons == here.reasons
+    assert workers.reasons == here.reasons and workers.skipped == here.skipped and here.skipped
 
 
 def test_jobs_auto_spawns_workers_only_for_plans_of_16_ranks_or_more(h100, capsys):
@@ -792,7 +793,8 @@ def test_a_plan_whose_calls_cannot_fill_the_gpu_says_so_and_names_the_graphs_for
     from CUDA graphs. A ring cannot (``replayable`` False); at 128K over 8 every call fills the GPU."""
     from tools.plan_grid import MODELS
 
-    short = plan(PlanRequest(MODELS["llama3_8b"], 4096, 8, load_profile("h200_nvlink_ib"), cp_sizes=(8,)))
+    short = plan(PlanRequest(MODELS["llama3_8b"], 4096, 8, load_profile("h200_nvlink_ib"), cp_sizes=(8,)),
+                 dry_run_all=True)
     best = short.recommended
     assert best.candidate.comm == "a2a" and best.replayable
     assert best.prediction.busy == pytest.approx(4 * 528 / (132 * 32), rel=1e-12)
@@ -925,3 +927,49 @@ def test_candidates_that_run_alike_are_dry_run_once_with_the_figures_each_would_
     assert len(calls) < len(rows) and len({planner.runs_alike(c) for c in calls}) == len(calls)
     shared = [row for row in rows if row.candidate not in calls]
     assert shared and all(row == evaluate_(req, row.candidate) for row in shared)
+
+
+def test_a_layout_whose_host_time_alone_rules_it_out_is_not_dry_run_and_the_pick_stays(capsys):
+    """A narrow window over 8 ranks: striped layouts split it into many calls, so issuing them alone takes the
+    host more than ``SKIP_ABOVE`` times the fastest layout's time. Those are not dry-run; every candidate's bound
+    is its row's host time exactly, and below its time per sequence; the rows that are dry-run, their order, the
+    pick and its comparisons are what dry-running every candidate (``--dry-run-all``) gives; the table, the
+    reasons and the JSON list the skipped ones with their bounds."""
+    from mcp_context.plan.__main__ import _parser, _request as cli_request
+    from mcp_context.plan.planner import SKIP_ABOVE, host_bound
+    from mcp_context.plan.report import plan_dict
+
+    args = ["--layers", "2", "--hidden", str(H * D), "--heads", str(H), "--kv-heads", "2", "--head-dim", str(D),
+            "--ffn-hidden", "64", "--vocab", "256", "--seq-len", "512", "--gpus", "8", "--cp-sizes", "8",
+            "--window-size", "7,0", "--micro-batch-size", str(B), "--no-progress", "--json", "-"]
+    req = cli_request(_parser().parse_args(args))
+    assert main(args + ["--dry-run-all"]) == 0
+    every = json.loads(capsys.readouterr().out)
+    fewer = plan(req)
+    assert every["not_dry_run"] == [] and len(every["candidates"]) == len(fewer.rows) + len(fewer.skipped)
+    skipped = {b.candidate.label() for b in fewer.skipped}
+    assert any(b.candidate.layout == "striped" for b in fewer.skipped)
+    for row in every["candidates"]:
+        cand = Candidate(row["context_parallel_size"], tuple(row["hierarchical_context_parallel_sizes"]),
+                         row["cp_comm_type"], row["layout"])
+        bound = host_bound(req, cand)
+        assert bound.host_s == row["predicted_seconds_per_layer"]["host"]
+        assert bound.seconds_per_sequence <= row["seconds_per_sequence_per_layer"]
+    best = fewer.recommended.seconds_per_sequence
+    assert all(b.seconds_per_sequence > SKIP_ABOVE * best for b in fewer.skipped)
+    assert [b.seconds_per_sequence for b in fewer.skipped] == sorted(b.seconds_per_sequence for b in fewer.skipped)
+    shown = plan_dict(fewer)
+    assert [r for r in every["candidates"] if Candidate(r["context_parallel_size"], tuple(
+        r["hierarchical_context_parallel_sizes"]), r["cp_comm_type"], r["layout"]).label() not in skipped
+            ] == shown["candidates"]
+    assert every["recommended"] == shown["recommended"] and every["reasons"][1:] == fewer.reasons[1:-1]
+    fitting = sum(r.fits for r in fewer.rows)
+    assert fewer.reasons[0].startswith(f"fastest attention per sequence among the {fitting} dry-run layouts that fit")
+    assert fewer.reasons[-1].startswith(f"{len(skipped)} layouts not dry-run: issuing their attention calls alone ")
+    assert f"{len(skipped)} layouts not dry-run" in plan_table(fewer)
+    first = fewer.skipped[0]
+    assert len(shown["not_dry_run"]) == len(skipped) and shown["not_dry_run"][0] == {
+        "context_parallel_size": 8, "hierarchical_context_parallel_sizes": list(first.candidate.sizes),
+        "cp_comm_type": first.candidate.comm, "layout": first.candidate.layout, "data_parallel_size": 1,
+        "attention_calls": first.calls, "host_seconds_per_layer": first.host_s,
+        "seconds_per_sequence_per_layer_at_least": first.seconds_per_sequence}

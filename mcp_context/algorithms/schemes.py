@@ -179,15 +179,25 @@ def _gathered_kv(groups: HCPGroups, schedule: Schedule, member: int, peers: list
     else:
         gather = functools.partial(gather_seq_among, peers=peers, me=member, group=groups.cp_group)
     order = position_pieces(schedule)
+    tasks = member_tasks("gather", schedule, member, kernel_masks)
     if order is None:
-        return LocalRotation(member, len(peers)), gather, schedule.member_tasks(member)
-    return (LocalRotation(0, 1), lambda x: take_rows(gather(x), order),
-            gathered_tasks(schedule, member, kernel_masks))
+        return LocalRotation(member, len(peers)), gather, tasks
+    return LocalRotation(0, 1), lambda x: take_rows(gather(x), order), tasks
 
 
 KV_MOVES = {"ring": _ring_kv, "gather": _gathered_kv}
 """How K/V reach the ring's members, by ``CommRule.kv``: each builds the rotation, the gather (if any) and
-the member's tasks against what the rotation hands out."""
+the member's tasks against what the rotation hands out (``member_tasks``)."""
+
+
+def member_tasks(kv: str, schedule: Schedule, member: int, kernel_masks: frozenset) -> Tasks:
+    """The block tasks ``member`` runs when K/V move by ``kv`` (``CommRule.kv``): its schedule row, or, where
+    K/V are gathered over a ring of several and a layout can be put in position order, one step against the
+    whole sequence (``schedule.gathered_tasks``). Needs no process group: the planner counts a candidate's
+    calls from it before deciding whether to dry-run it."""
+    if kv == "gather" and schedule.ring_size > 1 and position_pieces(schedule) is not None:
+        return gathered_tasks(schedule, member, kernel_masks)
+    return schedule.member_tasks(member)
 
 
 def resolve_scheme(groups: HCPGroups, comm: str, layout: str, mask: Mask, s_local: int, kv_heads: int,

@@ -131,6 +131,9 @@ def _parser() -> argparse.ArgumentParser:
                          "1 (planner.auto_jobs)")
     ap.add_argument("--no-progress", action="store_true",
                     help="hide the progress over the candidates (on stderr: a bar on a terminal, else a line a minute)")
+    ap.add_argument("--dry-run-all", action="store_true",
+                    help="dry-run every candidate, also those whose host issue time alone is above "
+                         "planner.SKIP_ABOVE times the fastest layout's (listed as not dry-run otherwise)")
     return ap
 
 
@@ -254,7 +257,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return balance_main(argv[1:])
     args = _parser().parse_args(argv)
     try:
-        result = plan(_request(args), progress=False if args.no_progress else None, jobs=args.jobs)
+        result = plan(_request(args), progress=False if args.no_progress else None, jobs=args.jobs,
+                      dry_run_all=args.dry_run_all)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -171,7 +171,7 @@ def check_dry_run_fits(shape: RankShape) -> None:
             f"above 2**62 bytes (torch sizes storage in int64); lower --seq-len or --micro-batch-size")
 
 
-def _kernel(shape: RankShape):
+def dry_run_kernel(shape: RankShape):
     """The fused op whose working memory the dry run measures: the CPU flash op, or, for a value head
     dim unlike q/k's (MLA), cuDNN's (the GPU op that takes it, DeepSeek-V3's 192/128 on Hopper; the
     CPU flash op does not). On meta tensors either runs its shape function only."""
@@ -201,7 +201,7 @@ def dry_run_rank(comm: str, sizes: Sequence[int], layout: str, mask: Mask, shape
                 q, k, v = (torch.empty(s_local, shape.batch, h, d, device="meta", dtype=shape.dtype, requires_grad=True)
                            for h, d in ((shape.heads, shape.head_dim), (shape.kv_heads, shape.head_dim),
                                         (shape.kv_heads, shape.dv)))
-                scheme = resolve_scheme(groups, comm, layout, mask, s_local, shape.kv_heads, _kernel(shape),
+                scheme = resolve_scheme(groups, comm, layout, mask, s_local, shape.kv_heads, dry_run_kernel(shape),
                                         shape.head_dim ** -0.5)
                 out = scheme.run(q, k, v, False)
                 saved = tracker.current

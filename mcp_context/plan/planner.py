@@ -11,6 +11,7 @@ sequence does not depend on CP); near-ties (within 2 %) go to fewer inter-node b
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -19,17 +20,24 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..algorithms.schemes import member_tasks
+from ..cp_rules import comm_rule
 from ..masks import Mask, attention_mask
 from ..schedule import Schedule, layout_schedule, load_balance, masked_waste
 from .candidates import Candidate, cp_sizes_for, enumerate_candidates, heads_per_tp_rank
-from .cost import Fabric, Prediction, predict
-from .dryrun import RankShape, RankTraffic, dry_run_rank
+from .cost import Fabric, Prediction, host_seconds, predict
+from .dryrun import RankShape, RankTraffic, dry_run_kernel, dry_run_rank
 from ..recipes.schema import ModelConfig
 from .model import checkpointed_activation_bytes, layer_working_bytes, model_state_bytes, planning_shape
 from .profiles import MachineProfile
 
 ALL_RANKS_UP_TO = 16
 TIE = 0.02
+SKIP_ABOVE = 2.0
+"""A candidate whose host issue time alone is above this multiple of the fastest fitting layout's time per
+sequence is not dry-run (``HostBound``): it cannot be recommended (nothing above ``1 + TIE`` can), and its dry
+run is what the planner's minutes were spent on (a narrow window's striped layouts after an all-to-all split into
+a thousand calls a rank). ``plan(dry_run_all=True)`` runs them too."""
 BUSY_NOTE = 0.8
 """The recommendation says its calls are too small to fill the GPU below this busy share (``Prediction.busy``)."""
 GIB = 2 ** 30
@@ -123,6 +131,25 @@ class Plan:
     rejected: list[tuple[Candidate, str]]
     recommended: Optional[PlanRow]
     reasons: list[str]
+    skipped: list["HostBound"] = field(default_factory=list)
+    """Candidates not dry-run: their host issue time alone rules them out (``SKIP_ABOVE``), slowest last."""
+
+
+@dataclass(frozen=True)
+class HostBound:
+    """What a candidate's row is known to be before its dry run: the busiest dry-run rank's attention calls and
+    the host's time to issue them (``cost.host_issue_seconds``, the row's ``host`` figure, from the same
+    tasks), which its time per sequence cannot be below (``Prediction.bound_s``)."""
+
+    candidate: Candidate
+    calls: int
+    host_s: float
+    data_parallel_size: int
+
+    @property
+    def seconds_per_sequence(self) -> float:
+        """A lower bound of the row's ``seconds_per_sequence``."""
+        return self.host_s / self.data_parallel_size
 
 
 def dry_run_ranks(cp_size: int, tp: int, gpus_per_node: int) -> list[int]:
@@ -138,6 +165,19 @@ def rank_shape(req: PlanRequest) -> RankShape:
     heads, kv_heads = heads_per_tp_rank(req.model.num_attention_heads, req.model.num_query_groups, req.tp)
     return RankShape(req.seq_len, req.micro_batch_size, heads, kv_heads, req.model.kv_channels, req.dtype,
                      req.model.v_head_dim)
+
+
+def host_bound(req: PlanRequest, cand: Candidate) -> HostBound:
+    """``cand``'s host issue time from its tasks alone (no dry run): the calls of its busiest ``dry_run_ranks``
+    rank, whose tasks the engine builds the same way (``schemes.member_tasks``)."""
+    shape = rank_shape(req)
+    schedule = layout_schedule(cand.layout, cand.cp_size, req.seq_len, req.mask, cand.a2a_degree,
+                               dry_run_kernel(shape).capabilities.masks)
+    kv = comm_rule(cand.engine_comm).kv
+    members = {r // cand.a2a_degree for r in dry_run_ranks(cand.cp_size, req.tp, req.profile.gpus_per_node)}
+    calls = max(sum(1 for step in member_tasks(kv, schedule, m, schedule.kernel_masks) for task in step
+                    if task.useful_pairs) for m in members)
+    return HostBound(cand, calls, host_seconds(req.profile, calls), req.gpus // (req.tp * req.pp * cand.cp_size))
 
 
 def evaluate(req: PlanRequest, cand: Candidate, ranks: Optional[list[int]] = None) -> PlanRow:
@@ -206,11 +246,14 @@ class _LogLines:
                   flush=True)
 
 
-def plan(req: PlanRequest, progress: Optional[bool] = False, jobs: Optional[int] = 1) -> Plan:
+def plan(req: PlanRequest, progress: Optional[bool] = False, jobs: Optional[int] = 1, dry_run_all: bool = False
+         ) -> Plan:
     """Evaluate every valid candidate and recommend one (listed first; the rest: fitting ones first,
-    fastest per sequence first). ``progress``: a bar over the candidates on stderr (None: a bar on a
-    terminal, else a line at most every ``LOG_LINE_SECONDS``). ``jobs`` > 1 runs the candidates' dry runs in
-    that many worker processes; None: ``auto_jobs``."""
+    fastest per sequence first). Candidates are dry-run in the order of their host issue time, and one whose
+    host time alone is above ``SKIP_ABOVE`` times the fastest fitting row so far is not (``Plan.skipped``)
+    unless ``dry_run_all``. ``progress``: a bar over the candidates on stderr (None: a bar on a terminal, else
+    a line at most every ``LOG_LINE_SECONDS``). ``jobs`` > 1 runs the candidates' dry runs in that many worker
+    processes; None: ``auto_jobs``."""
     from tqdm import tqdm
 
     shape = rank_shape(req)
@@ -218,18 +261,19 @@ def plan(req: PlanRequest, progress: Optional[bool] = False, jobs: Optional[int]
     valid, rejected = enumerate_candidates(sizes, req.seq_len, shape.heads, shape.kv_heads)
     if jobs is None:
         jobs = auto_jobs(sizes, usable_cpus())
+    skip_above = math.inf if dry_run_all else SKIP_ABOVE
     if progress is None and not sys.stderr.isatty():
-        rows = _evaluate_all(req, valid, jobs, _LogLines(len(valid), LOG_LINE_SECONDS).update)
+        rows, skipped = _evaluate_all(req, valid, jobs, _LogLines(len(valid), LOG_LINE_SECONDS).update, skip_above)
     else:
         with tqdm(total=len(valid), desc="dry runs", unit="candidate", disable=progress is False) as bar:
-            rows = _evaluate_all(req, valid, jobs, bar.update)
+            rows, skipped = _evaluate_all(req, valid, jobs, bar.update, skip_above)
     rows.sort(key=lambda r: (not r.fits, r.seconds_per_sequence))
     if not rows:
         return Plan(req, [], rejected, None, ["no CP layout is valid; see the rejected list for why"])
     best = _choose(rows)
     rows.remove(best)
     rows.insert(0, best)
-    return Plan(req, rows, rejected, best, explain(req, best, rows))
+    return Plan(req, rows, rejected, best, explain(req, best, rows, skipped), skipped)
 
 
 AUTO_JOBS_MIN_CP = 16
@@ -257,38 +301,64 @@ def runs_alike(cand: Candidate) -> tuple:
     return cand.engine_comm, cand.cp_size, cand.a2a_degree, cand.layout
 
 
-def _evaluate_all(req: PlanRequest, candidates: list[Candidate], jobs: int, done: Callable[[], object]
-                  ) -> list[PlanRow]:
+def _evaluate_all(req: PlanRequest, candidates: list[Candidate], jobs: int, done: Callable[[], object],
+                  skip_above: float = SKIP_ABOVE) -> tuple[list[PlanRow], list[HostBound]]:
     """``evaluate`` each candidate, in this process or in ``jobs`` fresh ones (spawned: a dry run needs a
     process without a torch.distributed default group); ``done()`` after each. Candidates that run alike
-    (``runs_alike``) are evaluated once and share the figures, each row under its own candidate."""
+    (``runs_alike``) are evaluated once and share the figures, each row under its own candidate. Kinds are
+    dry-run in the order of their ``host_bound``; once a kind's bound is above ``skip_above`` times the fastest
+    fitting row's time per sequence, it and every later one are skipped. Returns the rows (in ``candidates``'
+    order) and the skipped candidates' bounds (slowest last)."""
     kinds: dict[tuple, Candidate] = {}
     for cand in candidates:
         kinds.setdefault(runs_alike(cand), cand)  # the first candidate of each kind is dry-run
-    ones = list(kinds.values())
-    if jobs <= 1 or len(ones) <= 1:
-        evaluated = []
-        for cand in ones:
-            evaluated.append(evaluate(req, cand))
-            done()
+    bounds = sorted((host_bound(req, cand) for cand in kinds.values()), key=lambda b: b.seconds_per_sequence)
+    by_kind: dict[tuple, PlanRow] = {}
+    fastest = [math.inf]  # the fastest fitting row's seconds per sequence so far
+
+    def record(key: tuple, row: PlanRow) -> None:
+        by_kind[key] = row
+        if row.fits:
+            fastest[0] = min(fastest[0], row.seconds_per_sequence)
+        done()
+
+    def wanted(bound: HostBound) -> bool:
+        return bound.seconds_per_sequence <= skip_above * fastest[0]
+
+    queue = [(runs_alike(b.candidate), b) for b in bounds]
+    if jobs <= 1 or len(queue) <= 1:
+        while queue and wanted(queue[0][1]):
+            key, bound = queue.pop(0)
+            record(key, evaluate(req, bound.candidate))
     else:
         import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor, as_completed
+        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
-        with ProcessPoolExecutor(min(jobs, len(ones)), mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = [pool.submit(evaluate, req, cand) for cand in ones]
-            for _ in as_completed(futures):
-                done()
-            evaluated = [f.result() for f in futures]
-    by_kind = dict(zip(kinds, evaluated))
+        with ProcessPoolExecutor(min(jobs, len(queue)), mp_context=multiprocessing.get_context("spawn")) as pool:
+            running: dict = {}
+            while running or (queue and wanted(queue[0][1])):
+                while queue and len(running) < jobs and wanted(queue[0][1]):
+                    key, bound = queue.pop(0)
+                    running[pool.submit(evaluate, req, bound.candidate)] = key
+                finished, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    record(running.pop(future), future.result())
+    # worker processes may have dry-run a kind before a faster row ruled it out; one process never does (each kind
+    # it runs is within skip_above of every row it finds), so those are listed as skipped, as it lists them
+    skipped_bounds = [(key, bound) for key, bound in ((runs_alike(b.candidate), b) for b in bounds)
+                      if key not in by_kind or not wanted(bound)]
+    skipped_kinds = {key for key, _ in skipped_bounds}
     rows = []
     for cand in candidates:
-        row = by_kind[runs_alike(cand)]
-        if row.candidate != cand:
-            row = dataclasses.replace(row, candidate=cand)
+        key = runs_alike(cand)
+        if not (key in by_kind and kinds[key] == cand):  # record() counted the ones dry-run
             done()
-        rows.append(row)
-    return rows
+        if key not in skipped_kinds:
+            row = by_kind[key]
+            rows.append(row if row.candidate == cand else dataclasses.replace(row, candidate=cand))
+    skipped = [dataclasses.replace(bound, candidate=cand) for key, bound in skipped_bounds
+               for cand in candidates if runs_alike(cand) == key]
+    return rows, skipped
 
 
 def _cp_sizes(req: PlanRequest) -> list[int]:
@@ -302,11 +372,13 @@ def _cp_sizes(req: PlanRequest) -> list[int]:
     return sorted(set(req.cp_sizes))
 
 
-def explain(req: PlanRequest, best: PlanRow, rows: list[PlanRow]) -> list[str]:
-    """Plain-language reasons for the recommendation, with the figures they rest on."""
+def explain(req: PlanRequest, best: PlanRow, rows: list[PlanRow], skipped: Sequence[HostBound] = ()) -> list[str]:
+    """Plain-language reasons for the recommendation, with the figures they rest on (the comparisons among the
+    dry-run rows; ``skipped`` are said apart)."""
     c, p, mem = best.candidate, best.prediction, req.profile.memory_gib
     reasons = []
     fitting = [r for r in rows if r.fits]
+    kind = "dry-run " if skipped else ""
     if not best.fits:
         least = min(rows, key=lambda r: (r.memory_bytes, r.seconds_per_sequence))
         need = "needs the least" if least.memory_bytes == best.memory_bytes else (
@@ -326,7 +398,7 @@ def explain(req: PlanRequest, best: PlanRow, rows: list[PlanRow]) -> list[str]:
                            f"CP {c.cp_size} needs {best.memory_bytes / GIB:.1f} GiB")
         fastest = min(fitting, key=lambda r: r.seconds_per_sequence)
         if fastest is best:
-            reasons.append(f"fastest attention per sequence among the {len(fitting)} layouts that fit: "
+            reasons.append(f"fastest attention per sequence among the {len(fitting)} {kind}layouts that fit: "
                            f"{p.bound_s * 1e3:.2f} ms forward+backward per layer with data parallel size "
                            f"{best.data_parallel_size}")
         else:
@@ -337,8 +409,8 @@ def explain(req: PlanRequest, best: PlanRow, rows: list[PlanRow]) -> list[str]:
             else:
                 why = (f"as few bytes over the network and less memory: {best.memory_bytes / GIB:.1f} GiB against "
                        f"{fastest.memory_bytes / GIB:.1f} GiB")
-            reasons.append(f"within {TIE:.0%} of the fastest per sequence among the {len(fitting)} layouts that fit "
-                           f"({fastest.candidate.label()}; {slower:.3f}x its time), with {why}")
+            reasons.append(f"within {TIE:.0%} of the fastest per sequence among the {len(fitting)} {kind}layouts that "
+                           f"fit ({fastest.candidate.label()}; {slower:.3f}x its time), with {why}")
     if p.ring_step_transfer_s > 0:
         comm = (f"overlapping the ring hides {(p.total_no_overlap_s - p.total_s) * 1e3:.2f} ms "
                 f"(without overlap: {p.total_no_overlap_s * 1e3:.2f} ms)")
@@ -385,6 +457,12 @@ def explain(req: PlanRequest, best: PlanRow, rows: list[PlanRow]) -> list[str]:
         if pool:  # the same order the choice used: time among fitting layouts, memory otherwise
             row = pool[0] if best.fits else min(pool, key=lambda r: (r.memory_bytes, r.seconds_per_sequence))
             reasons.append(_compare(what, row, best))
+    if skipped:
+        first = skipped[0]
+        reasons.append(f"{len(skipped)} layouts not dry-run: issuing their attention calls alone takes the host more "
+                       f"than {SKIP_ABOVE:g}x this layout's time per sequence (the nearest, {first.candidate.label()}: "
+                       f"{first.calls} calls a layer, at least {first.seconds_per_sequence * 1e3:.2f} ms per sequence, "
+                       f"{first.seconds_per_sequence / best.seconds_per_sequence:.1f}x); --dry-run-all runs them too")
     return reasons
 
 

@@ -5,18 +5,23 @@ import dataclasses
 
 from .balance import Balance, RankWork
 from .model import PLANNED_FIELDS
+from .candidates import Candidate
 from .planner import GIB, Plan, PlanRow
 
 MIB = 2 ** 20
+SKIPPED_NAMED = 8
+"""The table names this many of the candidates not dry-run, the nearest first (the JSON lists all)."""
+
+
+def _candidate_dict(c: Candidate) -> dict:
+    return {"context_parallel_size": c.cp_size, "hierarchical_context_parallel_sizes": list(c.sizes),
+            "cp_comm_type": c.comm, "layout": c.layout}
 
 
 def row_dict(row: PlanRow) -> dict:
-    c, p = row.candidate, row.prediction
+    p = row.prediction
     return {
-        "context_parallel_size": c.cp_size,
-        "hierarchical_context_parallel_sizes": list(c.sizes),
-        "cp_comm_type": c.comm,
-        "layout": c.layout,
+        **_candidate_dict(row.candidate),
         "data_parallel_size": row.data_parallel_size,
         "load_balance": row.load_balance,
         "masked_waste": row.masked_waste,
@@ -53,6 +58,9 @@ def plan_dict(plan: Plan) -> dict:
         "reasons": plan.reasons,
         "candidates": [row_dict(r) for r in plan.rows],
         "rejected": [{"label": c.label(), "reason": why} for c, why in plan.rejected],
+        "not_dry_run": [{**_candidate_dict(b.candidate), "data_parallel_size": b.data_parallel_size,
+                         "attention_calls": b.calls, "host_seconds_per_layer": b.host_s,
+                         "seconds_per_sequence_per_layer_at_least": b.seconds_per_sequence} for b in plan.skipped],
     }
 
 
@@ -87,6 +95,12 @@ def plan_table(plan: Plan) -> str:
     if plan.recommended is not None:
         lines.append(f"\nrecommended: {plan.recommended.candidate.label()}")
     lines += [f"  - {why}" for why in plan.reasons]
+    if plan.skipped:
+        named = ", ".join(f"{b.candidate.label()} {b.seconds_per_sequence * 1e3:.1f}"
+                          for b in plan.skipped[:SKIPPED_NAMED])
+        more = len(plan.skipped) - SKIPPED_NAMED
+        lines.append(f"\n{len(plan.skipped)} layouts not dry-run, their host issue time alone too long (at least, ms "
+                     f"per sequence): {named}{f', and {more} more (see --json)' if more > 0 else ''}")
     if plan.rejected:
         lines.append(f"\n{len(plan.rejected)} layouts rejected by the engine's checks (see --json for each reason)")
     return "\n".join(lines)
