@@ -930,7 +930,7 @@ def test_candidates_that_run_alike_are_dry_run_once_with_the_figures_each_would_
 
 
 def test_a_layout_whose_host_time_alone_rules_it_out_is_not_dry_run_and_the_pick_stays(capsys):
-    """A narrow window over 8 ranks: striped layouts split it into many calls, so issuing them alone takes the
+    """A narrow window over 4 ranks: striped layouts split it into many calls, so issuing them alone takes the
     host more than ``SKIP_ABOVE`` times the fastest layout's time. Those are not dry-run; every candidate's bound
     is its row's host time exactly, and below its time per sequence; the rows that are dry-run, their order, the
     pick and its comparisons are what dry-running every candidate (``--dry-run-all``) gives; the table, the
@@ -940,7 +940,7 @@ def test_a_layout_whose_host_time_alone_rules_it_out_is_not_dry_run_and_the_pick
     from mcp_context.plan.report import plan_dict
 
     args = ["--layers", "2", "--hidden", str(H * D), "--heads", str(H), "--kv-heads", "2", "--head-dim", str(D),
-            "--ffn-hidden", "64", "--vocab", "256", "--seq-len", "512", "--gpus", "8", "--cp-sizes", "8",
+            "--ffn-hidden", "64", "--vocab", "256", "--seq-len", "256", "--gpus", "4", "--cp-sizes", "4",
             "--window-size", "7,0", "--micro-batch-size", str(B), "--no-progress", "--json", "-"]
     req = cli_request(_parser().parse_args(args))
     assert main(args + ["--dry-run-all"]) == 0
@@ -969,7 +969,7 @@ def test_a_layout_whose_host_time_alone_rules_it_out_is_not_dry_run_and_the_pick
     assert f"{len(skipped)} layouts not dry-run" in plan_table(fewer)
     first = fewer.skipped[0]
     assert len(shown["not_dry_run"]) == len(skipped) and shown["not_dry_run"][0] == {
-        "context_parallel_size": 8, "hierarchical_context_parallel_sizes": list(first.candidate.sizes),
+        "context_parallel_size": 4, "hierarchical_context_parallel_sizes": list(first.candidate.sizes),
         "cp_comm_type": first.candidate.comm, "layout": first.candidate.layout, "data_parallel_size": 1,
         "attention_calls": first.calls, "host_seconds_per_layer": first.host_s,
         "seconds_per_sequence_per_layer_at_least": first.seconds_per_sequence}
