@@ -314,16 +314,17 @@ def _evaluate_all(req: PlanRequest, candidates: list[Candidate], jobs: int, done
         kinds.setdefault(runs_alike(cand), cand)  # the first candidate of each kind is dry-run
     bounds = sorted((host_bound(req, cand) for cand in kinds.values()), key=lambda b: b.seconds_per_sequence)
     by_kind: dict[tuple, PlanRow] = {}
-    fastest = [math.inf]  # the fastest fitting row's seconds per sequence so far
+    fastest = math.inf  # the fastest fitting row's seconds per sequence so far
 
     def record(key: tuple, row: PlanRow) -> None:
+        nonlocal fastest
         by_kind[key] = row
         if row.fits:
-            fastest[0] = min(fastest[0], row.seconds_per_sequence)
+            fastest = min(fastest, row.seconds_per_sequence)
         done()
 
     def wanted(bound: HostBound) -> bool:
-        return bound.seconds_per_sequence <= skip_above * fastest[0]
+        return bound.seconds_per_sequence <= skip_above * fastest
 
     queue = [(runs_alike(b.candidate), b) for b in bounds]
     if jobs <= 1 or len(queue) <= 1:
@@ -378,7 +379,7 @@ def explain(req: PlanRequest, best: PlanRow, rows: list[PlanRow], skipped: Seque
     c, p, mem = best.candidate, best.prediction, req.profile.memory_gib
     reasons = []
     fitting = [r for r in rows if r.fits]
-    kind = "dry-run " if skipped else ""
+    among = "dry-run " if skipped else ""
     if not best.fits:
         least = min(rows, key=lambda r: (r.memory_bytes, r.seconds_per_sequence))
         need = "needs the least" if least.memory_bytes == best.memory_bytes else (
@@ -398,7 +399,7 @@ def explain(req: PlanRequest, best: PlanRow, rows: list[PlanRow], skipped: Seque
                            f"CP {c.cp_size} needs {best.memory_bytes / GIB:.1f} GiB")
         fastest = min(fitting, key=lambda r: r.seconds_per_sequence)
         if fastest is best:
-            reasons.append(f"fastest attention per sequence among the {len(fitting)} {kind}layouts that fit: "
+            reasons.append(f"fastest attention per sequence among the {len(fitting)} {among}layouts that fit: "
                            f"{p.bound_s * 1e3:.2f} ms forward+backward per layer with data parallel size "
                            f"{best.data_parallel_size}")
         else:
@@ -409,7 +410,7 @@ def explain(req: PlanRequest, best: PlanRow, rows: list[PlanRow], skipped: Seque
             else:
                 why = (f"as few bytes over the network and less memory: {best.memory_bytes / GIB:.1f} GiB against "
                        f"{fastest.memory_bytes / GIB:.1f} GiB")
-            reasons.append(f"within {TIE:.0%} of the fastest per sequence among the {len(fitting)} {kind}layouts that "
+            reasons.append(f"within {TIE:.0%} of the fastest per sequence among the {len(fitting)} {among}layouts that "
                            f"fit ({fastest.candidate.label()}; {slower:.3f}x its time), with {why}")
     if p.ring_step_transfer_s > 0:
         comm = (f"overlapping the ring hides {(p.total_no_overlap_s - p.total_s) * 1e3:.2f} ms "
