@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from mcp_context.algorithms.results import DQ_ARITY, HOLD, OUT_ARITY, folds
+from mcp_context.masks import SlidingWindow
 from tools.step_ops import count_step
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # FakeTensorMode's "CUDA not available" notes
@@ -143,3 +144,31 @@ def test_a_packed_steps_calls_and_host_ops_are_pinned(comm):
 
     count = count_step(comm, 8192, 8, mask=random_documents(8192, 20), layout="balanced")
     assert (count.calls, count.host_ops) == PACKED[comm], (count.calls, count.host_ops)
+
+
+# scheme: (attention calls per pass, ops outside attention, of them flips, host ops) of rank 1's fwd+bwd with a
+# sliding window of 4095 at S = 32K, P = 8, contiguous (the layout the planner picks for a window), 2026-11-28.
+# The window's lower edge runs on its rows reversed: 14 flips an anticausal run (forward q, K, V in and out, lse
+# back; backward dout, q, K, V, out, lse in and dq, dK, dV back): one run for the ring's member, eight for a2a,
+# whose whole sequence is cut in runs of schedule.RUN_ROWS rows.
+WINDOWED = {"p2p": (2, 24, 14, 147), "a2a": (18, 174, 112, 454)}
+
+
+@pytest.mark.parametrize("comm", list(WINDOWED))
+def test_a_windowed_steps_flips_are_pinned(comm):
+    """A windowed step's work outside attention is mostly the flips of its anticausal runs (``torch_sdpa``: the
+    fused ops take no lower edge): pinned, so that a change that adds to them fails and one that removes them
+    (a kernel that takes the window natively) updates the pin."""
+    count = count_step(comm, 32768, 8, mask=SlidingWindow(4095, 0), layout="contiguous", rank=1)
+    flips = count.forward.by_op["flip"] + count.backward.by_op["flip"]
+    assert (count.calls, count.ops, flips, count.host_ops) == WINDOWED[comm], (
+        count.calls, count.ops, flips, count.host_ops)
+
+
+def test_the_tool_takes_a_window_and_refuses_a_malformed_one(capsys):
+    from tools.step_ops import main
+
+    with pytest.raises(SystemExit):
+        main(["--window", "4095"])
+    assert "argument --window: '4095' is not LEFT,RIGHT (two integers, -1 for unbounded), e.g. 4095,0" in (
+        capsys.readouterr().err)

@@ -26,6 +26,10 @@ them per scheme, so a change that adds work to the hot path fails a test.
 
     python tools/step_ops.py --seq-len 32768 --cp 8            # every scheme, Llama-3-8B heads
     python tools/step_ops.py --seq-len 32768 --cp 8 --documents 50   # a packed batch of 50 documents
+    python tools/step_ops.py --seq-len 131072 --cp 8 --window 4095,0 --layout contiguous   # a sliding window
+
+A window's lower edge is computed on its rows reversed (``torch_sdpa``: an anticausal run is a causal one
+flipped), so a windowed step's ``flip`` copies show here.
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ import os
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -47,7 +51,7 @@ from torch.utils._pytree import tree_flatten  # noqa: E402
 from mcp_context import merge  # noqa: E402
 from mcp_context.algorithms.executor import ring_backward, ring_forward  # noqa: E402
 from mcp_context.kernels.torch_sdpa import FUSED_OPS, TorchKernel  # noqa: E402
-from mcp_context.masks import CAUSAL, Mask  # noqa: E402
+from mcp_context.masks import CAUSAL, Mask, attention_mask  # noqa: E402
 from tools.rank_step import SCHEMES, kv_inputs, rank_step  # noqa: E402
 
 CUDA = torch.device("cuda")
@@ -197,14 +201,26 @@ def count_step(comm: str, seq_len: int, cp: int, heads: int = 32, kv_heads: int 
     return StepCount(comm, step.calls, fwd.tally, bwd.tally, outputs)
 
 
-def random_documents(seq_len: int, count: int, seed: int = 0) -> Mask:
-    """A causal packed sequence of ``count`` documents at seeded random offsets (``--documents``)."""
+def random_documents(seq_len: int, count: int, seed: int = 0, within: Optional[Mask] = None) -> Mask:
+    """A packed sequence of ``count`` documents at seeded random offsets (``--documents``), each ``within`` (default
+    causal)."""
     import random
 
     from mcp_context.masks import documents_mask
 
     rng = random.Random(seed)
-    return documents_mask([0, *sorted(rng.sample(range(1, seq_len), count - 1)), seq_len], seq_len=seq_len)
+    return documents_mask([0, *sorted(rng.sample(range(1, seq_len), count - 1)), seq_len], within=within,
+                          seq_len=seq_len)
+
+
+def _window(text: str) -> tuple[int, int]:
+    """``--window LEFT,RIGHT``: two integers (the mask's own check bounds them)."""
+    try:
+        left, right = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not LEFT,RIGHT (two integers, -1 for unbounded), e.g. 4095,0"
+                                         ) from None
+    return left, right
 
 
 def main(argv=None) -> int:
@@ -218,13 +234,20 @@ def main(argv=None) -> int:
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--documents", type=int, default=0,
                     help="a packed sequence of this many documents at seeded random offsets, balanced layout "
-                         "(default 0: one causal sequence, zigzag)")
+                         "(default 0: one sequence)")
+    ap.add_argument("--window", type=_window, metavar="LEFT,RIGHT",
+                    help="a sliding window (Megatron's window_size; causal where RIGHT is 0), in each document "
+                         "with --documents (default: causal)")
+    ap.add_argument("--layout", choices=("zigzag", "contiguous", "striped", "balanced"),
+                    help="token layout (default: zigzag, balanced with --documents)")
     args = ap.parse_args(argv)
-    mask, layout = CAUSAL, "zigzag"
+    mask = CAUSAL if args.window is None else attention_mask(args.window[1] == 0, args.window)
     if args.documents:
-        mask, layout = random_documents(args.seq_len, args.documents), "balanced"
+        mask = random_documents(args.seq_len, args.documents, within=mask)
+    layout = args.layout or ("balanced" if args.documents else "zigzag")
     print(f"S={args.seq_len} P={args.cp} h={args.heads}/{args.kv_heads} d={args.head_dim}, rank {args.rank}, "
-          f"cuDNN, bf16 (fake CUDA tensors)" + (f", {args.documents} packed documents" if args.documents else ""))
+          f"cuDNN, bf16 (fake CUDA tensors), {layout}" + (f", window {args.window}" if args.window else "")
+          + (f", {args.documents} packed documents" if args.documents else ""))
     print(f"{'scheme':16}{'calls':>6}{'ops fwd':>9}{'ops bwd':>9}{'ops':>6}{'MiB':>9}{'x outputs':>11}"
           f"{'host ops':>10}  ops by name")
     for comm in SCHEMES:
