@@ -313,3 +313,25 @@ def test_the_report_tables_the_varlen_rows_of_the_profile(tmp_path):
     assert table[3] == "| 0 (42) | varlen_flash | 2 | 0.90 | 0.50 | 0.30 | 7.8e-03 |" and len(table) == 4
     path.write_text(json.dumps({"part": "profile"}) + "\n")
     assert varlen_table(str(path)) == []
+
+
+def test_the_report_tables_the_window_rows_of_the_profile(tmp_path):
+    """``kernel_rates.py --parts window`` rows in profile.jsonl become the report's table of a window's two ways:
+    cold, with the host ahead ('*' where the host fell behind), the host's issue time and the largest
+    differences of out, dq, dk and dv from the shipped step's; no window rows, no table."""
+    from tools.gpu_report import window_table
+
+    diff = {"out": 0.0, "dq": 0.0, "dk": 0.0, "dv": 0.0}
+    rows = [{"part": "window", "window": 127, "way": "shipped", "cold_ms": 3.2, "host_ahead_ms": 1.1,
+             "host_issue_ms": 3.0, "host_ahead": False, "max_diff_from_shipped": diff},
+            {"part": "window", "window": 127, "way": "flash_window", "cold_ms": 0.4, "host_ahead_ms": 0.3,
+             "host_issue_ms": 0.1, "host_ahead": True,
+             "max_diff_from_shipped": {"out": 7.8e-3, "dq": 1.6e-2, "dk": 3.1e-2, "dv": 1.6e-2}}]
+    path = tmp_path / "profile.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [{"part": "profile"}] + rows))
+    table = window_table(str(path))
+    assert table[2] == "| 127 | shipped | 3.20 | 1.10* | 3.00 | 0.0e+00 / 0.0e+00 / 0.0e+00 / 0.0e+00 |"
+    assert table[3] == "| 127 | flash_window | 0.40 | 0.30 | 0.10 | 7.8e-03 / 1.6e-02 / 3.1e-02 / 1.6e-02 |"
+    assert len(table) == 4
+    path.write_text(json.dumps({"part": "profile"}) + "\n")
+    assert window_table(str(path)) == []

@@ -135,3 +135,36 @@ def test_the_varlen_measurements_calls_rehearse_on_fake_cuda():
     band = BlockTask((0, 8), (0, 8), BlockMask(-3, 0))
     with pytest.raises(ValueError, match="full pieces and causal squares, not a band mask"):
         varlen_groups([band])
+
+
+def test_the_window_measurements_calls_rehearse_on_fake_cuda():
+    """``tools/kernel_rates.py --parts window`` (a rank's own sliding window as shipped, its anticausal runs on
+    rows flipped, against one flash call with the window native; for the next GPU run): both ways rehearse on
+    fake CUDA bf16 tensors with the cuDNN kernel, each giving out, dq, dk and dv in the inputs' shapes; the
+    shipped way, what the GPU's flash results are compared with, is the windowed attention (fp64 on the CPU
+    against the reference, within 1e-12)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mcp_context.kernels import get_kernel
+    from tests.reference import full_attention
+    from tools.kernel_rates import window_calls
+
+    gen = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(512, 8, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(512, 2, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    kernel = get_kernel("auto", torch.device("cpu"), torch.float64, head_dim=16)
+    got = window_calls(kernel, 63, q, k, v, dout, 0.25)["shipped"]()
+    leaves = [x.unsqueeze(1).clone().requires_grad_() for x in (q, k, v)]
+    out, _ = full_attention(*leaves, True, 0.25, window=(63, 0))
+    out.backward(dout.unsqueeze(1))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, [out, *(x.grad for x in leaves)]):
+        assert (a - b.detach().squeeze(1)).abs().max() <= 1e-12, name
+
+    with FakeTensorMode():
+        q, dout = (torch.empty(512, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        k, v = (torch.empty(512, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        for name, run in window_calls(TorchKernel(FUSED_OPS["cudnn"]), 63, q, k, v, dout, 0.125).items():
+            out, dq, dk, dv = run()
+            assert [tuple(x.shape) for x in (out, dq, dk, dv)] == [(512, 8, 64), (512, 8, 64), (512, 2, 64),
+                                                                    (512, 2, 64)], name
+            assert all(x.device.type == "cuda" and x.dtype == torch.bfloat16 for x in (out, dq, dk, dv)), name

@@ -12,7 +12,9 @@
 #      bandwidth and call overhead from, with the benchmark's JSON), the short picks' calls at 4 to 32
 #      heads (what it checks the planner's occupancy model against) and a packed step's pieces one call each
 #      against one variable-length flash call per mask kind (kernel_rates' varlen part: not yet run on a
-#      GPU; what decides the packed step's calls), then the planner's pick at each cell of
+#      GPU; what decides the packed step's calls) and a rank's own sliding window as shipped (anticausal runs
+#      on rows flipped) against one flash call with the window native (the window part, last: what decides
+#      a window's lower edge; not yet run on a GPU), then the planner's pick at each cell of
 #      its grid (tools/bench_picks.py: S = 32K and 128K, P = 8, 16, 64, both models; 1M is over the budget)
 #   2. the GPU tests (tests/test_regions.py's CUDA case, tests/test_gpu.py, tests/test_kernels.py,
 #      tests/test_direct_results.py, tests/test_streams.py, tests/test_packing.py)
@@ -87,7 +89,7 @@ step 1_kernel_report 20 "$PYTHON" -m mcp_context.kernels
 step 4_benchmark 160 "$PYTHON" tools/bench_attention.py --no-cpu --device-bench cuda --heads 32 --kv-heads 8 \
     --head-dim 128 --device-seq-lens 32768 131072 --world-sizes 8 --reps 3 --out "$RESULTS/bench" --tag gpu_checks \
     --device-schemes p2p all_gather a2a a2a+p2p a2a+all_gather
-step 4_profile 55 "$PYTHON" tools/kernel_rates.py --parts profile occupancy varlen --profile-seq-lens 32768 --cp 8 \
+step 4_profile 55 "$PYTHON" tools/kernel_rates.py --parts profile occupancy varlen window --profile-seq-lens 32768 --cp 8 \
     --reps 2 --out "$RESULTS/profile.jsonl"
 step 4_picks 65 "$PYTHON" tools/bench_picks.py --grid docs/img/plan_grid_h200.json --max-tflop 150 --reps 3 \
     --out "$RESULTS/picks.jsonl"

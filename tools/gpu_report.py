@@ -193,6 +193,22 @@ def varlen_table(path: str) -> list[str]:
     return out
 
 
+def window_table(path: str) -> list[str]:
+    """``tools/kernel_rates.py``'s ``window`` rows: a rank's own sliding window as shipped (anticausal runs on rows
+    flipped) against one flash call with the window native: fwd+bwd cold, with the host ahead, the host's issue
+    time and the largest difference of out, dq, dk and dv from the shipped step's."""
+    rows = [r for r in _lines(path) if r.get("part") == "window"]
+    if not rows:
+        return []
+    out = ["| window | way | cold ms | host ahead ms | host issue ms | max diff out / dq / dk / dv |",
+           "|---|---|---|---|---|---|"]
+    for r in rows:
+        diff = " / ".join(f"{r['max_diff_from_shipped'][name]:.1e}" for name in ("out", "dq", "dk", "dv"))
+        out.append(f"| {r['window']} | {r['way']} | {r['cold_ms']:.2f} | {_held(r['host_ahead_ms'], r['host_ahead'])} "
+                   f"| {r['host_issue_ms']:.2f} | {diff} |")
+    return out
+
+
 def occupancy_table(path: str, profile: str) -> list[str]:
     """The short picks' calls at 4 to 32 heads (``tools/kernel_rates.py``'s ``occupancy`` rows): the busy share
     measured beside the planner's model (``tools/calibrate_profile.occupancy_rows`` with ``profile``)."""
@@ -258,6 +274,12 @@ def report(results: str) -> str:
                       "layout): one call per document piece as shipped, one flash call per piece, and one "
                       "variable-length flash call per mask kind (rows gathered); '*': the host fell behind the "
                       "hold.", ""] + table + [""]
+        table = window_table(profile_path)
+        if table:
+            lines += ["## A window's lower edge without flips (tools/kernel_rates.py --parts window)", "",
+                      "A rank's own sliding window (16384 query rows, each seeing the window's keys before it) as "
+                      "shipped, its anticausal runs on rows flipped, and as one flash call with the window native; "
+                      "'*': the host fell behind the hold.", ""] + table + [""]
     host_path = os.path.join(results, "host_costs.jsonl")
     if os.path.exists(host_path):
         lines += ["## Where the host's time goes (tools/host_costs.py)", "",

@@ -25,13 +25,22 @@ rank's step spends its GPU time.
    with ``cum_seq_q/k``: full pieces in one, causal squares in another; rows gathered along the tokens, as an
    executor would), with its largest difference from the shipped calls' outputs. What decides whether a packed
    step should run its pieces in variable-length calls (``docs/performance.md``, "A packed batch's calls"); not
-   yet run on a GPU (rehearsed on fake CUDA tensors by ``tests/test_kernels.py``).
+   yet run on a GPU (rehearsed on fake CUDA tensors by ``tests/test_cuda_rehearsal.py``).
+6. ``window``: one rank's own sliding window (``WINDOW_ROWS`` query rows, each seeing the ``w`` keys before it and
+   itself, for each ``w`` of ``WINDOWS``), fwd+bwd cold and with the host ahead, two ways: as shipped (the
+   schedule's causal and anticausal runs through the ``auto`` kernel in the executor, the anticausal ones on
+   their rows flipped: ``tools/step_ops.py --window`` counts the copies) and one flash call with the window
+   native (``window_size_left``/``right`` of ``aten._flash_attention_forward``), with the largest difference of
+   its out, dq, dk and dv from the shipped step's. What decides whether a window's lower edge should be flash's
+   own (no flips, no ``schedule.RUN_ROWS`` cap on a run); not yet run on a GPU (rehearsed on fake CUDA tensors
+   by ``tests/test_cuda_rehearsal.py``).
 
 Writes one JSON line per result to ``--out`` (flushed as measured). Needs CUDA.
 
     python tools/kernel_rates.py --out runs/rates.jsonl
     python tools/kernel_rates.py --parts regions --out runs/regions.jsonl
     python tools/kernel_rates.py --parts varlen --out runs/varlen.jsonl
+    python tools/kernel_rates.py --parts window --out runs/window.jsonl
 """
 from __future__ import annotations
 
@@ -354,6 +363,72 @@ def time_varlen(sink, kernel, heads: int, kv_heads: int, d: int, reps: int, cp: 
                   f"{row['host_issue_ms']:.2f} ms; max diff {row['max_diff_from_per_task']:.2e}", flush=True)
 
 
+WINDOW_ROWS = 16384
+WINDOWS = (127, 4095)
+"""The ``window`` part's rows (a 128K sequence's contiguous shard over 8 ranks) and windows (gpt-oss's 128
+keys, Mistral's 4096, less the query's own key)."""
+
+
+def window_calls(kernel, window: int, q, k, v, dout, scale: float) -> dict[str, Callable]:
+    """The two ways ``window`` times a causal sliding window of ``window`` keys before each row over token-major
+    ``q, k, v, dout [s, h, d]``, each a fwd+bwd without autograd returning ``(out, dq, dk, dv)`` token-major:
+    ``shipped`` (the schedule's tasks for ``kernel`` through the executor's forward and backward, one member) and
+    ``flash_window`` (one flash call each way)."""
+    from mcp_context.algorithms.executor import RingPlan, ring_backward, ring_forward
+    from mcp_context.algorithms.rotation import LocalRotation
+    from mcp_context.masks import SlidingWindow
+    from mcp_context.schedule import layout_schedule
+
+    rows = q.shape[0]
+    tasks = layout_schedule("contiguous", 1, rows, SlidingWindow(window, 0),
+                            kernel_masks=kernel.capabilities.masks).member_tasks(0)
+    plan = RingPlan.build(tasks, LocalRotation(0, 1), kernel, scale, rows)
+    sbhd = [x.unsqueeze(1) for x in (q, k, v, dout)]  # [s, 1, h, d]: the executor's storage
+
+    def shipped() -> tuple[torch.Tensor, ...]:
+        q1, k1, v1, dout1 = sbhd
+        out, lse = ring_forward(q1, k1, v1, plan)
+        dq, dk, dv = ring_backward(dout1, q1, k1, v1, out, lse, plan)[:3]
+        return tuple(x.squeeze(1) for x in (out, dq, dk, dv))
+
+    cu = torch.tensor([0, rows], dtype=torch.int32, device=q.device)
+
+    def flash_window() -> tuple[torch.Tensor, ...]:
+        out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, rows, rows, 0.0, False, False, scale=scale, window_size_left=window, window_size_right=0)
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            dout, q, k, v, out, lse, cu, cu, rows, rows, 0.0, False, rng, unused, scale=scale,
+            window_size_left=window, window_size_right=0)
+        return out, dq, dk, dv
+    return {"shipped": shipped, "flash_window": flash_window}
+
+
+def time_window(sink, kernel, heads: int, kv_heads: int, d: int, reps: int) -> None:
+    """For each of ``WINDOWS``: ``window_calls``' two ways cold and with the host ahead, and the largest difference
+    of each one's out, dq, dk and dv from the shipped step's."""
+    dev = torch.device("cuda")
+    q, dout = (_cuda_randn(WINDOW_ROWS, heads, d) for _ in range(2))
+    k, v = (_cuda_randn(WINDOW_ROWS, kv_heads, d) for _ in range(2))
+    for window in WINDOWS:
+        calls = window_calls(kernel, window, q, k, v, dout, d ** -0.5)
+        shipped = calls["shipped"]()
+        diff = {name: [float((a.float() - b.float()).abs().max()) for a, b in zip(fn(), shipped)]
+                for name, fn in calls.items()}
+        cold = _interleaved_seconds(calls, dev, reps)
+        held = _queued_seconds(calls, dev, reps, max(statistics.median(t) for t in cold.values()))
+        for name in calls:
+            row = {"part": "window", "rows": WINDOW_ROWS, "window": window, "heads": heads, "kv_heads": kv_heads,
+                   "way": name, "cold_ms": statistics.median(cold[name]) * 1e3,
+                   "host_ahead_ms": statistics.median(g for g, _, _ in held[name]) * 1e3,
+                   "host_issue_ms": statistics.median(h for _, h, _ in held[name]) * 1e3,
+                   "host_ahead": all(ok for _, _, ok in held[name]),
+                   "max_diff_from_shipped": dict(zip(("out", "dq", "dk", "dv"), diff[name]))}
+            sink(row)
+            print(f"  window {window} {name:13}: cold {row['cold_ms']:.2f} ms, host ahead {row['host_ahead_ms']:.2f} "
+                  f"ms, host issue {row['host_issue_ms']:.2f} ms; max diff out/dq/dk/dv "
+                  + "/".join(f"{x:.1e}" for x in diff[name]), flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="JSON lines file")
@@ -364,7 +439,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-seq-lens", type=int, nargs="+", default=[32768, 131072])
     ap.add_argument("--cp", type=int, default=8)
     ap.add_argument("--parts", nargs="+", default=["rates", "occupancy", "profile"],
-                    choices=["rates", "occupancy", "profile", "regions", "varlen"])
+                    choices=["rates", "occupancy", "profile", "regions", "varlen", "window"])
     ap.add_argument("--varlen-documents", type=int, default=50,
                     help="documents of the packed sequence the varlen part times (default 50)")
     args = ap.parse_args(argv)
@@ -386,6 +461,8 @@ def main(argv=None) -> int:
         time_regions(sink, args.heads, args.kv_heads, args.head_dim, args.reps)
     if "varlen" in args.parts:
         time_varlen(sink, kernel, args.heads, args.kv_heads, args.head_dim, args.reps, args.cp, args.varlen_documents)
+    if "window" in args.parts:
+        time_window(sink, kernel, args.heads, args.kv_heads, args.head_dim, args.reps)
     print(json.dumps({"wrote": args.out}))
     return 0
 
