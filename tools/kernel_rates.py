@@ -391,7 +391,7 @@ def window_calls(kernel, window: int, q, k, v, dout, scale: float) -> dict[str, 
         dq, dk, dv = ring_backward(dout1, q1, k1, v1, out, lse, plan)[:3]
         return tuple(x.squeeze(1) for x in (out, dq, dk, dv))
 
-    cu = torch.tensor([0, rows], dtype=torch.int32, device=q.device)
+    cu, _ = offsets([(0, rows)], q.device)
 
     def flash_window() -> tuple[torch.Tensor, ...]:
         out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(

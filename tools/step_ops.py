@@ -52,6 +52,7 @@ from mcp_context import merge  # noqa: E402
 from mcp_context.algorithms.executor import ring_backward, ring_forward  # noqa: E402
 from mcp_context.kernels.torch_sdpa import FUSED_OPS, TorchKernel  # noqa: E402
 from mcp_context.masks import CAUSAL, Mask, attention_mask  # noqa: E402
+from mcp_context.plan.__main__ import window_pair  # noqa: E402
 from tools.rank_step import SCHEMES, kv_inputs, rank_step  # noqa: E402
 
 CUDA = torch.device("cuda")
@@ -213,16 +214,6 @@ def random_documents(seq_len: int, count: int, seed: int = 0, within: Optional[M
                           seq_len=seq_len)
 
 
-def _window(text: str) -> tuple[int, int]:
-    """``--window LEFT,RIGHT``: two integers (the mask's own check bounds them)."""
-    try:
-        left, right = (int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not LEFT,RIGHT (two integers, -1 for unbounded), e.g. 4095,0"
-                                         ) from None
-    return left, right
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seq-len", type=int, default=32768)
@@ -235,7 +226,7 @@ def main(argv=None) -> int:
     ap.add_argument("--documents", type=int, default=0,
                     help="a packed sequence of this many documents at seeded random offsets, balanced layout "
                          "(default 0: one sequence)")
-    ap.add_argument("--window", type=_window, metavar="LEFT,RIGHT",
+    ap.add_argument("--window", type=window_pair, metavar="LEFT,RIGHT",
                     help="a sliding window (Megatron's window_size; causal where RIGHT is 0), in each document "
                          "with --documents (default: causal)")
     ap.add_argument("--layout", choices=("zigzag", "contiguous", "striped", "balanced"),

@@ -91,8 +91,9 @@ def _jobs(text: str) -> Optional[int]:
         raise argparse.ArgumentTypeError(f"{err} (or auto)") from None
 
 
-def _window(text: str) -> tuple[int, int]:
-    """``LEFT,RIGHT`` as two ints (the range is the mask's own check, with its message)."""
+def window_pair(text: str) -> tuple[int, int]:
+    """``LEFT,RIGHT`` as two ints, an argparse ``type`` (the range is the mask's own check, with its message);
+    ``tools/step_ops.py --window`` takes it too."""
     parts = text.split(",")
     try:
         left, right = (int(p) for p in parts)
@@ -117,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--tp", type=_bounded_int("--tp"), help="tensor_model_parallel_size (default: recipe's, else 1)")
     ap.add_argument("--pp", type=_bounded_int("--pp"), help="pipeline_model_parallel_size (default: recipe's, else 1)")
     ap.add_argument("--micro-batch-size", type=_bounded_int("--micro-batch-size"), default=1)
-    ap.add_argument("--window-size", type=_window, metavar="LEFT,RIGHT",
+    ap.add_argument("--window-size", type=window_pair, metavar="LEFT,RIGHT",
                     help="sliding window of the planned attention layer, Megatron-LM's form (e.g. 4095,0; -1 is "
                          "unbounded; -1,-1 plans a layer without one); default: the recipe's model.window_size")
     ap.add_argument("--cp-sizes", type=_bounded_int("--cp-sizes"), nargs="+", metavar="CP",
